@@ -1,0 +1,1 @@
+"""Prometheus exporter, web dashboard and Grafana JSON over the cluster-state schema."""

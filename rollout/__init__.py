@@ -1,0 +1,1 @@
+"""Lossless speculative rollout engine, drafters, acceptance, strategies, selector, CUDA graph pool, backends."""

@@ -1,0 +1,1 @@
+"""Telemetry, idle detection, leases, dispatch and Ray attach. Knows GPUs, leases and sessions — not models."""

@@ -1,0 +1,7 @@
+"""Benchmarks behind `tailspec bench NAME`. Each module exposes `add_arguments(parser)` and
+`run(args) -> dict`; the command prints the module's own table/progress to stderr-or-stdout and, as the
+very last stdout line with --json, one JSON object. Register a new one in BENCHES."""
+
+BENCHES: dict[str, str] = {
+    "task": "tailspec.bench.task",
+}

@@ -1,0 +1,61 @@
+"""`tailspec` command line: a thin dispatcher. Each command group lives in its own module exposing
+`register(subparsers)`; the module list below is the only shared line to edit when adding one."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from tailspec import __version__
+from tailspec.config import ConfigError, load_config
+
+# Order = order in `tailspec --help`.
+COMMAND_MODULES = [
+    "tailspec.commands.config",
+]
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """--config FILE and repeated --set key.path=value, shared by every command that reads config."""
+    p.add_argument("--config", metavar="FILE", help="YAML config file (default: $TAILSPEC_CONFIG)")
+    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override one config value, e.g. --set scheduler.lease_ttl_s=3 (repeatable)")
+
+
+def config_from_args(args: argparse.Namespace):
+    return load_config(getattr(args, "config", None), getattr(args, "overrides", None))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tailspec",
+        description="Idle-GPU drafter co-training for RL rollouts.",
+    )
+    parser.add_argument("--version", action="version", version=f"tailspec {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"tailspec: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tailspec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per `tailspec` command group; each exposes register(subparsers)."""

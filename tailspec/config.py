@@ -1,0 +1,223 @@
+"""Configuration: one pydantic model per DESIGN.md section, loaded from YAML, then `TAILSPEC_*`
+environment variables, then CLI `key.path=value` overrides (later wins).
+
+Every model forbids unknown keys, so a typo fails loudly with its key path instead of being
+silently ignored. `ConfigError` messages name the key path, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "TAILSPEC_"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or invalid; the message names the key path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ClusterConfig(_Section):
+    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="namespace of Redis keys")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL (password/TLS ok)")
+    ray_address: str | None = Field(None, description="Ray address for attach mode (auto, HOST:PORT); None = single node")
+    node: str = Field("node0", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="this node's name in single-node mode")
+
+
+class SchedulerConfig(_Section):
+    telemetry: Literal["auto", "nvml", "simulated"] = "auto"
+    sample_period_s: float = Field(0.2, gt=0, le=10)
+    history_maxlen: int = Field(20_000, ge=100, description="capped length of the telemetry history stream")
+    idle_util_threshold: float = Field(10.0, ge=0, le=100, description="percent utilization below which a GPU looks idle")
+    idle_window_s: float = Field(0.4, ge=0, description="how long utilization must stay low before a drained GPU is lendable")
+    lease_ttl_s: float = Field(2.0, gt=0, le=60)
+    stop_deadline_s: float = Field(1.0, gt=0, le=60, description="after this a revoked GPU counts as reclaimed")
+    session_startup_s: float = Field(0.5, ge=0, description="expected session start-up cost; lend only if the tail is longer")
+    mode: Literal["local", "ray"] = "local"
+    session_entry: str = Field(
+        "tailspec.sessions:run_session",
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="module:function started on a lent GPU",
+    )
+
+
+class TrainerConfig(_Section):
+    backend: Literal["torch", "deepspeed"] = "torch"
+    lr: float = Field(3e-4, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    batch_size: int = Field(16, ge=1, le=4096)
+    ttt_length: int = Field(3, ge=1, le=7, description="test-time-training unroll length L")
+    step_decay: float = Field(0.8, gt=0, le=1, description="loss weight 0.8^i of unroll step i")
+    weighting: Literal["reward", "advantage", "uniform"] = "reward"
+    weight_min: float = Field(0.1, ge=0)
+    weight_max: float = Field(5.0, gt=0)
+    draft_vocab_size: int | None = Field(None, ge=2, description="None = the target's vocabulary")
+    max_seq_len: int = Field(1024, ge=8)
+    buffer_size: int = Field(4096, ge=1, description="samples kept in the replay buffer")
+    keep_policy_versions: int = Field(2, ge=1, description="keep samples of the most recent N policy versions")
+    checkpoint_dir: str = "runs/drafter"
+    validation_k: int = Field(4, ge=1, le=16)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _weights_ordered(self) -> "TrainerConfig":
+        if self.weight_min > self.weight_max:
+            raise ValueError(f"weight_min ({self.weight_min}) must not exceed weight_max ({self.weight_max})")
+        return self
+
+
+class RolloutConfig(_Section):
+    backend: Literal["native", "vllm"] = "native"
+    drafter: Literal["eagle3", "ngram", "draft_model", "none"] = "eagle3"
+    selector: Literal["adaptive", "fixed", "beg", "threshold"] = "adaptive"
+    k: int = Field(4, ge=0, le=16, description="draft length for the fixed selector")
+    k_max: int = Field(8, ge=1, le=16)
+    max_batch: int = Field(64, ge=1, le=4096)
+    max_seq_len: int = Field(1024, ge=8)
+    epsilon: float = Field(0.05, ge=0, le=1, description="exploration rate of the adaptive selector")
+    cuda_graphs: bool = True
+    graph_memory_budget_mb: int = Field(2048, ge=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class DashboardConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8300, ge=1, le=65535)
+    metrics_port: int = Field(9300, ge=1, le=65535)
+    allow_remote: bool = Field(False, description="must be true to bind a non-loopback host")
+
+
+class TaskConfig(_Section):
+    name: Literal["runsum"] = "runsum"
+    modulus: int = Field(10, ge=2, le=1000)
+    steps_median: float = Field(7.0, gt=1)
+    steps_sigma: float = Field(0.8, ge=0)
+    steps_min: int = Field(2, ge=1)
+    steps_max: int = Field(48, ge=2)
+    format_score: float = Field(0.0, ge=0, le=1)
+
+
+class TailspecConfig(_Section):
+    cluster: ClusterConfig = ClusterConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    dashboards: DashboardConfig = DashboardConfig()
+    task: TaskConfig = TaskConfig()
+    cache_dir: str = Field(default_factory=lambda: os.environ.get("TAILSPEC_CACHE", str(Path.home() / ".cache" / "tailspec")))
+
+
+def _set_path(tree: dict[str, Any], path: str, value: Any) -> None:
+    keys = [k for k in path.split(".") if k]
+    if not keys:
+        raise ConfigError(f"empty key path in override {path!r}")
+    node = tree
+    for k in keys[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{path}: {k!r} is a value, not a section")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def _parse_scalar(raw: str) -> Any:
+    # YAML's scalar rules: "3" → 3, "true" → True, "null" → None, "[1, 2]" → list.
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, str):  # YAML 1.1 leaves "1e-3" a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`TAILSPEC_SCHEDULER__LEASE_TTL_S=3` → {"scheduler": {"lease_ttl_s": 3}} (double underscore nests)."""
+    environ = os.environ if environ is None else environ
+    tree: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == "TAILSPEC_CACHE" or key == "TAILSPEC_CONFIG":
+            continue
+        path = ".".join(part.lower() for part in key[len(ENV_PREFIX):].split("__"))
+        _set_path(tree, path, _parse_scalar(raw))
+    return tree
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "(root)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key (check the spelling; `tailspec config show` lists every key)")
+            continue
+        got = e.get("input")
+        allowed = e.get("ctx", {}).get("expected")
+        msg = f"{path}: {e['msg']} (got {got!r})"
+        if allowed:
+            msg += f"; allowed: {allowed}"
+        lines.append(msg)
+    return f"invalid configuration from {source}:\n  " + "\n  ".join(lines)
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> TailspecConfig:
+    """Build the effective config: defaults < YAML file < TAILSPEC_* env < `key.path=value` overrides."""
+    environ = os.environ if environ is None else environ
+    path = path or environ.get("TAILSPEC_CONFIG")
+    tree: dict[str, Any] = {}
+    source = "defaults"
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
+        tree = loaded
+        source = str(p)
+    env_tree = env_overrides(environ)
+    if env_tree:
+        tree = _merge(tree, env_tree)
+        source += " + TAILSPEC_* environment"
+    cli_tree: dict[str, Any] = {}
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        k, v = item.split("=", 1)
+        _set_path(cli_tree, k.strip(), _parse_scalar(v))
+    if cli_tree:
+        tree = _merge(tree, cli_tree)
+        source += " + command-line overrides"
+    try:
+        return TailspecConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def dump_config(cfg: TailspecConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

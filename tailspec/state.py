@@ -1,0 +1,309 @@
+"""The cluster-state schema: every Redis key tailspec uses, its type, owner and payload, in one place.
+
+Keys are namespaced `tailspec:{cluster}:…`. Payloads are JSON validated by pydantic models on both
+encode and decode — never pickle, so nothing a peer writes can execute code in the reader. A bad
+payload raises `StateError` naming the key and the field; long-running readers count and skip it.
+
+Components import this module (and only this module of the trunk) to agree on names; DESIGN.md's
+import arrows allow `dashboards → state`, and scheduler / drafter_trainer / rollout use it the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SCHEMA_VERSION = 1
+
+
+class StateError(ValueError):
+    """A payload read from or written to the cluster state does not match its schema."""
+
+
+class GpuState(str, Enum):
+    UNKNOWN = "unknown"
+    GENERATING = "generating"
+    DRAINED = "drained"
+    LENT = "lent"
+    RECLAIMING = "reclaiming"
+
+
+Phase = Literal["idle", "rollout", "train"]
+
+
+class _Payload(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PhaseInfo(_Payload):
+    phase: Phase
+    step: int = Field(ge=0)
+    started_at: float
+    policy_version: int = Field(0, ge=0)
+
+
+class Progress(_Payload):
+    """A rollout worker's report (client.report_progress)."""
+
+    worker: str
+    node: str
+    gpus: list[int]
+    active: int = Field(ge=0)
+    finished: int = Field(ge=0)
+    total: int = Field(0, ge=0)
+    phase: Phase
+    step: int = Field(0, ge=0)
+    # Sum over active requests of generated tokens, and of their expected remaining tokens; lets the
+    # scheduler estimate the remaining tail without knowing the model.
+    tokens_done: int = Field(0, ge=0)
+    tokens_per_s: float = Field(0.0, ge=0)
+    ts: float
+
+
+class GpuTelemetry(_Payload):
+    node: str
+    gpu: int = Field(ge=0)
+    util: float = Field(ge=0, le=100)
+    mem_used: int = Field(ge=0, description="bytes")
+    mem_total: int = Field(ge=0, description="bytes")
+    power_w: float | None = None
+    processes: list[int] = Field(default_factory=list, description="pids using the GPU")
+    simulated: bool
+    error: str | None = None
+    ts: float
+
+
+class GpuStatus(_Payload):
+    """The scheduler's view of one GPU (its state machine)."""
+
+    node: str
+    gpu: int = Field(ge=0)
+    state: GpuState
+    since: float
+    worker: str | None = None
+    lease_token: int | None = None
+    session_id: str | None = None
+
+
+class Lease(_Payload):
+    node: str
+    gpu: int = Field(ge=0)
+    token: int = Field(ge=1, description="fencing token, strictly increasing per cluster")
+    holder: str
+    granted_at: float
+    ttl_s: float = Field(gt=0)
+
+
+class SessionInfo(_Payload):
+    session_id: str
+    node: str
+    gpu: int = Field(ge=0)
+    lease_token: int = Field(ge=1)
+    status: Literal["starting", "running", "stopping", "stopped", "failed"]
+    step: int = Field(0, ge=0)
+    loss: float | None = None
+    tokens: int = Field(0, ge=0)
+    started_at: float
+    stopped_at: float | None = None
+    stop_reason: str | None = None
+    stop_latency_s: float | None = None
+    drafter_version: int | None = None
+
+
+class Sample(_Payload):
+    """One rollout sample for drafter training: ids and numbers only, no tensors."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    reward: float
+    policy_version: int = Field(ge=0)
+    group_id: str | None = None
+    ts: float = Field(default_factory=time.time)
+
+
+class DrafterVersion(_Payload):
+    version: int = Field(ge=0)
+    path: str
+    policy_version: int = Field(ge=0)
+    acceptance_length: float | None = Field(None, description="expected acceptance length at validation_k")
+    baseline_acceptance_length: float | None = None
+    promoted: bool
+    created_at: float
+    session_id: str | None = None
+    note: str | None = None
+
+
+class RolloutStats(_Payload):
+    """Per-phase rollout figures a worker publishes (strategy mix, acceptance, speed)."""
+
+    worker: str
+    step: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+    target_forwards: int = Field(ge=0)
+    drafted: int = Field(ge=0)
+    accepted: int = Field(ge=0)
+    acceptance_length: float = Field(ge=0, description="tokens emitted per target forward")
+    strategy_mix: dict[str, int] = Field(default_factory=dict, description="k → decode steps")
+    drafter_version: int | None = None
+    ts: float
+
+
+class Event(_Payload):
+    kind: Literal[
+        "lease_granted", "lease_renewed", "lease_revoked", "lease_expired", "session_started",
+        "session_stopped", "session_failed", "phase", "version_promoted", "version_rejected", "warning",
+    ]
+    node: str | None = None
+    gpu: int | None = None
+    detail: dict[str, Any] = Field(default_factory=dict)
+    ts: float = Field(default_factory=time.time)
+
+
+RedisType = Literal["string", "hash", "stream", "counter", "list", "set"]
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    name: str
+    template: str  # after the `tailspec:{cluster}:` prefix
+    redis_type: RedisType
+    owner: str
+    payload: type[BaseModel] | None
+    doc: str
+
+
+KEYS: dict[str, KeySpec] = {
+    s.name: s
+    for s in [
+        KeySpec("phase", "phase", "string", "RL framework (client)", PhaseInfo,
+                "current RL phase, step and policy version"),
+        KeySpec("progress", "progress:{worker}", "string", "rollout worker (client)", Progress,
+                "latest progress report of one worker; PX-expiring so a dead worker disappears"),
+        KeySpec("workers", "workers", "set", "rollout worker (client)", None, "names of workers that reported"),
+        KeySpec("telemetry", "gpu:{node}:{gpu}", "string", "telemetry monitor", GpuTelemetry,
+                "latest telemetry sample of one GPU"),
+        KeySpec("gpus", "gpus", "set", "telemetry monitor", None, "'{node}:{gpu}' of every known GPU"),
+        KeySpec("telemetry_history", "history:gpu", "stream", "telemetry monitor", GpuTelemetry,
+                "capped stream (MAXLEN ~) of telemetry samples, field 'data'"),
+        KeySpec("gpu_status", "gpu_status:{node}:{gpu}", "string", "scheduler", GpuStatus,
+                "state machine of one GPU"),
+        KeySpec("status_history", "history:status", "stream", "scheduler", GpuStatus,
+                "capped stream of GPU state transitions (timeline), field 'data'"),
+        KeySpec("lease", "lease:{node}:{gpu}", "string", "scheduler", Lease,
+                "the lease on one GPU: SET NX PX; value carries the fencing token"),
+        KeySpec("fence", "fence", "counter", "scheduler", None, "INCR source of fencing tokens"),
+        KeySpec("session", "session:{session_id}", "string", "trainer session", SessionInfo,
+                "a training session's status, step and loss"),
+        KeySpec("sessions", "sessions", "set", "scheduler", None, "ids of all sessions"),
+        KeySpec("revoke", "revoke:{node}:{gpu}", "string", "scheduler", None,
+                "revocation flag (fencing token as text) a session polls besides its lease"),
+        KeySpec("samples", "samples", "stream", "RL framework (client)", Sample,
+                "capped stream of rollout samples, field 'data'"),
+        KeySpec("dropped", "dropped", "hash", "drafter trainer / client", None,
+                "dropped samples and client messages by reason → count"),
+        KeySpec("drafter_current", "drafter:current", "string", "drafter trainer (versions)", DrafterVersion,
+                "the promoted drafter version workers load at phase start"),
+        KeySpec("drafter_versions", "drafter:versions", "list", "drafter trainer (versions)", DrafterVersion,
+                "history of every candidate, promoted or not (RPUSH)"),
+        KeySpec("drafter_counter", "drafter:counter", "counter", "drafter trainer (versions)", None,
+                "INCR source of drafter version numbers"),
+        KeySpec("rollout_stats", "history:rollout", "stream", "rollout worker", RolloutStats,
+                "per-phase rollout figures, field 'data'"),
+        KeySpec("counters", "counters", "hash", "scheduler", None,
+                "float counters: idle_gpu_seconds, lent_gpu_seconds, sessions_started, sessions_stopped, "
+                "sessions_preempted"),
+        KeySpec("events", "history:events", "stream", "any", Event, "capped event log, field 'data'"),
+        KeySpec("scheduler_heartbeat", "scheduler:heartbeat", "string", "scheduler", None,
+                "time.time() of the scheduler's last loop, PX-expiring"),
+    ]
+}
+
+
+def key(cluster: str, name: str, **fields: Any) -> str:
+    """Full Redis key for schema entry `name`, e.g. key("c", "lease", node="n0", gpu=1)."""
+    try:
+        spec = KEYS[name]
+    except KeyError:
+        raise StateError(f"unknown state key {name!r}; known: {', '.join(sorted(KEYS))}") from None
+    try:
+        suffix = spec.template.format(**fields)
+    except KeyError as e:
+        raise StateError(f"state key {name!r} needs field {e.args[0]!r} ({spec.template})") from None
+    return f"tailspec:{cluster}:{suffix}"
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def encode(payload: BaseModel) -> bytes:
+    return payload.model_dump_json().encode()
+
+
+def decode(model: type[M], raw: bytes | str | None, where: str = "") -> M:
+    """Parse and validate a JSON payload; raises StateError naming `where` and the bad field."""
+    if raw is None:
+        raise StateError(f"{where or model.__name__}: no value")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "(payload)"
+        raise StateError(f"{where or model.__name__}: bad {model.__name__} payload at {field}: {first['msg']}") from None
+
+
+def encode_dict(d: dict[str, Any]) -> bytes:
+    """JSON for free-form records (counters, details); rejects non-JSON types instead of pickling."""
+    return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
+
+
+def schema_table() -> str:
+    """Markdown table of every key (used by docs and `tailspec config schema`)."""
+    rows = ["| key | type | owner | payload | meaning |", "| --- | --- | --- | --- | --- |"]
+    for s in KEYS.values():
+        rows.append(
+            f"| `tailspec:{{cluster}}:{s.template}` | {s.redis_type} | {s.owner} | "
+            f"{s.payload.__name__ if s.payload else '-'} | {s.doc} |"
+        )
+    return "\n".join(rows)
+
+
+def put(r: Any, redis_key: str, payload: BaseModel, px_ms: int | None = None) -> None:
+    """SET a validated payload (optionally expiring)."""
+    r.set(redis_key, encode(payload), px=px_ms)
+
+
+def get(r: Any, redis_key: str, model: type[M]) -> M | None:
+    """GET and validate; None when absent, StateError when malformed."""
+    raw = r.get(redis_key)
+    return None if raw is None else decode(model, raw, where=redis_key)
+
+
+def append(r: Any, redis_key: str, payload: BaseModel, maxlen: int = 20_000) -> bytes:
+    """XADD a payload to a capped stream (approximate trimming keeps it O(1))."""
+    return r.xadd(redis_key, {"data": encode(payload)}, maxlen=maxlen, approximate=True)
+
+
+def read_stream(
+    r: Any, redis_key: str, model: type[M], after: bytes | str = "0", count: int | None = None,
+    on_bad: Any = None,
+) -> tuple[list[tuple[bytes, M]], bytes | str]:
+    """XRANGE entries after id `after` → ([(id, payload)], last id seen). Malformed entries are skipped
+    and reported to `on_bad(entry_id, error)` so one bad writer never breaks a reader."""
+    start = "-" if after in ("0", b"0", "0-0") else b"(" + (after if isinstance(after, bytes) else after.encode())
+    entries = r.xrange(redis_key, min=start, max="+", count=count)
+    out: list[tuple[bytes, M]] = []
+    last = after
+    for entry_id, fields in entries:
+        last = entry_id
+        try:
+            out.append((entry_id, decode(model, fields.get(b"data") or fields.get("data"), where=redis_key)))
+        except StateError as e:
+            if on_bad is not None:
+                on_bad(entry_id, e)
+    return out, last
