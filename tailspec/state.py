@@ -45,6 +45,7 @@ class PhaseInfo(_Payload):
     step: int = Field(ge=0)
     started_at: float
     policy_version: int = Field(0, ge=0)
+    policy_path: str | None = Field(None, description="directory of the latest policy weights (teacher for sessions)")
 
 
 class Progress(_Payload):
