@@ -152,6 +152,9 @@ class RolloutStats(_Payload):
     acceptance_length: float = Field(ge=0, description="tokens emitted per target forward")
     strategy_mix: dict[str, int] = Field(default_factory=dict, description="k → decode steps")
     drafter_version: int | None = None
+    baseline_tokens_per_s: float | None = Field(
+        None, ge=0, description="tokens/s of plain decoding (k=0) on the same worker and batch sizes; "
+        "the dashboards' rollout speedup = (tokens / seconds) / this")
     ts: float
 
 
