@@ -1,0 +1,1 @@
+"""The built-in synthetic task (running-sum scratchpad) and the tiny-policy kit."""

@@ -1,0 +1,322 @@
+"""Tiny-policy kit: build a Llama-architecture `LlamaForCausalLM` from a config, pre-train it by
+supervised learning on gold traces of the task, cache it, and load it back with `from_pretrained`
+(the same code path a real checkpoint takes).
+
+Presets:
+- `micro` (~0.1M params): for unit tests; trains in seconds.
+- `tiny`  (~3.4M params, ≤ 5M): the demo's and CPU benchmarks' policy; trains in ≤ 3 min on 2 cores.
+- `small` (~60M params): for GPU benchmarks (bf16); trains on a GPU in minutes, on a CPU in hours.
+
+The training budget is chosen so the policy is imperfect on purpose (accuracy between 20% and 80% at
+temperature 1.0): RL then has something to improve and the policy keeps moving during RL, which is
+what makes a frozen drafter go stale.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from tailspec.config import TaskConfig
+from tailspec.tasks.runsum import Problem, grade, sample_problems
+from tailspec.tasks.tokenizer import (
+    build_tokenizer,
+    decode_response,
+    encode_prompt,
+    load_tokenizer,
+    save_tokenizer,
+)
+
+KIT_VERSION = 1  # bump to invalidate every cached policy when training code changes
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position: int = 512
+    train_steps: int = 300
+    batch_size: int = 32
+    lr: float = 2e-3
+    seed: int = 0
+
+
+PRESETS: dict[str, Preset] = {
+    "micro": Preset("micro", 64, 2, 2, 1, 128, train_steps=60, batch_size=16, lr=3e-3),
+    "tiny": Preset("tiny", 256, 4, 4, 2, 768, train_steps=350, batch_size=32, lr=2e-3),
+    "small": Preset("small", 768, 8, 12, 4, 2304, max_position=1024, train_steps=1500, batch_size=64, lr=6e-4),
+}
+
+
+def model_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_layers,
+        num_attention_heads=preset.num_heads,
+        num_key_value_heads=preset.num_kv_heads,
+        max_position_embeddings=preset.max_position,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def build_model(preset: Preset | str, tokenizer: PreTrainedTokenizerFast | None = None) -> LlamaForCausalLM:
+    preset = PRESETS[preset] if isinstance(preset, str) else preset
+    tokenizer = tokenizer or build_tokenizer()
+    torch.manual_seed(preset.seed)
+    return LlamaForCausalLM(model_config(preset, tokenizer))
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def cache_key(preset: Preset, task: TaskConfig) -> str:
+    blob = json.dumps({"kit": KIT_VERSION, "preset": asdict(preset), "task": task.model_dump()}, sort_keys=True)
+    return f"{preset.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TAILSPEC_CACHE", Path.home() / ".cache" / "tailspec"))
+
+
+def _batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input ids and labels; loss only on the response (and its EOS)."""
+    seqs, labels = [], []
+    for p in problems:
+        prompt = encode_prompt(tokenizer, p.prompt)
+        resp = tokenizer.encode(p.gold, add_special_tokens=False) + [tokenizer.eos_token_id]
+        seqs.append(prompt + resp)
+        labels.append([-100] * len(prompt) + resp)
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+    lab = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for i, (s, lb) in enumerate(zip(seqs, labels)):
+        ids[i, : len(s)] = torch.tensor(s)
+        lab[i, : len(lb)] = torch.tensor(lb)
+    return ids, lab
+
+
+@dataclass
+class TrainReport:
+    steps: int
+    seconds: float
+    final_loss: float
+    losses: list[float] = field(default_factory=list)
+
+
+def pretrain(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    preset: Preset,
+    task: TaskConfig,
+    progress: bool = True,
+) -> TrainReport:
+    """Supervised pre-training on gold traces (AdamW, warm-up + cosine decay)."""
+    from tqdm.auto import tqdm
+
+    torch.manual_seed(preset.seed)
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warm = max(1, preset.train_steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, preset.train_steps - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    # Training problems use seeds disjoint from evaluation (seed 10_000+) so accuracy is held out.
+    problems = sample_problems(preset.train_steps * preset.batch_size, task, seed=preset.seed + 1)
+    # Length-bucketed batches: the heavy tail would otherwise pad most rows to the longest one (~3x
+    # wasted compute); the order of buckets is shuffled so training sees every length throughout.
+    problems.sort(key=lambda q: len(q.numbers))
+    batches = [problems[i : i + preset.batch_size] for i in range(0, len(problems), preset.batch_size)]
+    np.random.default_rng(preset.seed).shuffle(batches)
+    model.train()
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    bar = tqdm(range(preset.train_steps), desc=f"pretrain {preset.name}", disable=not progress, leave=False)
+    for step in bar:
+        ids, lab = _batch(tokenizer, batches[step])
+        out = model(input_ids=ids.to(device), labels=lab.to(device))
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(out.loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return TrainReport(preset.train_steps, time.perf_counter() - t0, losses[-1], losses)
+
+
+@dataclass
+class EvalReport:
+    n: int
+    accuracy: float
+    well_formed: float
+    len_p50: float
+    len_p90: float
+    len_p99: float
+    gold_len_p50: float
+    gold_len_p99: float
+    lengths: list[int]
+
+    @property
+    def tail_ratio(self) -> float:
+        return self.len_p99 / max(self.len_p50, 1e-9)
+
+
+@torch.no_grad()
+def generate_responses(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> list[list[int]]:
+    """HF `generate` (left-padded batches); returns response ids up to and including EOS."""
+    torch.manual_seed(seed)
+    device = next(model.parameters()).device
+    out: list[list[int]] = []
+    # Sort by length so batches pad little; restore order at the end.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: dict[int, list[int]] = {}
+    for s in range(0, len(order), batch_size):
+        idx = order[s : s + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, i in enumerate(idx):
+            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]) :] = 1
+        gen = model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+            do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        )
+        for r, i in enumerate(idx):
+            resp = gen[r, width:].tolist()
+            if tokenizer.eos_token_id in resp:
+                resp = resp[: resp.index(tokenizer.eos_token_id) + 1]
+            else:
+                resp = [t for t in resp if t != tokenizer.pad_token_id]
+            results[i] = resp
+    out = [results[i] for i in range(len(prompts))]
+    return out
+
+
+def evaluate(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    task: TaskConfig | None = None,
+    n: int = 256,
+    temperature: float = 1.0,
+    seed: int = 10_000,
+) -> EvalReport:
+    task = task or TaskConfig()
+    problems = sample_problems(n, task, seed=seed)
+    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+    max_new = max(len(p.gold) for p in problems) + 16
+    responses = generate_responses(model, tokenizer, prompts, max_new, temperature=temperature, seed=seed)
+    graded = [grade(p, decode_response(tokenizer, r), task) for p, r in zip(problems, responses)]
+    lengths = [len(r) for r in responses]
+    gold = [len(p.gold) + 1 for p in problems]
+    pct = lambda xs, q: float(np.percentile(xs, q))  # noqa: E731
+    return EvalReport(
+        n=n,
+        accuracy=float(np.mean([g.correct for g in graded])),
+        well_formed=float(np.mean([g.well_formed for g in graded])),
+        len_p50=pct(lengths, 50), len_p90=pct(lengths, 90), len_p99=pct(lengths, 99),
+        gold_len_p50=pct(gold, 50), gold_len_p99=pct(gold, 99),
+        lengths=lengths,
+    )
+
+
+def save_policy(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: Path, meta: dict) -> None:
+    """Write to a temporary sibling directory, then rename: the cache entry is whole or absent."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        save_tokenizer(tokenizer, tmp)
+        (tmp / "tailspec_policy.json").write_text(json.dumps(meta, indent=2))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """Load a policy directory through the real HF path (`AutoModelForCausalLM.from_pretrained`)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a policy directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model.eval()
+    return model, load_tokenizer(path)
+
+
+def policy_meta(path: str | Path) -> dict:
+    f = Path(path) / "tailspec_policy.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def get_policy(
+    preset: str = "tiny",
+    task: TaskConfig | None = None,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    device: str | None = None,
+    eval_n: int = 256,
+) -> Path:
+    """Path of the cached, pre-trained policy for `preset`, building and training it on first use."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown policy preset {preset!r}; choose from {', '.join(PRESETS)}")
+    task = task or TaskConfig()
+    p = PRESETS[preset]
+    path = Path(cache_dir or default_cache_dir()) / "policies" / cache_key(p, task)
+    if (path / "config.json").is_file() and (path / "tailspec_policy.json").is_file():
+        return path
+    tokenizer = build_tokenizer()
+    model = build_model(p, tokenizer)
+    if device:
+        model.to(device)
+    report = pretrain(model, tokenizer, p, task, progress=progress)
+    ev = evaluate(model, tokenizer, task, n=eval_n)
+    model.to("cpu")
+    meta = {
+        "preset": p.name, "params": count_params(model), "train_seconds": report.seconds,
+        "train_steps": report.steps, "final_loss": report.final_loss, "accuracy": ev.accuracy,
+        "well_formed": ev.well_formed, "len_p50": ev.len_p50, "len_p90": ev.len_p90, "len_p99": ev.len_p99,
+        "task": task.model_dump(), "kit_version": KIT_VERSION, "created_at": time.time(),
+    }
+    save_policy(model, tokenizer, path, meta)
+    return path
