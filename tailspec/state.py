@@ -63,6 +63,7 @@ class Progress(_Payload):
     # scheduler estimate the remaining tail without knowing the model.
     tokens_done: int = Field(0, ge=0)
     tokens_per_s: float = Field(0.0, ge=0)
+    remaining_s: float | None = Field(None, ge=0, description="worker's own estimate of its remaining time, if any")
     ts: float
 
 
@@ -162,6 +163,7 @@ class Event(_Payload):
     kind: Literal[
         "lease_granted", "lease_renewed", "lease_revoked", "lease_expired", "session_started",
         "session_stopped", "session_failed", "phase", "version_promoted", "version_rejected", "warning",
+        "gpu_idle",
     ]
     node: str | None = None
     gpu: int | None = None
