@@ -37,7 +37,7 @@ class SchedulerConfig(_Section):
     sample_period_s: float = Field(0.2, gt=0, le=10)
     history_maxlen: int = Field(20_000, ge=100, description="capped length of the telemetry history stream")
     idle_util_threshold: float = Field(10.0, ge=0, le=100, description="percent utilization below which a GPU looks idle")
-    idle_window_s: float = Field(0.4, ge=0, description="how long utilization must stay low before a drained GPU is lendable")
+    idle_window_s: float = Field(0.2, ge=0, description="how long utilization must stay low before a drained GPU is lendable")
     lease_ttl_s: float = Field(2.0, gt=0, le=60)
     stop_deadline_s: float = Field(1.0, gt=0, le=60, description="after this a revoked GPU counts as reclaimed")
     session_startup_s: float = Field(0.5, ge=0, description="expected session start-up cost; lend only if the tail is longer")
@@ -47,6 +47,9 @@ class SchedulerConfig(_Section):
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
         description="module:function started on a lent GPU",
     )
+    tick_s: float = Field(0.05, gt=0, le=5, description="period of the scheduler's decision loop")
+    simulated_gpus: int = Field(4, ge=1, le=64, description="GPUs per node shown by simulated telemetry")
+    progress_ttl_s: float = Field(5.0, gt=0, description="a worker's progress expires unless re-reported within this")
 
 
 class TrainerConfig(_Section):
