@@ -1,0 +1,110 @@
+"""The dashboards' reader: snapshot figures and the per-GPU timeline, against hand-computed values."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from test_dashboards_writer import GiB, StateWriter
+
+from tailspec import state as S
+from tailspec.dashboards.snapshot import read_state, read_timeline, reclaimed_share
+from tailspec.state import GpuState
+
+
+def test_rollout_speedup_and_strategy_figures(redis_client):
+    w = StateWriter(redis_client)
+    w.rollout("w0", 1, tokens=12_000, seconds=6.0, forwards=4000, mix={"0": 1, "4": 3}, baseline_tps=1000.0)
+    w.rollout("w0", 2, tokens=9_000, seconds=3.0, forwards=3000, mix={"4": 4})  # no baseline measured
+    view, _ = read_state(redis_client, "t")
+    p1, p2 = view.rollout
+    assert (p1.step, p1.tokens_per_s, p1.speedup, p1.acceptance_length) == (1, 2000.0, 2.0, 3.0)
+    assert p2.tokens_per_s == 3000.0 and p2.speedup is None
+    assert p1.strategy_mix == {"0": 1, "4": 3}
+
+
+def test_reclaimed_share_bounds():
+    assert reclaimed_share(0.0, 0.0) is None
+    assert reclaimed_share(10.0, 2.5) == 0.25
+    assert reclaimed_share(10.0, 12.0) == 1.0  # clock skew between writers never shows > 100 %
+
+
+def test_timeline_segments_match_transitions(redis_client):
+    w = StateWriter(redis_client)
+    now = time.time()
+    w.telemetry(0, 50.0, GiB)
+    w.telemetry(1, 50.0, GiB)
+    w.telemetry(2, 0.0, 0, error="NVML_ERROR_GPU_IS_LOST")  # telemetry only: no scheduler state
+    # GPU 0: generating → drained → lent → reclaiming → generating inside a 40 s window
+    for st, ago in [(GpuState.GENERATING, 50), (GpuState.DRAINED, 30), (GpuState.LENT, 20),
+                    (GpuState.RECLAIMING, 6), (GpuState.GENERATING, 5)]:
+        w.status(0, st, since=now - ago)
+    # GPU 1: one transition long before the window
+    w.status(1, GpuState.GENERATING, since=now - 1000)
+    tl = read_timeline(redis_client, "t", window_s=40.0)
+    lanes = {lane.id: lane for lane in tl.gpus}
+    assert list(lanes) == ["node0:0", "node0:1", "node0:2"]
+    got = [(s.state, round(s.start - tl.start, 1), round(tl.now - s.end, 1)) for s in lanes["node0:0"].segments]
+    off = round(tl.now - now, 1)  # read a few ms after `now`
+    assert [g[0] for g in got] == [GpuState.GENERATING, GpuState.DRAINED, GpuState.LENT, GpuState.RECLAIMING,
+                                   GpuState.GENERATING]
+    assert got[0][1] == 0.0  # the state at window start comes from the transition before it
+    assert [round(s.end - s.start, 1) for s in lanes["node0:0"].segments[1:4]] == [10.0, 14.0, 1.0]
+    assert lanes["node0:0"].segments[-1].open and got[-1][2] == 0.0
+    assert round(tl.now - lanes["node0:0"].segments[-1].start, 1) == round(5 + off, 1)
+    # segments tile the window: consecutive, no gaps, no overlap
+    for lane in tl.gpus:
+        segs = lane.segments
+        assert segs[0].start == tl.start and segs[-1].end == tl.now
+        assert all(a.end == b.start for a, b in zip(segs, segs[1:]))
+    assert [(s.state, s.open) for s in lanes["node0:1"].segments] == [(GpuState.GENERATING, True)]
+    assert [s.state for s in lanes["node0:2"].segments] == [GpuState.UNKNOWN]
+
+
+def test_timeline_telemetry_series_and_downsampling(redis_client):
+    w = StateWriter(redis_client)
+    now = time.time()
+    for i in range(50):
+        w.telemetry(0, float(i), i * GiB, ts=now - 50 + i)
+    w.telemetry(1, 7.0, GiB, ts=now - 100)  # before the window
+    tl = read_timeline(redis_client, "t", window_s=60.0)
+    assert [s.id for s in tl.telemetry] == ["node0:0"]
+    s = tl.telemetry[0]
+    assert s.util == [float(i) for i in range(50)] and s.mem_used[-1] == 49 * GiB and s.simulated
+    small = read_timeline(redis_client, "t", window_s=60.0, max_points=10)
+    s = small.telemetry[0]
+    assert len(s.ts) <= 10 and s.util[-1] == 49.0  # the newest point survives downsampling
+    assert s.ts == sorted(s.ts)
+
+
+def test_window_is_validated(redis_client):
+    for bad in (0.5, 0.0, -3.0, 1e9, float("nan")):
+        with pytest.raises(ValueError, match="window must be in"):
+            read_timeline(redis_client, "t", window_s=bad)
+
+
+def test_malformed_entries_are_counted_and_skipped(redis_client):
+    w = StateWriter(redis_client)
+    w.cycle(0, "generating")
+    w.cycle(1, "generating")
+    redis_client.set(S.key("t", "gpu_status", node="node0", gpu=1), b'{"node":"node0","gpu":1,"state":"asleep"}')
+    redis_client.xadd(S.key("t", "status_history"), {"data": b"\x80\x04not json"})
+    redis_client.xadd(S.key("t", "rollout_stats"), {"data": b'{"worker": 3}'})
+    redis_client.hset(S.key("t", "counters"), "lent_gpu_seconds", b"lots")
+    redis_client.sadd(S.key("t", "sessions"), "ghost")  # id without a record: ignored, not an error
+    view, _ = read_state(redis_client, "t")
+    assert [(g.id, g.state) for g in view.gpus] == [("node0:0", GpuState.GENERATING), ("node0:1", GpuState.UNKNOWN)]
+    assert view.gpus[1].util == 95.0  # the good telemetry of the same GPU still shows
+    assert view.rollout == [] and view.counters.lent_gpu_seconds == 0.0
+    assert view.bad_payloads == 3
+    tl = read_timeline(redis_client, "t", window_s=60)
+    assert tl.bad_payloads == 2  # gpu_status of GPU 1 and the stream entry
+    assert [s.state for s in tl.gpus[0].segments][-1] == GpuState.GENERATING
+
+
+def test_empty_cluster_reads_cleanly(redis_client):
+    view, sessions = read_state(redis_client, "nothing-here")
+    assert view.gpus == [] and sessions == [] and view.phase is None and not view.simulated
+    assert view.counters.reclaimed_share is None
+    tl = read_timeline(redis_client, "nothing-here", window_s=10)
+    assert tl.gpus == [] and tl.telemetry == []
