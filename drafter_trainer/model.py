@@ -1,0 +1,564 @@
+"""The EAGLE-3 drafter: its config, module, static KV cache, aux-state capture and checkpoint format.
+
+Shared by the rollout engine (inference) and the trainer (TTT). Parameter names are exactly the ones the
+EAGLE-3 export format (vLLM / SGLang `LlamaForCausalLMEagle3`) uses, so export is a rename-free copy.
+
+Aux hidden states (what the drafter reads from the target)
+----------------------------------------------------------
+Aux id j = the target's residual stream after j decoder layers, BEFORE the final norm (0 = the token
+embeddings). That is vLLM's convention. `capture_aux(target, ids)` records exactly these tensors with
+forward hooks on `target.model.embed_tokens` / `target.model.layers[j-1]`, during any forward of the
+target (HF `forward`, `generate`, or an engine's own loop over the same layer modules).
+Checked in transformers 5: HF `output_hidden_states[j]` equals id j for j < n, but `hidden_states[n]`
+is the state AFTER the final norm (transformers ties the last entry to `last_hidden_state`), so do not
+use `output_hidden_states` for id n. Trainer and engine both use `capture_aux`; they take the same tensors.
+vLLM gathers aux states at the inputs of its layers, so only ids 1..n-1 are servable there; the export
+refuses ids outside that range (ours accepts 0..n for small test targets).
+
+What inference does (the engine must mirror this; the trainer's TTT unroll reproduces it exactly)
+-----------------------------------------------------------------------------------------------
+Notation: tokens x_0..x_m are verified (x_m is the target's last sampled / bonus token); g_t = the
+target's aux states at position t (concatenated, [3H]), known for t <= m-1.
+1. Catch up: run `forward(hidden=project(g_t), input_ids=x_{t+1}, position_ids=t)` with the cache for every
+   position t the drafter has not yet processed with target states (c..m-1; after prefill c = 0, after a
+   verify round c = the first position whose cache entry came from a draft step or was never written).
+   This writes step-0 k/v at positions c..m-1. The logits at position m-1 give the first draft d_1
+   (draft id → target id via `draft_to_target`), and `hidden_out` at m-1 is o_1.
+2. Draft step j = 2..k: `forward(hidden=o_{j-1}, input_ids=d_{j-1}, position_ids=m+j-2)` → d_j, o_j.
+   The drafter consumes its own previous hidden output (`hidden_out`, the pre-norm residual) — not fc(...).
+3. Verify with the target; the rejected positions' cache entries (positions >= m after a round) are simply
+   overwritten by the next catch-up, because attention only reads positions <= its own and every position
+   is written before it is read.
+So at draft step j (anchor m-1) the query at position m-1+j-1 attends to the step-0 entries at
+positions 0..m-1 and to the draft entries of its own chain. The TTT unroll in training uses exactly this
+mask (`ttt_step`), with the real continuation as input ids (teacher forcing = the accepted path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+CONFIG_NAME = "tailspec_drafter.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT_VERSION = 1
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """vLLM's default (2, n//2, n-3) when n >= 7; else 3 distinct ids spread over 0..n."""
+    n = int(num_layers)
+    if n >= 7:
+        ids = (2, n // 2, n - 3)
+    elif n >= 4:
+        ids = (1, n // 2, n - 1)
+    elif n >= 2:
+        ids = (0, 1, 2) if n == 2 else (0, 1, 2)
+    else:
+        raise ValueError(f"a target with {n} layer(s) has fewer than 3 distinct aux states (ids 0..{n}); "
+                         "EAGLE-3 needs three")
+    if len(set(ids)) != 3:
+        raise ValueError(f"default aux layer ids collide for a target with {n} layers: {ids}")
+    return ids
+
+
+def _rope_from_target(tc: Any) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from a transformers 4.x or 5.x config."""
+    params = getattr(tc, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        rest = {k: v for k, v in params.items() if k != "rope_theta"}
+        if rest.get("rope_type", "default") == "default":
+            return theta, None
+        return theta, rest
+    theta = float(getattr(tc, "rope_theta", 10000.0))
+    scaling = getattr(tc, "rope_scaling", None)
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        return theta, dict(scaling)
+    return theta, None
+
+
+@dataclass
+class Eagle3Config:
+    target_hidden_size: int
+    hidden_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    aux_layer_ids: tuple[int, int, int]
+    target_num_layers: int
+    rope_scaling: dict | None = None
+    hidden_act: str = "silu"
+    target_model_type: str = "llama"
+    tie_word_embeddings: bool = False
+    extra: dict = field(default_factory=dict)  # forward-compatible room; round-trips through save/load
+
+    def __post_init__(self) -> None:
+        self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)  # type: ignore[assignment]
+        if len(self.aux_layer_ids) != 3 or len(set(self.aux_layer_ids)) != 3:
+            raise ValueError(f"aux_layer_ids must be 3 distinct ints, got {self.aux_layer_ids}")
+        if not 2 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [2, vocab_size={self.vocab_size}]")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu only)")
+
+    @classmethod
+    def from_target(cls, target_config: Any, draft_vocab_size: int | None = None,
+                    aux_layer_ids: Sequence[int] | None = None) -> "Eagle3Config":
+        tc = target_config
+        heads = int(tc.num_attention_heads)
+        head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // heads)
+        n = int(tc.num_hidden_layers)
+        theta, scaling = _rope_from_target(tc)
+        return cls(
+            target_hidden_size=int(tc.hidden_size), hidden_size=int(tc.hidden_size),
+            vocab_size=int(tc.vocab_size), draft_vocab_size=int(draft_vocab_size or tc.vocab_size),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+            head_dim=head_dim, intermediate_size=int(tc.intermediate_size),
+            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 2048)),
+            aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(n),
+            target_num_layers=n, hidden_act=str(getattr(tc, "hidden_act", "silu")),
+            target_model_type=str(getattr(tc, "model_type", "llama")),
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Eagle3Config":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown Eagle3Config keys: {unknown}")
+        return cls(**d)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Rotary(nn.Module):
+    """RoPE with the target's parameters (every rope type transformers knows, via its init functions)."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
+        lc = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+                         rope_parameters=rope)
+        if rope["rope_type"] == "default":
+            inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+            scale = 1.0
+        else:
+            inv, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](lc, None)
+        self.register_buffer("inv_freq", inv.float(), persistent=False)
+        self.scale = float(scale)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids.float()[..., None] * self.inv_freq  # [B, T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, heads, T, hd]; cos/sin [B, T, hd]
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+@dataclass
+class DrafterCache:
+    """Static per-slot KV cache of the drafter's single layer: k, v [max_slots, kv_heads, max_len, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: Eagle3Config, max_slots: int, max_len: int, device: Any = "cpu",
+                 dtype: torch.dtype = torch.float32) -> "DrafterCache":
+        shape = (max_slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclass
+class TTTState:
+    """k/v of every unroll step so far (step 0 = target-fed entries, later steps = the drafter's own chain)."""
+
+    ks: list[torch.Tensor] = field(default_factory=list)
+    vs: list[torch.Tensor] = field(default_factory=list)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(2 * h, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=False)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _expand(self, kv: torch.Tensor) -> torch.Tensor:
+        rep = self.n_heads // self.n_kv
+        return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def forward(self, x, cos, sin, position_ids, cache: DrafterCache | None, slots: torch.Tensor | None):
+        q, k, v = self._qkv(x, cos, sin)
+        if cache is None:
+            t = x.shape[1]
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            o = F.scaled_dot_product_attention(q, self._expand(k), self._expand(v), attn_mask=mask)
+            return self._out(o)
+        if slots is None:
+            raise ValueError("slots are required with a cache (one cache row per batch row)")
+        b, t = position_ids.shape
+        if int(position_ids.max()) >= cache.max_len:
+            raise ValueError(f"position {int(position_ids.max())} is beyond the drafter cache length {cache.max_len}")
+        rows = slots[:, None].expand(b, t)
+        cache.k[rows, :, position_ids] = k.transpose(1, 2).to(cache.k.dtype)
+        cache.v[rows, :, position_ids] = v.transpose(1, 2).to(cache.v.dtype)
+        kk, vv = cache.k[slots].to(q.dtype), cache.v[slots].to(q.dtype)  # [B, kv, L, hd]
+        key_pos = torch.arange(cache.max_len, device=x.device)
+        mask = (key_pos[None, None, :] <= position_ids[:, :, None])[:, None]  # [B, 1, T, L]
+        o = F.scaled_dot_product_attention(q, self._expand(kk), self._expand(vv), attn_mask=mask)
+        return self._out(o)
+
+    def ttt(self, x, cos, sin, state: TTTState) -> torch.Tensor:
+        """One unroll step: rows are anchors t; step 0 is causal over anchors, step i > 0 sees the step-0
+        entries of anchors <= t plus the entries of its own chain (steps 1..i at the same anchor)."""
+        q, k, v = self._qkv(x, cos, sin)
+        state.ks.append(k)
+        state.vs.append(v)
+        t = x.shape[1]
+        k0, v0 = self._expand(state.ks[0]), self._expand(state.vs[0])
+        scale = self.head_dim ** -0.5
+        s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, h, T, T]
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        s0 = s0.masked_fill(~causal, float("-inf"))
+        if len(state.ks) == 1:
+            return self._out(torch.softmax(s0.float(), dim=-1).to(q.dtype) @ v0)
+        chain_k = torch.stack([self._expand(kk) for kk in state.ks[1:]], dim=-2)  # [B, h, T, i, hd]
+        chain_v = torch.stack([self._expand(vv) for vv in state.vs[1:]], dim=-2)
+        sd = (q[..., None, :] * chain_k).sum(-1) * scale  # [B, h, T, i]
+        p = torch.softmax(torch.cat([s0, sd], dim=-1).float(), dim=-1).to(q.dtype)
+        o = p[..., :t] @ v0 + (p[..., t:, None] * chain_v).sum(-2)
+        return self._out(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The single decoder layer: q/k/v read [norm(embedding); norm(hidden)] (embedding first, as vLLM)."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+    def _input(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def _finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        h = hidden + attn
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: Eagle3Config, target_embedding: nn.Module | None = None):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+        d2t, t2d = identity_vocab_maps(cfg.vocab_size, cfg.draft_vocab_size)
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+        self.embed_tokens: nn.Module | None = None
+        if target_embedding is not None:
+            self.set_target_embedding(target_embedding)
+
+    # The embedding is the target's: frozen, shared, never a parameter of the drafter (so it is neither
+    # trained nor in the drafter's state_dict). object.__setattr__ keeps nn.Module from registering it.
+    def set_target_embedding(self, embedding: nn.Module) -> None:
+        if embedding.weight.shape[0] != self.config.vocab_size or embedding.weight.shape[1] != self.config.hidden_size:
+            raise ValueError(f"target embedding is {tuple(embedding.weight.shape)}, the drafter needs "
+                             f"[{self.config.vocab_size}, {self.config.hidden_size}]")
+        object.__setattr__(self, "embed_tokens", embedding)
+
+    def set_vocab_maps(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        check_vocab_maps(d2t, t2d, self.config.vocab_size, self.config.draft_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is None:
+            raise RuntimeError("the drafter has no token embedding: call set_target_embedding(target.get_input_embeddings())")
+        with torch.no_grad():
+            return self.embed_tokens(input_ids).to(self.fc.weight.dtype)
+
+    def _head(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out))
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                cache: DrafterCache | None = None, slots: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ (draft_logits [B,T,draft_vocab], hidden_out [B,T,H] — the pre-norm residual fed to the next step)."""
+        layer = self.midlayer
+        x = layer._input(hidden, self._embed(input_ids))
+        cos, sin = self.rotary(position_ids, x.dtype)
+        out = layer._finish(hidden, layer.self_attn(x, cos, sin, position_ids, cache, slots))
+        return self._head(out), out
+
+    def ttt_step(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 state: TTTState) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of the training unroll (see module doc); step i's rows are the anchors' chains."""
+        layer = self.midlayer
+        x = layer._input(hidden, self._embed(input_ids))
+        cos, sin = self.rotary(position_ids, x.dtype)
+        out = layer._finish(hidden, layer.self_attn.ttt(x, cos, sin, state))
+        return self._head(out), out
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_to_draft(self) -> torch.Tensor:
+        """Bool mask [vocab] of the target ids the draft vocabulary covers."""
+        return self.t2d
+
+    def draft_ids_in_target(self) -> torch.Tensor:
+        """Target ids of draft ids 0..draft_vocab-1 (ascending)."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def target_probs(self, draft_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Drafter distribution q over the TARGET vocabulary (zero outside the draft vocab)."""
+        probs = torch.softmax(draft_logits.float() / max(temperature, 1e-6), dim=-1)
+        out = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
+        out[..., self.draft_ids_in_target()] = probs
+        return out
+
+    # -- checks ------------------------------------------------------------------------------------------
+    def fits(self, target_config: Any) -> list[str]:
+        return fits(self.config, target_config)
+
+    def check_fits(self, target_config: Any) -> None:
+        problems = self.fits(target_config)
+        if problems:
+            raise ValueError("drafter does not fit the target: " + "; ".join(problems))
+
+    # -- checkpoint format -------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, extra: dict | None = None) -> Path:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        meta = {"format_version": FORMAT_VERSION, "config": self.config.to_dict(), "extra": extra or {}}
+
+        def write(tmp: Path) -> None:
+            save_file(tensors, str(tmp / WEIGHTS_NAME))
+            (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2))
+
+        return write_dir_atomic(Path(path), write)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, target_embedding: nn.Module | None = None,
+             map_location: str | torch.device = "cpu") -> "Eagle3Drafter":
+        path = Path(path)
+        cfg_file, w_file = path / CONFIG_NAME, path / WEIGHTS_NAME
+        if not cfg_file.is_file() or not w_file.is_file():
+            raise FileNotFoundError(f"{path} is not a drafter checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+        meta = json.loads(cfg_file.read_text())
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{cfg_file}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+        model = cls(Eagle3Config.from_dict(meta["config"]), target_embedding)
+        state = load_file(str(w_file), device=str(map_location))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{w_file}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
+        check_vocab_maps(model.d2t, model.t2d, model.config.vocab_size, model.config.draft_vocab_size)
+        return model.to(map_location)
+
+
+def fits(cfg: Eagle3Config, target_config: Any) -> list[str]:
+    """Every way the drafter does not fit the target, each naming both values (empty list = fits)."""
+    tc = target_config
+    out = []
+    if int(tc.vocab_size) != cfg.vocab_size:
+        out.append(f"vocab_size: drafter {cfg.vocab_size}, target {tc.vocab_size}")
+    if int(tc.hidden_size) != cfg.target_hidden_size:
+        out.append(f"hidden_size: drafter expects {cfg.target_hidden_size}, target {tc.hidden_size}")
+    n = int(tc.num_hidden_layers)
+    bad = [i for i in cfg.aux_layer_ids if not 0 <= i <= n]
+    if bad:
+        out.append(f"aux_layer_ids {list(cfg.aux_layer_ids)}: {bad} outside 0..{n} for a target with {n} layers")
+    if len(set(cfg.aux_layer_ids)) != len(cfg.aux_layer_ids):
+        out.append(f"aux_layer_ids {list(cfg.aux_layer_ids)} collide")
+    return out
+
+
+def identity_vocab_maps(vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft ids = the first `draft_vocab_size` target ids (placeholder until frequencies are known)."""
+    d2t = torch.zeros(draft_vocab_size, dtype=torch.long)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[:draft_vocab_size] = True
+    return d2t, t2d
+
+
+def vocab_maps_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """d2t/t2d of the `draft_vocab_size` most frequent target ids (ties → lower id); draft ids ascend with
+    target ids, so d2t[i] = target_id[i] - i >= 0 as vLLM and SGLang expect."""
+    counts = torch.as_tensor(counts, dtype=torch.float64).flatten()
+    vocab = counts.numel()
+    if not 1 <= draft_vocab_size <= vocab:
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in [1, {vocab}]")
+    # Stable sort on -count keeps lower ids first among ties.
+    order = torch.sort(-counts, stable=True).indices[:draft_vocab_size]
+    chosen = torch.sort(order).values
+    d2t = chosen - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    return d2t.long(), t2d
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> None:
+    if d2t.dtype != torch.long or tuple(d2t.shape) != (draft_vocab_size,):
+        raise ValueError(f"d2t must be int64 [{draft_vocab_size}], got {d2t.dtype} {tuple(d2t.shape)}")
+    if t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab_size,):
+        raise ValueError(f"t2d must be bool [{vocab_size}], got {t2d.dtype} {tuple(t2d.shape)}")
+    target = torch.arange(draft_vocab_size, device=d2t.device) + d2t
+    if int(target.min()) < 0 or int(target.max()) >= vocab_size:
+        raise ValueError(f"d2t maps draft ids outside the target vocabulary 0..{vocab_size - 1}")
+    if len(set(target.tolist())) != draft_vocab_size or not bool(t2d[target].all()) or int(t2d.sum()) != draft_vocab_size:
+        raise ValueError("d2t and t2d disagree (t2d must mark exactly the target ids d2t maps to)")
+
+
+@contextmanager
+def capture_aux(target: nn.Module, aux_layer_ids: Sequence[int]) -> Iterator[list]:
+    """Record aux states (id j = output of decoder layer j-1, pre final norm; 0 = embeddings) during any
+    forward of `target` inside the block. Yields a list that receives, per forward, a tensor [B, T, 3H]."""
+    base = getattr(target, "model", target)
+    layers, embed = base.layers, base.embed_tokens
+    n = len(layers)
+    for j in aux_layer_ids:
+        if not 0 <= j <= n:
+            raise ValueError(f"aux layer id {j} is outside 0..{n} for a target with {n} layers")
+    captured: dict[int, torch.Tensor] = {}
+    results: list[torch.Tensor] = []
+    last = max(aux_layer_ids)
+
+    def hook_for(j: int):
+        def hook(_mod, _inp, out):
+            captured[j] = out[0] if isinstance(out, tuple) else out
+            if j == last:
+                results.append(torch.cat([captured[i] for i in aux_layer_ids], dim=-1))
+                captured.clear()
+        return hook
+
+    handles = [(embed if j == 0 else layers[j - 1]).register_forward_hook(hook_for(j)) for j in aux_layer_ids]
+    try:
+        yield results
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def write_dir_atomic(path: Path, write) -> Path:
+    """Write a directory through a temporary sibling (files fsynced), then swap it in by rename.
+    Readers see the old directory or the new one, never a half-written one; a crash leaves at most a
+    hidden `.name.tmp*` / `.name.old*` sibling, which the next write cleans up."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.tmp*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=path.parent))
+    try:
+        write(tmp)
+        for f in tmp.iterdir():
+            fsync_path(f)
+        fsync_path(tmp)
+        old = None
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old", dir=path.parent))
+            os.rmdir(old)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        fsync_path(path.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def fsync_path(p: Path) -> None:
+    fd = os.open(str(p), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
