@@ -1,0 +1,28 @@
+"""A small real session for tests, the benchmark and the demo before the drafter trainer is wired in.
+
+It holds the GPU id it was given (and checks CUDA_VISIBLE_DEVICES names it), does a fixed amount of CPU
+work per step, renews its lease through `ctx.should_continue()` and reports its step. The drafter
+trainer's real session is started the same way, through `scheduler.session_entry`
+(default "tailspec.sessions:run_session", wired by the trunk).
+"""
+
+from __future__ import annotations
+
+import os
+
+from tailspec.scheduler.session import SessionContext
+
+STEP_ENV = "TAILSPEC_DEMO_STEP_ITERS"
+
+
+def busy_session(ctx: SessionContext) -> None:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible != str(ctx.gpu):
+        raise RuntimeError(f"session for GPU {ctx.gpu} sees CUDA_VISIBLE_DEVICES={visible!r}")
+    iters = int(os.environ.get(STEP_ENV, "20000"))  # ≈ 2-5 ms of Python arithmetic
+    step, acc = 0, 0.0
+    while ctx.should_continue():
+        for i in range(iters):
+            acc += (i % 7) * 1e-9
+        step += 1
+        ctx.report(step, loss=1.0 / step, tokens=step * 64)

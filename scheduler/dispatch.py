@@ -1,0 +1,212 @@
+"""Start and stop trainer sessions on lent GPUs.
+
+`LocalDispatcher` (single node: the demo and most tests) runs each session as a child process
+`python -m tailspec.scheduler.session`; `RayDispatcher` runs it as a Ray actor pinned to the GPU's
+node. Either way the session sees only its GPU (CUDA_VISIBLE_DEVICES, PCI bus order like NVML), gets
+its SessionContext as JSON, and stops on its own when its lease is revoked; the dispatcher's `stop`
+is the backstop after the deadline (SIGTERM, then SIGKILL / ray.kill).
+
+`num_gpus=0` in Ray's accounting: the GPU belongs to the RL job's placement group; the session only
+borrows it while the RL job leaves it idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tailspec.scheduler.session import CONTEXT_ENV, SessionContext
+
+log = logging.getLogger(__name__)
+
+
+def session_env(ctx: SessionContext, entry: str) -> dict[str, str]:
+    return {
+        "CUDA_VISIBLE_DEVICES": str(ctx.gpu),
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # same numbering as NVML's device index
+        CONTEXT_ENV: ctx.to_json(),
+        "TAILSPEC_SESSION_ENTRY": entry,
+    }
+
+
+class Dispatcher(Protocol):
+    def start(self, ctx: SessionContext) -> None: ...
+
+    def stop(self, session_id: str) -> None: ...
+
+    def poll(self) -> set[str]: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class _Proc:
+    ctx: SessionContext
+    proc: subprocess.Popen
+    log_path: str
+    terminated_at: float | None = None
+
+
+@dataclass
+class LocalDispatcher:
+    entry: str
+    log_dir: str | None = None
+    kill_grace_s: float = 2.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.procs: dict[str, _Proc] = {}
+        self.ended: dict[str, int] = {}  # session id → exit code
+        if self.log_dir is None:
+            self.log_dir = tempfile.mkdtemp(prefix="tailspec-sessions-")
+        os.makedirs(self.log_dir, exist_ok=True)
+
+    def start(self, ctx: SessionContext) -> None:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(self.extra_env)
+        env.update(session_env(ctx, self.entry))
+        log_path = os.path.join(self.log_dir or ".", f"{ctx.session_id}.log")
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen([sys.executable, "-m", "tailspec.scheduler.session"], env=env,
+                                    stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT)
+        self.procs[ctx.session_id] = _Proc(ctx, proc, log_path)
+
+    def stop(self, session_id: str) -> None:
+        """Backstop after the deadline: the session should already have stopped on its lease check."""
+        p = self.procs.get(session_id)
+        if p is not None and p.proc.poll() is None and p.terminated_at is None:
+            p.proc.terminate()
+            p.terminated_at = time.monotonic()
+
+    def poll(self) -> set[str]:
+        """Session ids whose process has exited (all since start; `forget` drops them)."""
+        for sid, p in list(self.procs.items()):
+            rc = p.proc.poll()
+            if rc is not None:
+                self.ended[sid] = rc
+                del self.procs[sid]
+            elif p.terminated_at is not None and time.monotonic() - p.terminated_at > self.kill_grace_s:
+                p.proc.kill()
+        return set(self.ended)
+
+    def forget(self, session_id: str) -> None:
+        self.ended.pop(session_id, None)
+
+    def pid(self, session_id: str) -> int | None:
+        p = self.procs.get(session_id)
+        return p.proc.pid if p else None
+
+    def shutdown(self) -> None:
+        for sid in list(self.procs):
+            self.stop(sid)
+        deadline = time.monotonic() + self.kill_grace_s
+        while self.procs and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(0.02)
+        for p in self.procs.values():
+            p.proc.kill()
+            p.proc.wait(5)
+        self.poll()
+
+
+def _session_actor_class():
+    import ray
+
+    @ray.remote(num_gpus=0, num_cpus=0, max_restarts=0)
+    class SessionActor:
+        """Runs one session in a Ray worker process on the GPU's node."""
+
+        def run(self, ctx_json: str, entry: str) -> int:
+            from tailspec.scheduler.session import run_context
+
+            ctx = SessionContext.from_json(ctx_json)
+            # Ray may have set CUDA_VISIBLE_DEVICES for a num_gpus=0 actor; the lent GPU wins.
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(ctx.gpu)
+            os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            return run_context(ctx, entry)
+
+        def where(self) -> dict[str, Any]:
+            import ray as _ray
+
+            return {"node_id": _ray.get_runtime_context().get_node_id(),
+                    "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid()}
+
+    return SessionActor
+
+
+@dataclass
+class RayDispatcher:
+    """Sessions as Ray actors. `node_ids` maps tailspec node names to Ray node ids (hex); a name that
+    is not in the map is taken to be a Ray node id itself."""
+
+    entry: str
+    node_ids: dict[str, str] = field(default_factory=dict)
+    namespace: str | None = None
+
+    def __post_init__(self) -> None:
+        self.actors: dict[str, tuple[Any, Any]] = {}  # session id → (actor handle, run ref)
+        self.ended: dict[str, int] = {}
+        self._cls = _session_actor_class()
+
+    def start(self, ctx: SessionContext) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node_id = self.node_ids.get(ctx.node, ctx.node)
+        actor = self._cls.options(
+            name=f"tailspec-session-{ctx.session_id}", namespace=self.namespace,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+            runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": str(ctx.gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                                      "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}},
+        ).remote()
+        self.actors[ctx.session_id] = (actor, actor.run.remote(ctx.to_json(), self.entry))
+
+    def handle(self, session_id: str) -> Any:
+        a = self.actors.get(session_id)
+        return a[0] if a else None
+
+    def stop(self, session_id: str) -> None:
+        import ray
+
+        a = self.actors.get(session_id)
+        if a is not None:
+            ray.kill(a[0], no_restart=True)
+
+    def poll(self) -> set[str]:
+        import ray
+
+        if self.actors:
+            refs = {ref: sid for sid, (_, ref) in self.actors.items()}
+            done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+            for ref in done:
+                sid = refs[ref]
+                try:
+                    rc = int(ray.get(ref))
+                except Exception:  # killed or crashed actor
+                    rc = -9
+                self.ended[sid] = rc
+                actor = self.actors.pop(sid)[0]
+                try:
+                    ray.kill(actor, no_restart=True)  # free the worker process
+                except Exception:
+                    pass
+        return set(self.ended)
+
+    def forget(self, session_id: str) -> None:
+        self.ended.pop(session_id, None)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor, _ in self.actors.values():
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        self.actors.clear()

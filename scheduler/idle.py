@@ -1,0 +1,200 @@
+"""Idle detection: one state machine per GPU, UNKNOWN → GENERATING → DRAINED → LENT → RECLAIMING.
+
+Pure logic, no Redis and no clock of its own: `IdleDetector.tick(now, phase, progress, telemetry,
+stopped_sessions)` looks at one snapshot of the cluster state and returns the actions to take (lend,
+revoke, reclaimed). The scheduler service executes them; the property tests drive the same code with
+random event sequences.
+
+Rules (DESIGN.md, issue 5):
+- A GPU is DRAINED when its rollout worker reports no active request in the current rollout step.
+  It is *idle* once a telemetry sample taken after the drain shows utilization below the threshold and
+  nothing above it has been seen for `window_s` (telemetry confirms nothing else is using the GPU).
+- It is lent only while the rollout phase goes on and the expected remaining tail exceeds the session
+  start-up cost.
+- A lent GPU is revoked at the first snapshot where the phase is no longer rollout, its worker is
+  generating again (or gone, or in another step), or its telemetry is lost or failing. After
+  `stop_deadline_s` it counts as reclaimed whether or not its session has confirmed the stop.
+- No telemetry, a telemetry error or no worker owning the GPU → UNKNOWN, never lent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Mapping
+
+from tailspec.state import GpuState, GpuTelemetry, PhaseInfo, Progress
+
+GpuKey = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Literal["lend", "revoke", "reclaimed", "idle"]
+    node: str
+    gpu: int
+    reason: str = ""
+    token: int | None = None
+    session_id: str | None = None
+    latency_s: float | None = None  # idle: drain → detection; reclaimed: revoke → reclaimed
+
+
+@dataclass
+class GpuMachine:
+    node: str
+    gpu: int
+    state: GpuState = GpuState.UNKNOWN
+    since: float = 0.0
+    worker: str | None = None
+    step: int | None = None  # rollout step in which the GPU drained
+    drained_at: float | None = None  # worker's report time of the drain
+    last_high: float | None = None  # last telemetry time at/above the threshold since the drain
+    low_since: float | None = None  # start of the current low-utilization stretch after the drain
+    detected_at: float | None = None  # when idleness was confirmed
+    lease_token: int | None = None
+    session_id: str | None = None
+    lent_at: float | None = None
+    revoked_at: float | None = None
+    revoke_reason: str | None = None
+    floor: float = 0.0  # a drain is not dated before the last reclaim (the session was using the GPU)
+
+    @property
+    def key(self) -> GpuKey:
+        return (self.node, self.gpu)
+
+    def _enter(self, st: GpuState, now: float) -> None:
+        if st != self.state:
+            self.state, self.since = st, now
+
+    def _forget_drain(self) -> None:
+        self.step = self.drained_at = self.last_high = self.low_since = self.detected_at = None
+
+
+def expected_tail_s(now: float, phase: PhaseInfo | None, progress: Iterable[Progress]) -> float:
+    """Expected remaining rollout time. A worker may report its own estimate (`remaining_s`); otherwise
+    the estimate is the phase's elapsed time — for heavy-tailed lengths the expected residual life of a
+    request grows with its age (a request still running after t is expected to run about t more)."""
+    if phase is None or phase.phase != "rollout":
+        return 0.0
+    best = 0.0
+    for p in progress:
+        if p.phase != "rollout" or p.step != phase.step or p.active == 0:
+            continue
+        est = p.remaining_s if p.remaining_s is not None else max(0.0, now - phase.started_at)
+        best = max(best, est)
+    return best
+
+
+@dataclass
+class IdleDetector:
+    util_threshold: float = 10.0
+    window_s: float = 0.2
+    startup_s: float = 0.5
+    stop_deadline_s: float = 1.0
+    machines: dict[GpuKey, GpuMachine] = field(default_factory=dict)
+
+    def machine(self, node: str, gpu: int) -> GpuMachine:
+        m = self.machines.get((node, gpu))
+        if m is None:
+            m = self.machines[(node, gpu)] = GpuMachine(node, gpu)
+        return m
+
+    def tick(
+        self,
+        now: float,
+        phase: PhaseInfo | None,
+        progress: Mapping[str, Progress],
+        telemetry: Mapping[GpuKey, GpuTelemetry],
+        stopped_sessions: set[str] | frozenset[str] = frozenset(),
+    ) -> list[Action]:
+        owner: dict[GpuKey, Progress] = {}
+        for p in progress.values():
+            for g in p.gpus:
+                owner[(p.node, g)] = p
+        for k in set(telemetry) | set(owner):
+            self.machine(*k)
+        rollout = phase is not None and phase.phase == "rollout"
+        tail = expected_tail_s(now, phase, progress.values())
+        actions: list[Action] = []
+        for k, m in self.machines.items():
+            p, t = owner.get(k), telemetry.get(k)
+            actions.extend(self._step(m, now, phase, rollout, tail, p, t, stopped_sessions))
+        return actions
+
+    def _step(self, m: GpuMachine, now: float, phase: PhaseInfo | None, rollout: bool, tail: float,
+              p: Progress | None, t: GpuTelemetry | None, stopped: set[str] | frozenset[str]) -> list[Action]:
+        out: list[Action] = []
+        t_ok = t is not None and t.error is None
+        generating = p is not None and p.active > 0
+        drained = (rollout and p is not None and p.active == 0 and p.phase == "rollout"
+                   and phase is not None and p.step == phase.step)
+
+        if m.state == GpuState.LENT:
+            if m.session_id is not None and m.session_id in stopped:
+                out.append(self._reclaim(m, now, "session ended"))
+            else:
+                reason = ("phase ended" if not rollout else "worker progress lost" if p is None
+                          else "worker generating" if generating else "worker left the rollout step"
+                          if not drained else "telemetry lost" if t is None
+                          else f"telemetry error: {t.error}" if not t_ok else None)
+                if reason is not None:
+                    m._enter(GpuState.RECLAIMING, now)
+                    m.revoked_at, m.revoke_reason = now, reason
+                    out.append(Action("revoke", m.node, m.gpu, reason, m.lease_token, m.session_id))
+        if m.state == GpuState.RECLAIMING:
+            assert m.revoked_at is not None
+            if m.session_id is not None and m.session_id in stopped:
+                out.append(self._reclaim(m, now, "session stopped"))
+            elif now - m.revoked_at >= self.stop_deadline_s:
+                out.append(self._reclaim(m, now, "stop deadline passed"))
+        if m.state in (GpuState.LENT, GpuState.RECLAIMING):
+            return out
+
+        m.worker = p.worker if p is not None else None
+        if not t_ok or p is None:
+            m._forget_drain()
+            m._enter(GpuState.UNKNOWN, now)
+        elif generating:
+            m._forget_drain()
+            m._enter(GpuState.GENERATING, now)
+        elif drained:
+            assert phase is not None and t is not None
+            if m.state != GpuState.DRAINED or m.step != phase.step:
+                m._forget_drain()
+                m.step, m.drained_at = phase.step, max(p.ts, m.floor)
+                m._enter(GpuState.DRAINED, now)
+            assert m.drained_at is not None
+            # Low since the drain unless telemetry saw it busy after the drain; then low since the
+            # first low sample after that.
+            if t.ts >= m.drained_at and t.util >= self.util_threshold:
+                m.last_high, m.low_since, m.detected_at = t.ts, None, None
+            elif t.ts >= m.drained_at and m.low_since is None:
+                m.low_since = t.ts if m.last_high is not None else m.drained_at
+            low_since = m.low_since
+            idle = (low_since is not None and t.ts >= low_since and t.util < self.util_threshold
+                    and now - low_since >= self.window_s)
+            if idle and m.detected_at is None:
+                m.detected_at = now
+                out.append(Action("idle", m.node, m.gpu, latency_s=now - m.drained_at))
+            if idle and tail > self.startup_s:
+                out.append(Action("lend", m.node, m.gpu, f"expected tail {tail:.2f}s"))
+        else:
+            m._forget_drain()
+            m._enter(GpuState.UNKNOWN, now)
+        return out
+
+    def _reclaim(self, m: GpuMachine, now: float, reason: str) -> Action:
+        latency = now - m.revoked_at if m.revoked_at is not None else None
+        a = Action("reclaimed", m.node, m.gpu, reason, m.lease_token, m.session_id, latency)
+        m.lease_token = m.session_id = m.lent_at = m.revoked_at = m.revoke_reason = None
+        m._forget_drain()  # a fresh window before lending again
+        m.floor = now
+        m._enter(GpuState.UNKNOWN, now)
+        return a
+
+    def lent(self, node: str, gpu: int, token: int, session_id: str, now: float) -> None:
+        """The service got the lease and started the session."""
+        m = self.machine(node, gpu)
+        if m.state != GpuState.DRAINED:
+            raise RuntimeError(f"GPU {node}:{gpu} lent from state {m.state.value}, expected drained")
+        m.lease_token, m.session_id, m.lent_at = token, session_id, now
+        m._enter(GpuState.LENT, now)

@@ -1,0 +1,86 @@
+"""Per-node telemetry monitor: sample every GPU each period into the cluster state.
+
+Writes `gpu:{node}:{gpu}` (latest sample, expiring so a dead monitor's GPUs turn UNKNOWN), adds the GPU
+to `gpus`, and appends to the capped `history:gpu` stream for timelines. A Redis error is counted and
+logged; the loop never dies of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailspec import state
+from tailspec.state import Event, GpuTelemetry
+
+from tailspec.scheduler.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TelemetryMonitor:
+    telemetry: Telemetry
+    r: Any
+    cluster: str
+    period_s: float = 0.2
+    history_maxlen: int = 20_000
+    warning: str | None = None  # published once as an event (e.g. "using SIMULATED telemetry")
+    errors: int = 0
+    samples: int = 0
+    last: list[GpuTelemetry] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warned = False
+
+    def sample_once(self) -> list[GpuTelemetry]:
+        samples = self.telemetry.sample()
+        c = self.cluster
+        ttl_ms = int(max(2.0, 10 * self.period_s) * 1000)
+        pipe = self.r.pipeline(transaction=False)
+        for s in samples:
+            pipe.set(state.key(c, "telemetry", node=s.node, gpu=s.gpu), state.encode(s), px=ttl_ms)
+            pipe.sadd(state.key(c, "gpus"), f"{s.node}:{s.gpu}")
+            pipe.xadd(state.key(c, "telemetry_history"), {"data": state.encode(s)},
+                      maxlen=self.history_maxlen, approximate=True)
+        if self.warning and not self._warned:
+            pipe.xadd(state.key(c, "events"), {"data": state.encode(
+                Event(kind="warning", node=self.telemetry.node, detail={"message": self.warning}))},
+                maxlen=self.history_maxlen, approximate=True)
+        pipe.execute()
+        self._warned = True
+        self.samples += 1
+        self.last = samples
+        return samples
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        stop = stop or self._stop
+        next_t = time.monotonic()
+        while not stop.is_set():
+            try:
+                self.sample_once()
+            except Exception as e:  # Redis down, a telemetry bug: count, log, keep sampling
+                self.errors += 1
+                if self.errors in (1, 10) or self.errors % 100 == 0:
+                    log.warning("telemetry monitor on %s: %s (%d errors)", self.telemetry.node, e, self.errors)
+            next_t += self.period_s
+            delay = next_t - time.monotonic()
+            if delay < 0:  # fell behind (loaded machine): skip missed periods instead of bursting
+                next_t, delay = time.monotonic(), 0
+            stop.wait(delay)
+
+    def start(self) -> "TelemetryMonitor":
+        self._thread = threading.Thread(target=self.run, name=f"telemetry-{self.telemetry.node}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.telemetry.close()

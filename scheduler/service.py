@@ -1,0 +1,321 @@
+"""The scheduler loop: read the cluster state, step the per-GPU state machines, act.
+
+Each tick (default 50 ms) reads phase, progress and telemetry from Redis in two pipelined round trips,
+runs `IdleDetector.tick`, and executes its actions: lend (fenced lease + session start), revoke
+(revoke flag + lease delete), reclaimed (release, backstop stop, final records). It also keeps the
+dashboards' keys filled: gpu_status + history:status on every transition, counters (idle/lent
+GPU-seconds, sessions started/stopped/preempted), events, and the heartbeat that sessions' lease
+renewals require — so a dead scheduler means every session stops within one lease TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailspec import state
+from tailspec.config import TailspecConfig
+from tailspec.state import Event, GpuState, GpuStatus, GpuTelemetry, Lease, PhaseInfo, Progress, SessionInfo, StateError
+
+from tailspec.scheduler.idle import Action, IdleDetector
+from tailspec.scheduler.leases import Leases
+from tailspec.scheduler.session import SessionContext
+
+log = logging.getLogger(__name__)
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+@dataclass
+class Scheduler:
+    cfg: TailspecConfig
+    r: Any
+    dispatcher: Any
+    redis_url: str | None = None  # what sessions connect to (defaults to cfg.cluster.redis_url)
+    require_heartbeat: bool = True
+    bad_payloads: int = 0
+    errors: int = 0
+    ticks: int = 0
+    live: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # session id → (node, gpu, token)
+
+    def __post_init__(self) -> None:
+        sc = self.cfg.scheduler
+        self.c = self.cfg.cluster.name
+        self.detector = IdleDetector(util_threshold=sc.idle_util_threshold, window_s=sc.idle_window_s,
+                                     startup_s=sc.session_startup_s, stop_deadline_s=sc.stop_deadline_s)
+        self.leases = Leases(self.r, self.c)
+        self._published: dict[tuple[str, int], tuple[GpuState, float]] = {}
+        self._last_tick: float | None = None
+        self._stop = threading.Event()
+
+    # -- state snapshot ------------------------------------------------------------------------
+    def _bad(self, where: str, err: Exception) -> None:
+        self.bad_payloads += 1
+        if self.bad_payloads in (1, 10) or self.bad_payloads % 100 == 0:
+            log.warning("scheduler: skipping bad payload at %s: %s (%d so far)", where, err, self.bad_payloads)
+
+    def snapshot(self) -> tuple[PhaseInfo | None, dict[str, Progress], dict[tuple[str, int], GpuTelemetry]]:
+        c = self.c
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(state.key(c, "phase"))
+        pipe.smembers(state.key(c, "workers"))
+        pipe.smembers(state.key(c, "gpus"))
+        raw_phase, workers, gpus = pipe.execute()
+        workers = sorted(_s(w) for w in workers)
+        gpu_keys: list[tuple[str, int]] = []
+        for g in gpus:
+            node, _, idx = _s(g).rpartition(":")
+            if node and idx.isdigit():
+                gpu_keys.append((node, int(idx)))
+        pipe = self.r.pipeline(transaction=False)
+        for w in workers:
+            pipe.get(state.key(c, "progress", worker=w))
+        for node, g in gpu_keys:
+            pipe.get(state.key(c, "telemetry", node=node, gpu=g))
+        raw = pipe.execute()
+        phase = None
+        if raw_phase is not None:
+            try:
+                phase = state.decode(PhaseInfo, raw_phase, where="phase")
+            except StateError as e:
+                self._bad("phase", e)
+        progress: dict[str, Progress] = {}
+        for w, v in zip(workers, raw[: len(workers)]):
+            if v is None:
+                continue
+            try:
+                progress[w] = state.decode(Progress, v, where=f"progress:{w}")
+            except StateError as e:
+                self._bad(f"progress:{w}", e)
+        telemetry: dict[tuple[str, int], GpuTelemetry] = {}
+        for k, v in zip(gpu_keys, raw[len(workers):]):
+            if v is None:
+                continue
+            try:
+                telemetry[k] = state.decode(GpuTelemetry, v, where=f"gpu:{k[0]}:{k[1]}")
+            except StateError as e:
+                self._bad(f"gpu:{k[0]}:{k[1]}", e)
+        return phase, progress, telemetry
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def recover(self) -> int:
+        """Revoke leases left by a previous scheduler incarnation: nobody would renew or stop them."""
+        n = 0
+        for k in self.r.scan_iter(match=f"tailspec:{self.c}:lease:*", count=200):
+            try:
+                lease = state.get(self.r, _s(k), Lease)
+            except StateError:
+                self.r.delete(k)
+                continue
+            if lease is not None:
+                self.leases.revoke(lease.node, lease.gpu, lease.token)
+                self._event("lease_revoked", lease.node, lease.gpu, token=lease.token,
+                            reason="left by a previous scheduler")
+                n += 1
+        return n
+
+    def _event(self, kind: str, node: str | None, gpu: int | None, pipe: Any = None, **detail: Any) -> None:
+        ev = Event(kind=kind, node=node, gpu=gpu, detail=detail)  # type: ignore[arg-type]
+        (pipe or self.r).xadd(state.key(self.c, "events"), {"data": state.encode(ev)},
+                              maxlen=self.cfg.scheduler.history_maxlen, approximate=True)
+
+    def heartbeat(self, pipe: Any) -> None:
+        # Expires before one TTL is over, so sessions' renewals fail within one TTL of our death.
+        pipe.set(state.key(self.c, "scheduler_heartbeat"), repr(time.time()),
+                 px=max(50, int(self.cfg.scheduler.lease_ttl_s * 750)))
+
+    # -- one tick ------------------------------------------------------------------------------
+    def tick(self, now: float | None = None) -> list[Action]:
+        now = time.time() if now is None else now
+        phase, progress, telemetry = self.snapshot()
+        ended = self.dispatcher.poll()
+        sc = self.cfg.scheduler
+        # GPU-seconds over the interval since the last tick, by the states held during it.
+        dt = 0.0 if self._last_tick is None else min(max(0.0, now - self._last_tick), 1.0)
+        self._last_tick = now
+        n_idle = sum(m.state in (GpuState.DRAINED, GpuState.LENT) for m in self.detector.machines.values())
+        n_lent = sum(m.state == GpuState.LENT for m in self.detector.machines.values())
+
+        actions = self.detector.tick(now, phase, progress, telemetry, ended)
+        pipe = self.r.pipeline(transaction=False)
+        for a in actions:
+            try:
+                self._execute(a, now, phase, pipe)
+            except Exception as e:  # one failed action must not stop the loop (Redis blips, dispatch errors)
+                self.errors += 1
+                log.warning("scheduler: %s on %s:%d failed: %s", a.kind, a.node, a.gpu, e)
+        # Leases of live sessions are renewed here too: a session whose process is still starting
+        # (imports, model load) must not lose its GPU before its first own renewal.
+        for m in self.detector.machines.values():
+            if m.state == GpuState.LENT and m.lease_token is not None:
+                self.leases._renew(keys=[state.key(self.c, "lease", node=m.node, gpu=m.gpu),
+                                         state.key(self.c, "revoke", node=m.node, gpu=m.gpu),
+                                         state.key(self.c, "scheduler_heartbeat")],
+                                   args=[m.lease_token, int(sc.lease_ttl_s * 1000), "0"], client=pipe)
+        self._publish_status(now, pipe)
+        if dt > 0:
+            ck = state.key(self.c, "counters")
+            if n_idle:
+                pipe.hincrbyfloat(ck, "idle_gpu_seconds", dt * n_idle)
+            if n_lent:
+                pipe.hincrbyfloat(ck, "lent_gpu_seconds", dt * n_lent)
+        self.heartbeat(pipe)
+        pipe.execute()
+        self.ticks += 1
+        return actions
+
+    def _execute(self, a: Action, now: float, phase: PhaseInfo | None, pipe: Any) -> None:
+        c, sc = self.c, self.cfg.scheduler
+        ck = state.key(c, "counters")
+        if a.kind == "idle":
+            self._event("gpu_idle", a.node, a.gpu, pipe, detect_latency_s=a.latency_s)
+        elif a.kind == "lend":
+            holder = f"scheduler@{self.c}"
+            lease = self.leases.acquire(a.node, a.gpu, holder, sc.lease_ttl_s)
+            if lease is None:
+                return  # someone else's lease is still live (it expires within one TTL); retry next tick
+            sid = f"{a.node}-g{a.gpu}-t{lease.token}"
+            ctx = SessionContext(
+                session_id=sid, node=a.node, gpu=a.gpu, lease_token=lease.token,
+                redis_url=self.redis_url or self.cfg.cluster.redis_url, cluster=c,
+                config=self.cfg.model_dump(mode="json"), lease_ttl_s=sc.lease_ttl_s,
+                stop_deadline_s=sc.stop_deadline_s, started_at=lease.granted_at,
+                require_heartbeat=self.require_heartbeat,
+            )
+            info = SessionInfo(session_id=sid, node=a.node, gpu=a.gpu, lease_token=lease.token,
+                               status="starting", started_at=lease.granted_at)
+            # Written before the process starts so the session's own fenced writes come after it.
+            self.r.set(state.key(c, "session", session_id=sid), state.encode(info))
+            try:
+                self.dispatcher.start(ctx)
+            except Exception as e:
+                self.leases.release(a.node, a.gpu, lease.token)
+                self.r.set(state.key(c, "session", session_id=sid), state.encode(info.model_copy(
+                    update={"status": "failed", "stopped_at": time.time(), "stop_reason": f"start: {e}"})))
+                self._event("session_failed", a.node, a.gpu, pipe, session_id=sid, error=str(e))
+                raise
+            self.detector.lent(a.node, a.gpu, lease.token, sid, now)
+            self.live[sid] = (a.node, a.gpu, lease.token)
+            pipe.sadd(state.key(c, "sessions"), sid)
+            pipe.hincrbyfloat(ck, "sessions_started", 1)
+            m = self.detector.machine(a.node, a.gpu)
+            self._event("lease_granted", a.node, a.gpu, pipe, token=lease.token, session_id=sid,
+                        reason=a.reason, idle_s=now - (m.drained_at or now))
+            self._event("session_started", a.node, a.gpu, pipe, session_id=sid, token=lease.token)
+        elif a.kind == "revoke":
+            assert a.token is not None
+            self.leases.revoke(a.node, a.gpu, a.token, flag_ttl_s=max(60.0, 10 * sc.lease_ttl_s))
+            pipe.hincrbyfloat(ck, "sessions_preempted", 1)
+            self._event("lease_revoked", a.node, a.gpu, pipe, token=a.token, session_id=a.session_id,
+                        reason=a.reason)
+        elif a.kind == "reclaimed":
+            sid = a.session_id
+            if a.token is not None:
+                self.leases.release(a.node, a.gpu, a.token)
+            if sid is None:
+                return
+            exited = sid in self.dispatcher.poll()
+            if not exited:
+                self.dispatcher.stop(sid)  # past the deadline: the backstop
+            self.dispatcher.forget(sid)
+            self.live.pop(sid, None)
+            pipe.hincrbyfloat(ck, "sessions_stopped", 1)
+            self._finalize_record(sid, a.reason)
+            self._event("session_stopped", a.node, a.gpu, pipe, session_id=sid, token=a.token, reason=a.reason,
+                        release_latency_s=a.latency_s, exited=exited)
+
+    def _finalize_record(self, sid: str, reason: str) -> None:
+        """A session killed before writing its final record is marked stopped by us."""
+        k = state.key(self.c, "session", session_id=sid)
+        try:
+            info = state.get(self.r, k, SessionInfo)
+        except StateError:
+            info = None
+        if info is not None and info.status not in ("stopped", "failed"):
+            self.r.set(k, state.encode(info.model_copy(update={
+                "status": "stopped", "stopped_at": time.time(), "stop_reason": f"scheduler: {reason}"})))
+
+    def _publish_status(self, now: float, pipe: Any) -> None:
+        for key, m in self.detector.machines.items():
+            cur = (m.state, m.since)
+            if self._published.get(key) == cur:
+                continue
+            self._published[key] = cur
+            st = GpuStatus(node=m.node, gpu=m.gpu, state=m.state, since=m.since, worker=m.worker,
+                           lease_token=m.lease_token, session_id=m.session_id)
+            pipe.set(state.key(self.c, "gpu_status", node=m.node, gpu=m.gpu), state.encode(st))
+            pipe.xadd(state.key(self.c, "status_history"), {"data": state.encode(st)},
+                      maxlen=self.cfg.scheduler.history_maxlen, approximate=True)
+
+    # -- loop ----------------------------------------------------------------------------------
+    def serve(self, stop: threading.Event | None = None) -> None:
+        stop = stop or self._stop
+        try:
+            self.recover()
+        except Exception as e:
+            log.warning("scheduler: recovery scan failed: %s", e)
+        period = self.cfg.scheduler.tick_s
+        next_t = time.monotonic()
+        while not stop.is_set():
+            try:
+                self.tick()
+            except Exception as e:  # Redis down: sessions stop on their own; keep trying
+                self.errors += 1
+                if self.errors in (1, 10) or self.errors % 100 == 0:
+                    log.warning("scheduler tick failed: %s (%d errors)", e, self.errors)
+            next_t += period
+            delay = next_t - time.monotonic()
+            if delay < 0:
+                next_t, delay = time.monotonic(), 0
+            stop.wait(delay)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def shutdown(self) -> None:
+        """Revoke every lease and stop every session (clean exit)."""
+        for sid, (node, gpu, token) in list(self.live.items()):
+            try:
+                self.leases.revoke(node, gpu, token)
+            except Exception:
+                pass
+        self.dispatcher.shutdown()
+        for sid in list(self.live):
+            try:
+                self._finalize_record(sid, "scheduler shut down")
+            except Exception:
+                pass
+        self.live.clear()
+        try:
+            self.r.delete(state.key(self.c, "scheduler_heartbeat"))
+        except Exception:
+            pass
+
+
+def run_local(cfg: TailspecConfig, stop: threading.Event | None = None, redis_url: str | None = None,
+              log_dir: str | None = None) -> None:
+    """Single-node mode: one process with the telemetry monitor (thread) and the scheduler loop."""
+    import redis
+
+    from tailspec.scheduler.dispatch import LocalDispatcher
+    from tailspec.scheduler.monitor import TelemetryMonitor
+    from tailspec.scheduler.telemetry import make_telemetry
+
+    url = redis_url or cfg.cluster.redis_url
+    sc = cfg.scheduler
+    r = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    telemetry, warning = make_telemetry(sc.telemetry, cfg.cluster.node, r, cfg.cluster.name, sc.simulated_gpus)
+    monitor = TelemetryMonitor(telemetry, r, cfg.cluster.name, sc.sample_period_s, sc.history_maxlen,
+                               warning=warning).start()
+    sched = Scheduler(cfg, r, LocalDispatcher(sc.session_entry, log_dir=log_dir), redis_url=url)
+    stop = stop or threading.Event()
+    try:
+        sched.serve(stop)
+    finally:
+        monitor.stop()
+        sched.shutdown()

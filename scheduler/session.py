@@ -1,0 +1,222 @@
+"""What a trainer session sees of the scheduler: `SessionContext`, and the process entry that runs one.
+
+The scheduler starts a session process (local subprocess or Ray actor) with the GPU exposed through
+CUDA_VISIBLE_DEVICES and the context as JSON in $TAILSPEC_SESSION_CONTEXT (never pickle). The process
+imports `scheduler.session_entry` ("module:function") and calls fn(ctx); the function trains while
+`ctx.should_continue()` is True and returns when it turns False.
+
+`should_continue()` renews the session's lease with its fencing token. It turns False — for good — when
+the token is stale, the lease was revoked or expired, the scheduler's heartbeat is gone, or Redis has
+been unreachable for as long as the last renewal covered. So whatever dies (scheduler, Redis, network),
+a session stops within one lease TTL on its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from tailspec import state
+from tailspec.state import SessionInfo
+
+CONTEXT_ENV = "TAILSPEC_SESSION_CONTEXT"
+
+
+@dataclass
+class SessionContext:
+    session_id: str
+    node: str
+    gpu: int
+    lease_token: int
+    redis_url: str
+    cluster: str
+    config: dict[str, Any] = field(default_factory=dict)  # TailspecConfig.model_dump(mode="json")
+    lease_ttl_s: float = 2.0
+    stop_deadline_s: float = 1.0  # after revoke, the GPU counts as reclaimed after this long
+    started_at: float = field(default_factory=time.time)
+    require_heartbeat: bool = True
+    # Renew at most this often: a training step may call should_continue() every few ms.
+    min_renew_interval_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        self._r: Any = None
+        self._leases: Any = None
+        self._last_check = float("-inf")
+        self._last_renewed = self.started_at  # wall time; the lease was granted at started_at
+        self._stopped = False
+        self.stop_reason: str | None = None
+        self.stop_seen_at: float | None = None  # wall time should_continue() first returned False
+
+    # -- serialisation (JSON only) --------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str) -> "SessionContext":
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"session context is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError("session context must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"session context has unknown fields: {sorted(unknown)}")
+        return cls(**data)
+
+    def tailspec_config(self):
+        """The full TailspecConfig the scheduler ran with."""
+        from tailspec.config import TailspecConfig
+
+        return TailspecConfig.model_validate(self.config)
+
+    # -- Redis --------------------------------------------------------------------------------
+    @property
+    def redis(self) -> Any:
+        if self._r is None:
+            import redis
+
+            # Short timeouts: a hung Redis must not stall a training step for long.
+            t = max(0.05, min(0.25, self.lease_ttl_s / 8))
+            self._r = redis.Redis.from_url(self.redis_url, socket_timeout=t, socket_connect_timeout=t)
+        return self._r
+
+    @property
+    def leases(self):
+        if self._leases is None:
+            from tailspec.scheduler.leases import Leases
+
+            self._leases = Leases(self.redis, self.cluster)
+        return self._leases
+
+    def _stop(self, reason: str) -> bool:
+        if not self._stopped:
+            self._stopped = True
+            self.stop_reason = reason
+            self.stop_seen_at = time.time()
+        return False
+
+    def should_continue(self) -> bool:
+        """True while this session still holds its GPU; renews the lease (fenced). Sticky once False."""
+        if self._stopped:
+            return False
+        now = time.monotonic()
+        if now - self._last_check < self.min_renew_interval_s:
+            return True
+        self._last_check = now
+        from tailspec.scheduler import leases as L
+
+        try:
+            code = self.leases.renew(self.node, self.gpu, self.lease_token, self.lease_ttl_s,
+                                     require_heartbeat=self.require_heartbeat)
+        except Exception as e:  # redis down / timeout / script error: the last renewal still covers us
+            # Stop a little before the lease's own expiry so the GPU is free when Redis says it is.
+            if time.time() - self._last_renewed >= 0.9 * self.lease_ttl_s:
+                return self._stop(f"redis unreachable: {type(e).__name__}")
+            return True
+        if code == L.RENEWED:
+            self._last_renewed = time.time()
+            return True
+        return self._stop(L.REASONS.get(code, f"renew code {code}"))
+
+    def report(self, step: int, loss: float | None = None, tokens: int = 0,
+               drafter_version: int | None = None) -> bool:
+        """Publish progress (fenced: refused once the lease is gone). Never raises on Redis errors."""
+        info = SessionInfo(session_id=self.session_id, node=self.node, gpu=self.gpu,
+                           lease_token=self.lease_token, status="running", step=step,
+                           loss=None if loss is None or loss != loss else float(loss), tokens=tokens,
+                           started_at=self.started_at, drafter_version=drafter_version)
+        try:
+            return self.leases.fenced_set(self.node, self.gpu, self.lease_token,
+                                          state.key(self.cluster, "session", session_id=self.session_id),
+                                          state.encode(info))
+        except Exception:
+            return False
+
+    def _final_record(self, status: str, reason: str) -> None:
+        k = state.key(self.cluster, "session", session_id=self.session_id)
+        try:
+            prev = state.get(self.redis, k, SessionInfo)
+        except Exception:
+            prev = None
+        now = time.time()
+        info = SessionInfo(
+            session_id=self.session_id, node=self.node, gpu=self.gpu, lease_token=self.lease_token,
+            status=status, step=prev.step if prev else 0, loss=prev.loss if prev else None,
+            tokens=prev.tokens if prev else 0, started_at=self.started_at, stopped_at=now,
+            stop_reason=reason, drafter_version=prev.drafter_version if prev else None,
+            stop_latency_s=(now - self.stop_seen_at) if self.stop_seen_at else None,
+        )
+        try:
+            # The session's own record, written after the lease is gone: not fenced on purpose.
+            state.put(self.redis, k, info)
+        except Exception:
+            pass
+
+
+def load_entry(spec: str) -> Callable[[SessionContext], Any]:
+    """Resolve "module:function" → the callable, with a clear error naming what is missing."""
+    if ":" not in spec:
+        raise ValueError(f"session entry {spec!r} must look like 'module:function'")
+    mod_name, fn_name = spec.split(":", 1)
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"session entry {spec!r}: cannot import module {mod_name!r} ({e})") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"session entry {spec!r}: module {mod_name!r} has no function {fn_name!r}")
+    return fn
+
+
+def run_context(ctx: SessionContext, entry: str) -> int:
+    """Run one session to its end in this process; writes the final SessionInfo. Returns an exit code."""
+    import signal
+
+    def _term(signum, frame):  # the dispatcher's SIGTERM after the deadline: leave through finally
+        raise SystemExit(143)
+
+    if threading_is_main():
+        signal.signal(signal.SIGTERM, _term)
+    status, reason, code = "stopped", None, 0
+    try:
+        fn = load_entry(entry)
+        ctx.report(0)
+        fn(ctx)
+        reason = ctx.stop_reason or "returned"
+    except SystemExit as e:
+        reason, code = "terminated", int(e.code or 0)
+    except BaseException as e:  # noqa: BLE001 - a failing session must still leave its record
+        status, reason, code = "failed", f"{type(e).__name__}: {e}", 1
+        traceback.print_exc()
+    finally:
+        ctx._final_record(status, reason or "returned")
+    return code
+
+
+def threading_is_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def main() -> int:
+    raw = os.environ.get(CONTEXT_ENV)
+    if not raw:
+        print(f"tailspec session: ${CONTEXT_ENV} is not set", file=sys.stderr)
+        return 2
+    ctx = SessionContext.from_json(raw)
+    entry = os.environ.get("TAILSPEC_SESSION_ENTRY") or ctx.config.get("scheduler", {}).get(
+        "session_entry", "tailspec.sessions:run_session")
+    return run_context(ctx, entry)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""GPU telemetry: NVML on real GPUs, a simulated stand-in elsewhere.
+
+`NvmlTelemetry` reads utilization, memory, running processes and power through nvidia-ml-py; an error
+on one device is reported in that device's sample (the GPU becomes UNKNOWN and is never lent) and
+the others go on. `SimulatedTelemetry` is the only stand-in the project allows: for machines without
+GPUs it derives utilization from the rollout workers' own reported activity and from the leases
+(sessions) on each GPU, and every sample carries `simulated=True` so every display says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any, Protocol
+
+from tailspec import state
+from tailspec.state import GpuTelemetry, Lease, Progress, StateError
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+class TelemetryError(RuntimeError):
+    """Telemetry cannot start (e.g. NVML is missing); the message says what to do instead."""
+
+
+class Telemetry(Protocol):
+    node: str
+    simulated: bool
+
+    def gpu_ids(self) -> list[int]: ...
+
+    def sample(self) -> list[GpuTelemetry]: ...
+
+    def close(self) -> None: ...
+
+
+class NvmlTelemetry:
+    simulated = False
+
+    def __init__(self, node: str, nvml: Any = None):
+        if nvml is None:
+            try:
+                import pynvml as nvml
+            except ImportError as e:  # pragma: no cover - nvidia-ml-py is a core dependency
+                raise TelemetryError(f"telemetry 'nvml' needs nvidia-ml-py: {e}") from None
+        self.nvml = nvml
+        self.node = node
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as e:
+            raise TelemetryError(
+                f"telemetry 'nvml': NVML failed to initialize ({e}); no NVIDIA driver / libnvidia-ml "
+                "on this machine? Use scheduler.telemetry=simulated (or auto, which falls back with a warning)"
+            ) from None
+        try:
+            self.count = int(nvml.nvmlDeviceGetCount())
+        except nvml.NVMLError as e:
+            nvml.nvmlShutdown()
+            raise TelemetryError(f"telemetry 'nvml': cannot count devices ({e})") from None
+        self._handles: dict[int, Any] = {}
+
+    def gpu_ids(self) -> list[int]:
+        return list(range(self.count))
+
+    def _handle(self, i: int) -> Any:
+        h = self._handles.get(i)
+        if h is None:
+            h = self._handles[i] = self.nvml.nvmlDeviceGetHandleByIndex(i)
+        return h
+
+    def _pids(self, h: Any) -> list[int]:
+        pids: set[int] = set()
+        for fn_name in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+            fn = getattr(self.nvml, fn_name, None)
+            if fn is None:
+                continue
+            try:
+                pids.update(int(p.pid) for p in fn(h))
+            except self.nvml.NVMLError:
+                pass  # not supported on some devices / drivers: processes stay unknown, not an error
+        return sorted(pids)
+
+    def sample_one(self, i: int) -> GpuTelemetry:
+        nvml = self.nvml
+        now = time.time()
+        try:
+            h = self._handle(i)
+            util = float(nvml.nvmlDeviceGetUtilizationRates(h).gpu)
+            mem = nvml.nvmlDeviceGetMemoryInfo(h)
+            try:
+                power = nvml.nvmlDeviceGetPowerUsage(h) / 1000.0
+            except nvml.NVMLError:
+                power = None
+            return GpuTelemetry(node=self.node, gpu=i, util=min(100.0, max(0.0, util)), mem_used=int(mem.used),
+                                mem_total=int(mem.total), power_w=power, processes=self._pids(h),
+                                simulated=False, ts=now)
+        except nvml.NVMLError as e:
+            self._handles.pop(i, None)  # re-acquire next time: the device may come back
+            return GpuTelemetry(node=self.node, gpu=i, util=0.0, mem_used=0, mem_total=0, simulated=False,
+                                error=f"NVML: {e}", ts=now)
+
+    def sample(self) -> list[GpuTelemetry]:
+        return [self.sample_one(i) for i in range(self.count)]
+
+    def close(self) -> None:
+        try:
+            self.nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+class SimulatedTelemetry:
+    """Utilization derived from what the cluster reports about itself (labelled simulated everywhere):
+    a GPU whose worker has active requests is busy in proportion to its batch, a GPU with a lease is
+    running a session, any other GPU idles near 0%."""
+
+    simulated = True
+    MEM_TOTAL = 80 * GIB
+
+    def __init__(self, node: str, r: Any, cluster: str, num_gpus: int = 4, seed: int | None = None):
+        self.node, self.r, self.cluster, self.num_gpus = node, r, cluster, num_gpus
+        self.rng = random.Random(seed)
+        self.bad_progress = 0
+
+    def gpu_ids(self) -> list[int]:
+        return list(range(self.num_gpus))
+
+    def _activity(self) -> tuple[dict[int, Progress], set[int]]:
+        c = self.cluster
+        workers = sorted(w.decode() if isinstance(w, bytes) else w
+                         for w in self.r.smembers(state.key(c, "workers")))
+        pipe = self.r.pipeline(transaction=False)
+        for w in workers:
+            pipe.get(state.key(c, "progress", worker=w))
+        for g in range(self.num_gpus):
+            pipe.get(state.key(c, "lease", node=self.node, gpu=g))
+        raw = pipe.execute()
+        owners: dict[int, Progress] = {}
+        for w, v in zip(workers, raw[: len(workers)]):
+            if v is None:
+                continue
+            try:
+                p = state.decode(Progress, v, where=f"progress:{w}")
+            except StateError:
+                self.bad_progress += 1
+                continue
+            if p.node == self.node:
+                for g in p.gpus:
+                    owners[g] = p
+        leased = set()
+        for g, v in enumerate(raw[len(workers):]):
+            if v is not None:
+                try:
+                    state.decode(Lease, v)
+                    leased.add(g)
+                except StateError:
+                    pass
+        return owners, leased
+
+    def sample(self) -> list[GpuTelemetry]:
+        owners, leased = self._activity()
+        now = time.time()
+        out = []
+        for g in range(self.num_gpus):
+            p = owners.get(g)
+            mem = 0
+            if p is not None:
+                mem += 30 * GIB  # resident policy weights + KV cache of the rollout engine
+            if p is not None and p.active > 0:
+                util = 70.0 + 25.0 * min(1.0, p.active / 8) + self.rng.uniform(-3, 3)
+                mem += min(p.active, 64) * GIB // 4
+            elif g in leased:
+                util = 55.0 + self.rng.uniform(-5, 5)
+                mem += 8 * GIB
+            else:
+                util = self.rng.uniform(0.0, 2.0)
+            util = min(100.0, max(0.0, util))
+            out.append(GpuTelemetry(node=self.node, gpu=g, util=round(util, 1), mem_used=mem,
+                                    mem_total=self.MEM_TOTAL, power_w=round(70 + 6 * util, 1), processes=[],
+                                    simulated=True, ts=now))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def make_telemetry(kind: str, node: str, r: Any, cluster: str, num_gpus: int = 4,
+                   nvml: Any = None) -> tuple[Telemetry, str | None]:
+    """Build the configured telemetry. Returns (telemetry, warning): `auto` falls back to simulated
+    with a warning when NVML does not initialize or sees no device; `nvml` raises TelemetryError."""
+    if kind not in ("auto", "nvml", "simulated"):
+        raise TelemetryError(f"scheduler.telemetry must be auto, nvml or simulated, got {kind!r}")
+    if kind == "simulated":
+        return SimulatedTelemetry(node, r, cluster, num_gpus), None
+    try:
+        t = NvmlTelemetry(node, nvml=nvml)
+    except TelemetryError as e:
+        if kind == "nvml":
+            raise
+        msg = f"NVML unavailable ({e}); using SIMULATED GPU telemetry on node {node}"
+        log.warning(msg)
+        return SimulatedTelemetry(node, r, cluster, num_gpus), msg
+    if t.count == 0 and kind == "auto":
+        t.close()
+        msg = f"NVML sees no GPU on node {node}; using SIMULATED GPU telemetry"
+        log.warning(msg)
+        return SimulatedTelemetry(node, r, cluster, num_gpus), msg
+    return t, None
