@@ -265,7 +265,8 @@ def serve(app: App, host: str = "127.0.0.1", port: int = 0, allow_remote: bool =
         raise ConfigError(f"cannot bind {host}:{port}: {e.strerror or e}") from None
     httpd.app = app  # type: ignore[attr-defined]
     httpd.loopback_only = is_loopback(host)  # type: ignore[attr-defined]
-    t = threading.Thread(target=httpd.serve_forever, name=name, daemon=True)
+    # A short poll interval makes stop() quick (shutdown waits for the loop to look).
+    t = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, name=name, daemon=True)
     t.start()
     return RunningServer(httpd, t, host.strip("[]"))
 

@@ -14,6 +14,7 @@ from tailspec.config import ConfigError, load_config
 # Order = order in `tailspec --help`.
 COMMAND_MODULES = [
     "tailspec.commands.config",
+    "tailspec.commands.dashboard",
 ]
 
 

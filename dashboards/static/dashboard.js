@@ -10,6 +10,7 @@
   const PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
                    "#ff9da7", "#9c755f", "#bab0ac"];
   const REFRESH_MS = 1000;
+  const INT_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000];  // integer x ticks
   const $ = (id) => document.getElementById(id);
   const SVG_NS = "http://www.w3.org/2000/svg";
 
@@ -124,7 +125,7 @@
     const data = xs.length ? [xs, promoted, rejected, baseline] : null;
     chart("versions", $("chart-versions"), () => ({
       scales: {x: {time: false}},
-      axes: [{label: "drafter version"}, {}],
+      axes: [{label: "drafter version", incrs: INT_INCRS}, {}],
       series: [
         {label: "version"},
         {label: "promoted", stroke: "#59a14f", width: 2, spanGaps: true, points: {show: true, size: 7}},
@@ -155,7 +156,7 @@
     const acc = stepTables(st.rollout, "acceptance_length");
     chart("steps", $("chart-steps"), () => ({
       scales: {x: {time: false}},
-      axes: [{label: "RL step"}, {}],
+      axes: [{label: "RL step", incrs: INT_INCRS}, {}],
       series: [{label: "step"}, ...lineSeries(acc.workers, {points: {show: true, size: 5}})],
     }), acc.data, acc.workers.join("|"), "no rollout figures yet");
     const sp = stepTables(st.rollout, "speedup");
@@ -164,7 +165,7 @@
       : "no rollout figures yet";
     chart("speedup", $("chart-speedup"), () => ({
       scales: {x: {time: false}},
-      axes: [{label: "RL step"}, {}],
+      axes: [{label: "RL step", incrs: INT_INCRS}, {}],
       series: [{label: "step"}, ...lineSeries(sp.workers, {points: {show: true, size: 5}})],
     }), sp.data, sp.workers.join("|"), emptySpeedup);
   }
@@ -179,13 +180,14 @@
     const root = svg("svg", {width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: "img",
                              "aria-label": "per-GPU state timeline"});
     const axis = svg("g", {class: "axis"});
-    const ticks = 6;
-    for (let i = 0; i <= ticks; i++) {
-      const t = tl.start + (i / ticks) * tl.window_s;
-      const ago = tl.now - t;
+    // Ticks every `step` seconds back from now, step chosen for about 6-8 ticks.
+    const steps = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400];
+    const step = steps.find((s) => s >= tl.window_s / 8) || steps[steps.length - 1];
+    for (let ago = 0; ago <= tl.window_s + 1e-6; ago += step) {
+      const t = tl.now - ago;
       axis.append(svg("line", {x1: x(t), x2: x(t), y1: axisH - 4, y2: H}));
-      const label = svg("text", {x: x(t), y: axisH - 7, "text-anchor": i === ticks ? "end" : "middle"});
-      label.textContent = ago < 0.5 ? "now" : (ago >= 120 ? "-" + (ago / 60).toFixed(0) + " min" : "-" + ago.toFixed(0) + " s");
+      const label = svg("text", {x: x(t), y: axisH - 7, "text-anchor": ago === 0 ? "end" : "middle"});
+      label.textContent = ago === 0 ? "now" : (step >= 60 ? "-" + ago / 60 + " min" : "-" + ago + " s");
       axis.append(label);
     }
     root.append(axis);

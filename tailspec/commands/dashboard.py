@@ -1,0 +1,82 @@
+"""`tailspec dashboard`: serve the web dashboard and the Prometheus exporter over the cluster state."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from tailspec.cli import add_config_args
+
+    p = sub.add_parser(
+        "dashboard",
+        help="serve the web dashboard (read-only JSON API, /metrics) and a Prometheus exporter",
+        description="Serve the web dashboard on --port (page, /api/state, /api/timeline, /api/schema, /metrics) "
+                    "and the Prometheus exporter on --metrics-port (/metrics only). Both bind 127.0.0.1 unless "
+                    "--host names another address and --allow-remote is given.",
+    )
+    add_config_args(p)
+    p.add_argument("--host", help="bind address (default: dashboards.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="web dashboard port (default: dashboards.port, 8300)")
+    p.add_argument("--metrics-port", type=int,
+                   help="Prometheus exporter port (default: dashboards.metrics_port, 9300; 0 = no separate "
+                        "exporter, /metrics stays on the dashboard port)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow binding a non-loopback address (the dashboard has no authentication)")
+    p.add_argument("--redis", metavar="URL", help="Redis URL of the cluster state (default: cluster.redis_url)")
+    p.add_argument("--cluster", metavar="NAME", help="cluster name (key namespace; default: cluster.name)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
+    from pydantic import ValidationError
+
+    from tailspec.cli import config_from_args
+    from tailspec.config import ConfigError
+    from tailspec.dashboards.server import check_bind, start_dashboard, start_exporter
+
+    cfg = config_from_args(args)
+    d = cfg.dashboards
+    host = args.host or d.host
+    port = d.port if args.port is None else args.port
+    metrics_port = d.metrics_port if args.metrics_port is None else args.metrics_port
+    allow_remote = args.allow_remote or d.allow_remote
+    for name, value in (("--port", port), ("--metrics-port", metrics_port)):
+        if not 0 <= value <= 65535:
+            raise ConfigError(f"{name} must be a TCP port in [0, 65535], got {value}")
+    try:  # through the config model, so --redis / --cluster get the same validation as the file
+        if args.redis:
+            cfg.cluster.redis_url = args.redis
+        if args.cluster:
+            cfg.cluster.name = args.cluster
+    except ValidationError as e:
+        raise ConfigError(f"--redis/--cluster: {e.errors()[0]['msg']}") from None
+    redis_url, cluster = cfg.cluster.redis_url, cfg.cluster.name
+    check_bind(host, allow_remote)  # before anything binds
+
+    web = start_dashboard(redis_url, cluster, host, port, allow_remote)
+    servers = [web]
+    try:
+        if metrics_port:
+            servers.append(start_exporter(redis_url, cluster, host, metrics_port, allow_remote))
+        print(f"tailspec dashboard: {web.url}/  (cluster {cluster!r}, state {_redacted(redis_url)})", flush=True)
+        print(f"prometheus metrics: {servers[-1].url}/metrics", flush=True)
+        (stop or threading.Event()).wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for s in servers:
+            s.stop()
+    return 0
+
+
+def _redacted(url: str) -> str:
+    """The Redis URL without its password, for printing."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url
