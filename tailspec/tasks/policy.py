@@ -38,7 +38,7 @@ from tailspec.tasks.tokenizer import (
     save_tokenizer,
 )
 
-KIT_VERSION = 1  # bump to invalidate every cached policy when training code changes
+KIT_VERSION = 2  # bump to invalidate every cached policy when training code changes
 
 
 @dataclass(frozen=True)

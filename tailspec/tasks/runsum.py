@@ -1,7 +1,10 @@
 """The built-in synthetic reasoning task: a running-sum scratchpad with heavy-tailed length.
 
-Prompt: ``S:3,7,5,9=``. Gold response: ``0+3=3;3+7=0;0+5=5;5+9=4;#4`` then EOS — one scratchpad step per
-number, each step "previous total + next number = new total" (mod `modulus`), then the final answer.
+Prompt: ``a3,b7,c5,d9=``. Gold response: ``a:0+3=3;b:3+7=0;c:0+5=5;d:5+9=4;#4`` then EOS — one scratchpad
+step per number, each step "tag: previous total + next number = new total" (mod `modulus`), then the
+final answer. Each number carries a unique letter tag so a step finds its operand by content (the tag),
+not by counting digits — with bare digits a tiny model cannot tell which of the repeated digits comes
+next and never learns the task.
 
 Why this task:
 - Each step depends on the previous one, like a chain of thought: one slip makes the final answer wrong,
@@ -23,7 +26,8 @@ import numpy as np
 
 from tailspec.config import TaskConfig
 
-_WELL_FORMED = re.compile(r"^(?:(\d+)\+(\d+)=(\d+);)*#(\d+)$")
+TAGS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_WELL_FORMED = re.compile(r"^(?:[A-Za-z]:(\d+)\+(\d+)=(\d+);)*#(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class Problem:
 
     @property
     def prompt(self) -> str:
-        return "S:" + ",".join(str(x) for x in self.numbers) + "="
+        return ",".join(f"{t}{x}" for t, x in zip(TAGS, self.numbers)) + "="
 
     @property
     def answer(self) -> int:
@@ -42,9 +46,9 @@ class Problem:
     @property
     def gold(self) -> str:
         total, steps = 0, []
-        for x in self.numbers:
+        for t, x in zip(TAGS, self.numbers):
             new = (total + x) % self.modulus
-            steps.append(f"{total}+{x}={new};")
+            steps.append(f"{t}:{total}+{x}={new};")
             total = new
         return "".join(steps) + f"#{total}"
 
@@ -58,6 +62,8 @@ def sample_steps(rng: np.random.Generator, cfg: TaskConfig, n: int) -> np.ndarra
 def sample_problems(n: int, cfg: TaskConfig | None = None, seed: int = 0) -> list[Problem]:
     cfg = cfg or TaskConfig()
     rng = np.random.default_rng(seed)
+    if cfg.steps_max > len(TAGS):
+        raise ValueError(f"task.steps_max={cfg.steps_max} exceeds the {len(TAGS)} step tags")
     steps = sample_steps(rng, cfg, n)
     return [Problem(tuple(int(x) for x in rng.integers(0, cfg.modulus, size=m)), cfg.modulus) for m in steps]
 
@@ -74,7 +80,7 @@ def grade(problem: Problem, response: str, cfg: TaskConfig | None = None) -> Gra
     """Exact check of the final answer (1.0 / 0.0) plus `format_score` for a well-formed scratchpad.
 
     `response` is the decoded text after the prompt with special tokens removed; anything that is not
-    ``step;step;…#answer`` is malformed and earns 0 (no partial credit for an answer-looking suffix).
+    ``t:a+b=c;…#answer`` is malformed and earns 0 (no partial credit for an answer-looking suffix).
     """
     cfg = cfg or TaskConfig()
     m = _WELL_FORMED.match(response.strip())
@@ -87,10 +93,12 @@ def grade(problem: Problem, response: str, cfg: TaskConfig | None = None) -> Gra
 
 def parse_prompt(prompt: str, modulus: int) -> Problem:
     """Inverse of Problem.prompt; raises ValueError naming what is wrong."""
-    m = re.fullmatch(r"S:(\d+(?:,\d+)*)=", prompt)
-    if m is None:
-        raise ValueError(f"not a runsum prompt: {prompt[:40]!r} (expected 'S:a,b,c=')")
-    nums = tuple(int(x) for x in m.group(1).split(","))
+    parts = prompt[:-1].split(",") if prompt.endswith("=") else []
+    ok = bool(parts) and len(parts) <= len(TAGS) and all(
+        len(q) >= 2 and q[0] == TAGS[i] and q[1:].isdigit() for i, q in enumerate(parts))
+    if not ok:
+        raise ValueError(f"not a runsum prompt: {prompt[:40]!r} (expected 'a3,b7,c5=')")
+    nums = tuple(int(q[1:]) for q in parts)
     if any(x >= modulus for x in nums):
         raise ValueError(f"prompt numbers must be < modulus {modulus}: {prompt[:40]!r}")
     return Problem(nums, modulus)

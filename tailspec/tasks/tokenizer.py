@@ -1,7 +1,7 @@
 """A character-level tokenizer built locally (no hub): a `PreTrainedTokenizerFast` over the task's
 alphabet, saved with `save_pretrained` and loaded back with `AutoTokenizer.from_pretrained`.
 
-A tiny vocabulary (about 20 ids) keeps the exact-sampling tests enumerable and the policies small.
+A small vocabulary (72 ids) keeps the exact-sampling tests enumerable and the policies small.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]
-ALPHABET = "0123456789+=;,#:S"
+ALPHABET = "0123456789+=;,#:abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
