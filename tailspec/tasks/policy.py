@@ -49,7 +49,7 @@ class Preset:
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
-    max_position: int = 512
+    max_position: int = 1024  # longest prompt + response of the task is ~530 tokens
     train_steps: int = 300
     batch_size: int = 32
     lr: float = 2e-3
@@ -59,7 +59,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "micro": Preset("micro", 64, 2, 2, 1, 128, train_steps=60, batch_size=16, lr=3e-3),
     "tiny": Preset("tiny", 256, 4, 4, 2, 768, train_steps=350, batch_size=32, lr=2e-3),
-    "small": Preset("small", 768, 8, 12, 4, 2304, max_position=1024, train_steps=1500, batch_size=64, lr=6e-4),
+    "small": Preset("small", 768, 8, 12, 4, 2304, train_steps=1500, batch_size=64, lr=6e-4),
 }
 
 
