@@ -13,7 +13,10 @@ from tailspec.config import ConfigError, load_config
 
 # Order = order in `tailspec --help`.
 COMMAND_MODULES = [
+    "tailspec.commands.demo",
     "tailspec.commands.config",
+    "tailspec.commands.task",
+    "tailspec.commands.bench",
     "tailspec.commands.dashboard",
 ]
 
