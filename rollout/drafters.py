@@ -1,0 +1,294 @@
+"""Drafters: propose k tokens per running row, with the draft distributions q they were drawn from.
+
+One interface (`Drafter`), three implementations:
+- `NgramDrafter`: prompt lookup, model-free. Deterministic proposals (q = one-hot, returned as None).
+- `DraftModelDrafter`: a small HF causal LM with the target's vocabulary, run through our ModelRunner on
+  its own static KV cache.
+- `Eagle3Drafter`: adapter over `drafter_trainer.model.Eagle3Drafter`, fed the target's three aux hidden
+  states from the verify forward; it follows the inference procedure documented in that module.
+
+Lifecycle, driven by the engine: `setup` once; `prefill` when requests are admitted (the target has just
+cached positions 0..L-2 of each prompt); every decode step `propose(batch, k)` (only when k > 0), then
+`observe(...)` with the verify result (every step, k = 0 included); `move_slot` when the engine compacts.
+Model drafters sample their drafts with the row's own sampling params and DRAFT-stream uniforms, so q is
+the processed draft distribution — speculative sampling is exact for any q, a good q only makes it fast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tailspec.rollout.model_runner import ModelRunner
+from tailspec.rollout.sampling import DRAFT, process, sample, uniforms
+from tailspec.rollout.slots import Batch
+
+
+class Drafter:
+    """Base class: the no-op parts of the interface. `name` labels benchmark rows and stats."""
+
+    name = "none"
+    needs_aux = False
+    aux_layer_ids: tuple[int, ...] | None = None
+
+    def check_fits(self, target_config: Any) -> None:
+        """Raise ValueError naming every mismatch with the target (vocabulary, hidden size, layers)."""
+
+    def setup(self, max_slots: int, cache_len: int, device: torch.device) -> None:
+        pass
+
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slot0: int, aux: torch.Tensor | None) -> None:
+        pass
+
+    def propose(self, batch: Batch, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def observe(self, batch: Batch, k: int, tokens: torch.Tensor, n_acc: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """After a verify of width k+1 at positions L-1..L-1+k (lengths are still the old ones); tokens
+        [n, k+1] holds the accepted drafts then the target's token at n_acc."""
+
+    def move_slot(self, src: int, dst: int) -> None:
+        pass
+
+
+def _draw(logits: torch.Tensor, batch: Batch, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Processed q [n, V] from logits [n, V] with each row's params, and a draft token drawn from it."""
+    q = process(
+        logits[:, None], batch.temperature, batch.top_k, batch.top_p,
+        batch.any_sampled, batch.any_greedy, batch.any_truncated,
+    )[:, 0]
+    if not batch.any_sampled:  # all greedy: q is one-hot, no randomness needed
+        return q.argmax(-1), q
+    return sample(q, uniforms(batch.key, pos[:, None], DRAFT)[:, 0]), q
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the most recent earlier occurrence of the row's last n tokens (n from max_n
+    down to min_n) and propose the k tokens that followed it. Rows without a match propose their last
+    token repeated (a cheap guess; correctness never depends on the proposal)."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+
+    def check_fits(self, target_config: Any) -> None:
+        pass  # token ids are the target's own
+
+    def propose(self, batch: Batch, k: int) -> tuple[torch.Tensor, None]:
+        n_rows, W = batch.n, batch.max_length
+        tok = batch.tokens[:, :W]
+        L = batch.lengths
+        dev = tok.device
+        best = torch.full((n_rows,), -1, dtype=torch.long, device=dev)  # index of the first proposed token
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if W <= n:
+                continue
+            suffix = tok.gather(1, (L[:, None] - n + torch.arange(n, device=dev)).clamp(min=0))  # [B, n]
+            windows = tok.unfold(1, n, 1)  # [B, W-n+1, n]
+            starts = torch.arange(windows.shape[1], device=dev)
+            match = (windows == suffix[:, None, :]).all(-1) & (starts[None] + n < L[:, None])
+            last = torch.where(match, starts[None], -1).amax(-1)
+            best = torch.where((best < 0) & (last >= 0), last + n, best)
+        idx = best[:, None] + torch.arange(k, device=dev)
+        # Past the known end, the matched continuation has run out: repeat the last known token.
+        idx = torch.where((best[:, None] < 0) | (idx >= L[:, None]), L[:, None] - 1, idx)
+        return tok.gather(1, idx), None
+
+
+class DraftModelDrafter(Drafter):
+    """A small causal LM with the target's vocabulary (e.g. the `micro` policy for the `tiny` target).
+
+    Its KV cache follows the sequence lazily: each propose first feeds the last `lag` known tokens (2 after
+    a drafting step: the last accepted draft may not have been fed, plus the target's token; +1 for every
+    plain k = 0 step), recomputing any position already cached, then drafts k-1 more tokens one by one.
+    """
+
+    name = "draft_model"
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model.eval()
+        self.runner: ModelRunner | None = None
+        self.lag = 1
+
+    def check_fits(self, target_config: Any) -> None:
+        from tailspec.rollout.model_runner import check_supported
+
+        problems = []
+        if int(self.model.config.vocab_size) != int(target_config.vocab_size):
+            problems.append(f"vocab_size: draft model {self.model.config.vocab_size}, target {target_config.vocab_size}")
+        if problems:
+            raise ValueError("draft model does not fit the target: " + "; ".join(problems))
+        check_supported(self.model.config)
+
+    def setup(self, max_slots: int, cache_len: int, device: torch.device) -> None:
+        self.runner = ModelRunner(self.model, max_slots, cache_len)
+
+    def prefill(self, tokens, lengths, slot0, aux) -> None:
+        if tokens.shape[1] > 1:
+            start = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
+            self.runner.forward(tokens[:, :-1], start, slot0)
+
+    def propose(self, batch: Batch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        L = batch.lengths
+        w = min(self.lag, batch.max_length)
+        start = (L - w).clamp(min=0)
+        idx = start[:, None] + torch.arange(w, device=L.device)
+        logits, _ = self.runner.forward(batch.tokens.gather(1, idx), start, max_pos=batch.max_length - 1)
+        last = (L - 1 - start)[:, None, None].expand(-1, 1, logits.shape[-1])
+        d, q = _draw(logits.gather(1, last)[:, 0], batch, L)
+        drafts, qs = [d], [q]
+        for j in range(1, k):
+            logits, _ = self.runner.forward(d[:, None], L + j - 1, max_pos=batch.max_length + j - 1)
+            d, q = _draw(logits[:, 0], batch, L + j)
+            drafts.append(d)
+            qs.append(q)
+        self.lag = 2
+        return torch.stack(drafts, 1), torch.stack(qs, 1)
+
+    def observe(self, batch, k, tokens, n_acc, aux) -> None:
+        if k == 0:
+            self.lag += 1
+
+    def move_slot(self, src: int, dst: int) -> None:
+        self.runner.move_slot(src, dst)
+
+
+class Eagle3Drafter(Drafter):
+    """Runs a `drafter_trainer.model.Eagle3Drafter` inside the engine.
+
+    The forward is our own over the module's weights and a bucketed slice of a compacted per-slot cache
+    (the module's cached forward gathers the whole cache per call); `tests/test_engine_eagle3.py` checks it
+    against the module's forward. After each verify, `observe` catches up the pairs (target aux state at
+    t, token at t+1) for the verified positions and keeps the output at the last one: the first draft of
+    the next step comes from it without another forward.
+    """
+
+    name = "eagle3"
+    needs_aux = True
+
+    def __init__(self, drafter: torch.nn.Module, target: torch.nn.Module | None = None):
+        self.drafter = drafter.eval()
+        if target is not None and drafter.embed_tokens is None:
+            drafter.set_target_embedding(target.get_input_embeddings())
+        self.aux_layer_ids = tuple(drafter.config.aux_layer_ids)
+        self.next_logits: torch.Tensor | None = None
+        self.next_hidden: torch.Tensor | None = None
+
+    def check_fits(self, target_config: Any) -> None:
+        self.drafter.check_fits(target_config)
+        if self.drafter.embed_tokens is None:
+            raise ValueError("the EAGLE-3 drafter has no token embedding: pass target= or call set_target_embedding")
+
+    def setup(self, max_slots: int, cache_len: int, device: torch.device) -> None:
+        d, cfg = self.drafter, self.drafter.config
+        self.cfg = cfg
+        self.H, self.Hq, self.Hk, self.D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        w = d.fc.weight
+        self.dtype = w.dtype
+        a, m = d.midlayer.self_attn, d.midlayer.mlp
+        with torch.no_grad():
+            self.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            self.gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+            pos = torch.arange(cache_len, device=w.device)[None]
+            cos, sin = d.rotary(pos, self.dtype)
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        shape = (max_slots, self.Hk, cache_len, self.D)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=w.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=w.device)
+        self.next_logits = torch.zeros(max_slots, cfg.draft_vocab_size, dtype=torch.float32, device=w.device)
+        self.next_hidden = torch.zeros(max_slots, self.H, dtype=self.dtype, device=w.device)
+        self.draft_ids = d.draft_ids_in_target()
+        self.vocab_size = cfg.vocab_size
+        self.cache_len = cache_len
+
+    @torch.inference_mode()
+    def step(self, hidden, input_ids, pos, slot0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Our forward of the drafter: → (draft logits [B,T,Vd] float32, hidden_out [B,T,H])."""
+        d = self.drafter
+        ml = d.midlayer
+        B, T = input_ids.shape
+        H, D = self.H, self.D
+        emb = F.embedding(input_ids, d.embed_tokens.weight).to(self.dtype)
+        x = torch.cat([
+            F.rms_norm(emb, (H,), ml.input_layernorm.weight, ml.input_layernorm.eps),
+            F.rms_norm(hidden, (H,), ml.hidden_norm.weight, ml.hidden_norm.eps),
+        ], -1)
+        qkv = F.linear(x, self.qkv_w)
+        qs, ks = self.Hq * D, self.Hk * D
+        q = qkv[..., :qs].view(B, T, self.Hq, D)
+        k = qkv[..., qs : qs + ks].view(B, T, self.Hk, D)
+        v = qkv[..., qs + ks :].view(B, T, self.Hk, D)
+        cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]
+        half = D // 2
+        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
+        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
+        kc, vc = self.k_cache[slot0 : slot0 + B], self.v_cache[slot0 : slot0 + B]
+        rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
+        kc[rows, :, pos] = k
+        vc[rows, :, pos] = v
+        Lk = min(self.cache_len, (int(pos.max()) // 64 + 1) * 64)
+        mask = (torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, :, None])[:, None]
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), kc[:, :, :Lk], vc[:, :, :Lk], attn_mask=mask, enable_gqa=self.Hq != self.Hk
+        )
+        out = hidden + F.linear(o.transpose(1, 2).reshape(B, T, self.Hq * D), ml.self_attn.o_proj.weight)
+        h = F.rms_norm(out, (H,), ml.post_attention_layernorm.weight, ml.post_attention_layernorm.eps)
+        g, u = F.linear(h, self.gate_up_w).chunk(2, -1)
+        out = out + F.linear(F.silu(g) * u, ml.mlp.down_proj.weight)
+        logits = F.linear(F.rms_norm(out, (H,), d.norm.weight, d.norm.eps), d.lm_head.weight).float()
+        return logits, out
+
+    def _to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        if draft_logits.shape[-1] == self.vocab_size:
+            return draft_logits
+        out = draft_logits.new_full((*draft_logits.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., self.draft_ids] = draft_logits
+        return out
+
+    @torch.inference_mode()
+    def prefill(self, tokens, lengths, slot0, aux) -> None:
+        n, T = tokens.shape
+        if T < 2:
+            self.next_logits[slot0 : slot0 + n] = 0  # no context yet: a uniform first guess
+            self.next_hidden[slot0 : slot0 + n] = 0
+            return
+        # pairs (aux state at t, token t+1) for t = 0..T-2; rows shorter than T hold garbage past L-2
+        hidden = self.drafter.project(aux[:, : T - 1])
+        pos = torch.arange(T - 1, device=tokens.device)[None].expand(n, T - 1)
+        logits, out = self.step(hidden, tokens[:, 1:], pos, slot0)
+        last = (lengths - 2).clamp(min=0)
+        rows = torch.arange(n, device=tokens.device)
+        self.next_logits[slot0 : slot0 + n] = logits[rows, last]
+        self.next_hidden[slot0 : slot0 + n] = out[rows, last]
+
+    @torch.inference_mode()
+    def observe(self, batch, k, tokens, n_acc, aux) -> None:
+        n = batch.n
+        pos = batch.lengths[:, None] - 1 + torch.arange(k + 1, device=tokens.device)
+        logits, out = self.step(self.drafter.project(aux), tokens, pos)
+        rows = torch.arange(n, device=tokens.device)
+        self.next_logits[:n] = logits[rows, n_acc]
+        self.next_hidden[:n] = out[rows, n_acc]
+
+    @torch.inference_mode()
+    def propose(self, batch: Batch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n, L = batch.n, batch.lengths
+        d, q = _draw(self._to_target(self.next_logits[:n]), batch, L)
+        hidden = self.next_hidden[:n]
+        drafts, qs = [d], [q]
+        for j in range(1, k):
+            logits, out = self.step(hidden[:, None], d[:, None], (L + j - 2)[:, None])
+            hidden = out[:, 0]
+            d, q = _draw(self._to_target(logits[:, 0]), batch, L + j)
+            drafts.append(d)
+            qs.append(q)
+        return torch.stack(drafts, 1), torch.stack(qs, 1)
+
+    def move_slot(self, src: int, dst: int) -> None:
+        for t in (self.k_cache, self.v_cache, self.next_logits, self.next_hidden):
+            t[dst].copy_(t[src])

@@ -1,0 +1,298 @@
+"""The native rollout engine: continuous batching over a static KV cache, exact speculative decoding.
+
+One decode step, for the running rows 0..n-1 (kept compacted by SlotTable):
+  k = choose_k(n, stats)                                   strategy hook (k = 0: plain decoding)
+  drafts, q = drafter.propose(batch, k)                     [n, k], [n, k, V] or None
+  logits = target([last token, drafts] at L-1 .. L-1+k)     one verify forward, fixed width k+1
+  tokens, n_acc = verify(p, q, drafts, uniforms)            exact speculative sampling, ragged acceptance
+  emit tokens[: n_acc+1] cut at the first stop id / max_tokens; lengths += emitted
+Rejected drafts need no KV rollback: their entries sit past the row's length and are overwritten before
+anything attends to them. Prefill caches positions 0..L-2 only; the last prompt token is the first verify
+input, so the first response token is speculated like every other.
+
+Host syncs per step: one `.tolist()` of three numbers (any finished, accepted, max length), plus one read
+per finished request. No Python loop runs over the rows of the batch on the hot path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Sequence
+
+import torch
+
+from tailspec.rollout import sampling
+from tailspec.rollout.drafters import Drafter
+from tailspec.rollout.model_runner import ModelRunner, check_supported
+from tailspec.rollout.sequence import RequestOutput, RequestStats, SamplingParams
+from tailspec.rollout.slots import (
+    ACCEPTED, DRAFTED, FWD, GEN, KEY, LEN, MAX_TOKENS, PROMPT_LEN, TEMP, TOP_K, TOP_P, Batch, SlotTable,
+)
+from tailspec.rollout.strategy import ChooseK, StepStats, fixed_k
+
+
+class Engine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        drafter: Drafter | None = None,
+        *,
+        choose_k: ChooseK | int = 0,
+        max_batch: int = 64,
+        max_seq_len: int = 1024,
+        k_max: int = 8,
+        max_stop_ids: int = 8,
+        seed: int = 0,
+        eos_token_id: int | Sequence[int] | None = None,
+    ):
+        cfg = model.config
+        check_supported(cfg)
+        if max_batch < 1 or max_seq_len < 2 or k_max < 0:
+            raise ValueError(f"need max_batch >= 1, max_seq_len >= 2, k_max >= 0; got {max_batch}, {max_seq_len}, {k_max}")
+        if drafter is not None:
+            drafter.check_fits(cfg)  # a misfit drafter is refused before any compute
+        self.model = model.eval()
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_batch, self.max_seq_len, self.k_max = max_batch, max_seq_len, k_max
+        self.max_stop_ids = max_stop_ids
+        eos = eos_token_id if eos_token_id is not None else getattr(cfg, "eos_token_id", None)
+        self.eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        self.drafter = drafter
+        self.choose_k: ChooseK = fixed_k(choose_k) if isinstance(choose_k, int) else choose_k
+        if drafter is None and isinstance(choose_k, int) and choose_k > 0:
+            raise ValueError(f"k={choose_k} needs a drafter; pass drafter= or k=0")
+
+        cache_len = max_seq_len + k_max + 1
+        aux_ids = drafter.aux_layer_ids if (drafter is not None and drafter.needs_aux) else None
+        self.runner = ModelRunner(model, max_batch, cache_len, aux_layer_ids=aux_ids)
+        self.device = self.runner.device
+        self.slots = SlotTable(max_batch, cache_len + k_max + 2, max_seq_len + k_max + 2, max_stop_ids, self.device)
+        if drafter is not None:
+            drafter.setup(max_batch, cache_len, self.device)
+        self.waiting: deque[tuple[int, list[int], SamplingParams]] = deque()
+        self.stats = StepStats()
+        self.step_log: list[tuple[int, int, int]] = []  # (batch size, k, accepted) per decode step
+        self._next_id = 0
+        self._gen = torch.Generator().manual_seed(seed)
+        self._batch: Batch | None = None
+        self._max_length = 0
+        self._arange = torch.arange(k_max + 2, device=self.device)
+
+    # -- requests ------------------------------------------------------------------------------------------
+    def validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what is wrong with a request (nothing is computed before this passes)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if len(prompt) == 0:
+            raise ValueError("empty prompt: a request needs at least one token (e.g. BOS)")
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary 0..{self.vocab_size - 1}: {bad[:8]}")
+        if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {params.max_tokens!r}")
+        if len(prompt) + params.max_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the cache "
+                f"(max_seq_len={self.max_seq_len})"
+            )
+        if not (isinstance(params.temperature, (int, float)) and math.isfinite(params.temperature) and params.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {params.temperature!r}")
+        if not (isinstance(params.top_p, (int, float)) and 0 < params.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {params.top_p!r}")
+        if not isinstance(params.top_k, int) or params.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {params.top_k!r}")
+        stops = self._stop_ids(params)
+        if len(stops) > self.max_stop_ids:
+            raise ValueError(f"{len(stops)} stop token ids; at most {self.max_stop_ids} (max_stop_ids)")
+        bad = [t for t in stops if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop token ids outside the vocabulary 0..{self.vocab_size - 1}: {bad}")
+        if params.seed is not None and (not isinstance(params.seed, int) or not 0 <= params.seed < 2**63):
+            raise ValueError(f"seed must be an int in [0, 2**63), got {params.seed!r}")
+
+    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        stops = tuple(params.stop_token_ids) if params.stop_token_ids is not None else ()
+        if not params.ignore_eos:
+            stops = stops + tuple(e for e in self.eos_ids if e not in stops)
+        return stops
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
+        params = params or SamplingParams()
+        prompt = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in prompt]
+        self.validate(prompt, params)
+        rid = self._next_id
+        self._next_id += 1
+        self.waiting.append((rid, list(prompt), params))
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or self.slots.n > 0
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run the given prompts to completion; outputs in input order. Every request is validated first."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        for p, sp in zip(prompts, plist):
+            self.validate([int(t) if not isinstance(t, bool) and hasattr(t, "__index__") else t for t in p], sp)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[int, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    # -- admission -------------------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        s = self.slots
+        m = min(len(self.waiting), self.max_batch - s.n)
+        if m == 0:
+            return
+        reqs = [self.waiting.popleft() for _ in range(m)]
+        slot0 = s.n
+        T = max(len(p) for _, p, _ in reqs)
+        toks = torch.zeros(m, T, dtype=torch.long)
+        ints = torch.zeros(m, s.ints.shape[1], dtype=torch.long)
+        floats = torch.zeros(m, s.floats.shape[1], dtype=torch.float32)
+        stops = torch.full((m, self.max_stop_ids), -1, dtype=torch.long)
+        seeds = []
+        for i, (rid, prompt, sp) in enumerate(reqs):
+            toks[i, : len(prompt)] = torch.tensor(prompt)
+            ints[i, LEN] = ints[i, PROMPT_LEN] = len(prompt)
+            ints[i, MAX_TOKENS] = sp.max_tokens
+            ints[i, TOP_K] = sp.top_k
+            floats[i, TEMP] = sp.temperature
+            floats[i, TOP_P] = sp.top_p
+            st = self._stop_ids(sp)
+            stops[i, : len(st)] = torch.tensor(st, dtype=torch.long)
+            seeds.append(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._gen)))
+            s.request_ids.append(rid)
+            s.prompts.append(prompt)
+            s.temps.append(float(sp.temperature))
+            s.truncated.append(sp.top_k > 0 or sp.top_p < 1)
+        ints[:, KEY] = sampling.seed_mix(torch.tensor(seeds, dtype=torch.long))
+        toks, lengths = toks.to(self.device), ints[:, LEN].to(self.device)
+        rows = slice(slot0, slot0 + m)
+        s.tokens[rows, :T] = toks
+        s.ints[rows] = ints.to(self.device)
+        s.floats[rows] = floats.to(self.device)
+        s.stop_ids[rows] = stops.to(self.device)
+        s.n += m
+        aux = None
+        if T > 1:
+            start = torch.zeros(m, dtype=torch.long, device=self.device)
+            need_aux = self.drafter is not None and self.drafter.needs_aux
+            _, aux = self.runner.forward(toks[:, :-1], start, slot0, want_aux=need_aux)
+        if self.drafter is not None:
+            self.drafter.prefill(toks, lengths, slot0, aux)
+        self._batch = None
+        self._max_length = max(self._max_length, T)
+
+    # -- one decode step -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        if self.waiting and self.slots.n < self.max_batch:
+            self._admit()
+        s = self.slots
+        n = s.n
+        if n == 0:
+            return []
+        if self._batch is None:
+            self._batch = s.batch(self._max_length)
+        batch = self._batch
+        batch.max_length = self._max_length
+        k = 0 if self.drafter is None else max(0, min(int(self.choose_k(n, self.stats)), self.k_max))
+
+        L = batch.lengths
+        last = batch.tokens.gather(1, (L - 1)[:, None])
+        if k > 0:
+            drafts, q = self.drafter.propose(batch, k)
+            inp = torch.cat([last, drafts], 1)
+        else:
+            drafts, q, inp = last[:, :0], None, last
+        need_aux = self.drafter is not None and self.drafter.needs_aux
+        logits, aux = self.runner.forward(inp, L - 1, max_pos=self._max_length - 1 + k, want_aux=need_aux)
+        p = sampling.process(
+            logits, batch.temperature, batch.top_k, batch.top_p, batch.any_sampled, batch.any_greedy, batch.any_truncated
+        )
+        j = self._arange[: k + 1]
+        pos = L[:, None] + j  # positions of the k+1 candidate tokens
+        if batch.any_sampled:
+            u_acc = sampling.uniforms(batch.key, pos[:, :k], sampling.ACCEPT)
+            u_smp = sampling.uniforms(batch.key, pos, sampling.SAMPLE)
+        else:
+            u_acc = torch.zeros(n, k, dtype=torch.float64, device=self.device)
+            u_smp = torch.zeros(n, k + 1, dtype=torch.float64, device=self.device)
+        out, n_acc = sampling.verify(p, q, drafts, u_acc, u_smp)
+        if self.drafter is not None:
+            self.drafter.observe(batch, k, out, n_acc, aux)
+
+        raw_lp = torch.log_softmax(logits, -1).gather(-1, out[..., None])[..., 0]
+        smp_lp = p.gather(-1, out[..., None])[..., 0].log()
+        is_stop = (out[..., None] == s.stop_ids[:n, None, :]).any(-1) & (j[None] <= n_acc[:, None])
+        first_stop = torch.where(is_stop, j[None], k + 1).amin(-1)
+        gen = s.ints[:n, GEN]
+        remaining = s.ints[:n, MAX_TOKENS] - gen
+        n_emit = torch.minimum(torch.minimum(n_acc + 1, first_stop + 1), remaining)
+        stopped = first_stop < n_emit
+        done = stopped | (n_emit >= remaining)
+
+        s.tokens[:n].scatter_(1, pos, out)
+        lp_pos = gen[:, None] + j
+        s.logprobs[:n, 0].scatter_(1, lp_pos, raw_lp)
+        s.logprobs[:n, 1].scatter_(1, lp_pos, smp_lp)
+        accepted = torch.minimum(n_acc, n_emit)
+        # one fused update of the int columns GEN, LEN, FWD, DRAFTED, ACCEPTED
+        s.ints[:n, GEN] += n_emit
+        s.ints[:n, LEN] += n_emit
+        s.ints[:n, FWD] += 1
+        s.ints[:n, DRAFTED] += k
+        s.ints[:n, ACCEPTED] += accepted
+
+        any_done, acc_sum, max_len = torch.stack([done.any().long(), accepted.sum(), L.max()]).tolist()
+        self._max_length = max_len
+        st = self.stats
+        st.steps += 1
+        st.last_batch, st.last_k, st.last_accepted = n, k, acc_sum
+        st.drafted += k * n
+        st.accepted += acc_sum
+        self.step_log.append((n, k, acc_sum))
+        if not any_done:
+            return []
+        return self._finish(done, stopped)
+
+    def _finish(self, done: torch.Tensor, stopped: torch.Tensor) -> list[RequestOutput]:
+        s = self.slots
+        idx = done.nonzero()[:, 0].tolist()
+        stop_flags = stopped[idx].tolist()
+        outs = []
+        for i, was_stop in zip(idx, stop_flags):
+            row = s.ints[i].tolist()
+            g, ln, pl = row[GEN], row[LEN], row[PROMPT_LEN]
+            lps = s.logprobs[i, :, :g].tolist()
+            outs.append(
+                RequestOutput(
+                    request_id=s.request_ids[i],
+                    prompt_token_ids=s.prompts[i],
+                    token_ids=s.tokens[i, pl:ln].tolist(),
+                    logprobs=lps[0],
+                    sampling_logprobs=lps[1],
+                    finish_reason="stop" if was_stop else "length",
+                    stats=RequestStats(row[FWD], row[DRAFTED], row[ACCEPTED]),
+                )
+            )
+        for i in sorted(idx, reverse=True):  # move the last running row into each freed slot
+            last = s.n - 1
+            if i != last:
+                s.move(last, i)
+                self.runner.move_slot(last, i)
+                if self.drafter is not None:
+                    self.drafter.move_slot(last, i)
+            s.pop_last()
+        self._batch = None
+        if s.n == 0:
+            self._max_length = 0
+        return outs

@@ -1,0 +1,204 @@
+"""Our own forward over an HF causal LM's weights (Llama / Qwen2 / Qwen3), with a static per-slot KV cache.
+
+Why not HF's forward: HF's cache API keeps one position per batch, while speculative decoding leaves every
+row at its own position after ragged acceptance. Here every row carries its own start position, and the
+KV cache is one pre-allocated tensor per layer, `[max_slots, kv_heads, cache_len, head_dim]`: a row writes
+k/v at its positions and attends to every cached position <= its own. Rollback is free: rejected drafts'
+k/v sit beyond the row's length and are overwritten by the next forward before anything attends to them.
+
+Rows of a forward are a contiguous range of slots (`slot0 .. slot0 + B - 1`): the engine keeps running
+requests compacted at the front of the cache, so a decode step reads a plain slice of it.
+
+Weights are the HF module's own tensors (no copy), except q/k/v and gate/up, which are concatenated once
+so that one matmul replaces three (or two) — the per-op dispatch cost dominates tiny models on a CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass
+class _Layer:
+    in_norm: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_w: torch.Tensor
+    down_w: torch.Tensor
+
+
+def check_supported(config) -> None:
+    """Raise ValueError naming what this forward cannot run (before any weights are touched)."""
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {mt!r} is not supported by the native engine; supported: {SUPPORTED_MODEL_TYPES}")
+    if getattr(config, "use_sliding_window", False) or (
+        mt == "mistral" and getattr(config, "sliding_window", None) is not None
+    ):
+        raise ValueError("sliding-window attention is not supported by the native engine (set use_sliding_window=False)")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+
+
+class ModelRunner:
+    """Forward of a causal LM over a static KV cache with ragged per-row positions.
+
+    `forward(input_ids [B,T], start [B], slot0)` processes token t of row b at position start[b] + t in slot
+    slot0 + b and returns logits [B,T,V] (float32) and, when `aux_layer_ids` is set, the concatenated hidden
+    states of those layers [B,T,len(ids)*H]: id j = the residual stream after j layers, before the final
+    norm (0 = embeddings) — drafter_trainer.model's convention (its `capture_aux`), so the engine feeds the
+    EAGLE-3 drafter exactly the tensors it was trained on.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_slots: int,
+        cache_len: int,
+        aux_layer_ids: tuple[int, ...] | None = None,
+        attn_bucket: int = 64,
+    ):
+        cfg = model.config
+        check_supported(cfg)
+        self.config = cfg
+        inner = model.model
+        self.num_layers = cfg.num_hidden_layers
+        self.hidden_size = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden_size // self.num_heads
+        self.vocab_size = cfg.vocab_size
+        self.eps = cfg.rms_norm_eps
+        self.max_slots = max_slots
+        self.cache_len = cache_len
+        self.attn_bucket = attn_bucket
+        if aux_layer_ids is not None:
+            bad = [j for j in aux_layer_ids if not 0 <= j <= self.num_layers]
+            if bad:
+                raise ValueError(f"aux layer ids {bad} out of range 0..{self.num_layers}")
+        self.aux_layer_ids = tuple(aux_layer_ids) if aux_layer_ids is not None else None
+
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.embed = inner.embed_tokens.weight
+        self.final_norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.layers: list[_Layer] = []
+        with torch.no_grad():
+            for layer in inner.layers:
+                a, m = layer.self_attn, layer.mlp
+                bias = a.q_proj.bias is not None
+                self.layers.append(
+                    _Layer(
+                        in_norm=layer.input_layernorm.weight,
+                        qkv_w=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                        qkv_b=torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if bias else None,
+                        q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
+                        k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
+                        o_w=a.o_proj.weight,
+                        o_b=a.o_proj.bias,
+                        post_norm=layer.post_attention_layernorm.weight,
+                        gate_up_w=torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+                        down_w=m.down_proj.weight,
+                    )
+                )
+            # RoPE table from the model's own rotary module (covers every rope_type HF implements).
+            pos = torch.arange(cache_len, device=self.device)[None]
+            cos, sin = inner.rotary_emb(self.embed[:1][None], pos)
+            self.cos = cos[0].to(self.dtype).contiguous()  # [cache_len, D]
+            self.sin = sin[0].to(self.dtype).contiguous()
+        shape = (max_slots, self.num_kv_heads, cache_len, self.head_dim)
+        self.k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self._gqa = self.num_heads != self.num_kv_heads
+        self._half = self.head_dim // 2
+
+    # -- cache bookkeeping ---------------------------------------------------------------------------------
+    def move_slot(self, src: int, dst: int) -> None:
+        """Copy slot src's cache into slot dst (compaction after a request finishes)."""
+        for k, v in zip(self.k_cache, self.v_cache):
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
+
+    def _attn_len(self, max_pos: int) -> int:
+        # Attend over a bucketed prefix of the cache rather than all of it: the work follows the longest
+        # running row, and the few distinct widths keep shapes friendly to graph capture later.
+        b = self.attn_bucket
+        return min(self.cache_len, ((max_pos + b) // b) * b)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., : self._half], x[..., self._half :]
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    # -- forward ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start: torch.Tensor,
+        slot0: int = 0,
+        max_pos: int | None = None,
+        want_aux: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T = input_ids.shape
+        pos = start[:, None] + torch.arange(T, device=start.device)  # [B,T]
+        if max_pos is None:
+            max_pos = int(pos.max())
+        L = self._attn_len(max_pos)
+        key_pos = torch.arange(L, device=start.device)
+        mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,L]
+        cos = self.cos[pos][:, :, None]  # [B,T,1,D]
+        sin = self.sin[pos][:, :, None]
+        rows = torch.arange(B, device=start.device)[:, None].expand(B, T)
+        H, Hq, Hk, D = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+
+        x = F.embedding(input_ids, self.embed)
+        aux = [] if (want_aux and self.aux_layer_ids) else None
+        ids = self.aux_layer_ids or ()
+        if aux is not None and 0 in ids:
+            aux.append((0, x))
+        for i, ly in enumerate(self.layers):
+            h = F.rms_norm(x, (H,), ly.in_norm, self.eps)
+            qkv = F.linear(h, ly.qkv_w, ly.qkv_b)
+            q = qkv[..., : self.q_size].view(B, T, Hq, D)
+            k = qkv[..., self.q_size : self.q_size + self.kv_size].view(B, T, Hk, D)
+            v = qkv[..., self.q_size + self.kv_size :].view(B, T, Hk, D)
+            if ly.q_norm is not None:
+                q = F.rms_norm(q, (D,), ly.q_norm, self.eps)
+                k = F.rms_norm(k, (D,), ly.k_norm, self.eps)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            kc = self.k_cache[i][slot0 : slot0 + B]
+            vc = self.v_cache[i][slot0 : slot0 + B]
+            kc[rows, :, pos] = k
+            vc[rows, :, pos] = v
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), kc[:, :, :L], vc[:, :, :L], attn_mask=mask, enable_gqa=self._gqa
+            )
+            o = o.transpose(1, 2).reshape(B, T, Hq * D)
+            x = x + F.linear(o, ly.o_w, ly.o_b)
+            h = F.rms_norm(x, (H,), ly.post_norm, self.eps)
+            gu = F.linear(h, ly.gate_up_w)
+            g, u = gu.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, ly.down_w)
+            if aux is not None and (i + 1) in ids:
+                aux.append((i + 1, x))
+        x = F.rms_norm(x, (H,), self.final_norm, self.eps)
+        logits = F.linear(x, self.lm_head).float()
+        aux_out = None
+        if aux is not None:
+            by_id = dict(aux)
+            aux_out = torch.cat([by_id[j] for j in ids], dim=-1)
+        return logits, aux_out

@@ -1,0 +1,146 @@
+"""Processed distributions, counter-based per-request randomness, and exact speculative sampling.
+
+Everything here is vectorised over the batch: no Python loop over rows.
+
+Randomness: every random number the engine draws is a hash of (request seed, token position, stream),
+so a request's output depends only on its own seed and never on which other requests share its batch
+(a per-request generator, without a per-row Python loop). Streams: ACCEPT (the acceptance test of the draft
+token at that position), SAMPLE (the target's draw at that position: the residual at the first rejection
+or the bonus token), DRAFT (the drafter's own draw). Reusing a (position, stream) pair in a later step is
+sound: at the first rejection at position t, everything emitted so far is a function of the numbers at
+positions <= t only, so the numbers at positions > t are still fresh.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ACCEPT, SAMPLE, DRAFT = 0, 1, 2
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # (x * c) mod 2**32 for 0 <= x < 2**32 without int64 overflow: split c into 16-bit halves.
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser (full avalanche)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def seed_mix(seed: torch.Tensor) -> torch.Tensor:
+    """Fold a non-negative int64 seed into a 32-bit key (done once per request at admission)."""
+    lo, hi = seed & _M32, (seed >> 32) & _M32
+    return _fmix32(_fmix32(lo) ^ _mul32(_fmix32(hi + 0x9E3779B9), 0x27D4EB2F))
+
+
+def uniforms(key: torch.Tensor, pos: torch.Tensor, stream: int) -> torch.Tensor:
+    """U[0, 1) float64 with 24 random bits for each (key [B], pos [B, T]) pair in `stream`."""
+    h = _fmix32(key[:, None] ^ _fmix32((pos << 2) | stream))
+    h = _fmix32(h ^ 0x9E3779B9)
+    return (h >> 8).to(torch.float64) * (1.0 / (1 << 24))
+
+
+def process(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    any_sampled: bool = True,
+    any_greedy: bool = True,
+    any_truncated: bool = True,
+) -> torch.Tensor:
+    """Processed distribution [B, T, V] from logits [B, T, V] and per-row params [B].
+
+    Same order and rules as HF's warpers: temperature, then top-k (ties with the k-th value kept), then
+    top-p (keep the smallest prefix of tokens by descending probability whose mass reaches top_p).
+    temperature == 0 means greedy: a one-hot on the argmax (first index on ties), so greedy rows go through
+    the same speculative rule (accept iff the draft is the argmax). top_k 0 and top_p 1 mean off.
+    The `any_*` flags are the caller's host-side knowledge of the batch, to skip work without a sync.
+    """
+    B, T, V = logits.shape
+    if not any_sampled:
+        return F_one_hot(logits.argmax(-1), V)
+    greedy = temperature == 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    x = logits / t[:, None, None]
+    if any_truncated:
+        srt, idx = x.sort(-1, descending=True)
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
+        kth = srt.gather(-1, (k - 1)[:, None, None].expand(B, T, 1))
+        srt = srt.masked_fill(srt < kth, float("-inf"))
+        ps = srt.softmax(-1)
+        excl = ps.cumsum(-1) - ps  # mass strictly before each sorted token
+        p_eff = torch.where(top_p < 1, top_p, torch.full_like(top_p, 2.0))[:, None, None]
+        drop_sorted = (excl >= p_eff) | (srt == float("-inf"))
+        drop = torch.empty_like(drop_sorted).scatter_(-1, idx, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    probs = x.softmax(-1)
+    if any_greedy:
+        probs = torch.where(greedy[:, None, None], F_one_hot(logits.argmax(-1), V), probs)
+    return probs
+
+
+def F_one_hot(idx: torch.Tensor, V: int) -> torch.Tensor:
+    return torch.zeros(*idx.shape, V, dtype=torch.float32, device=idx.device).scatter_(-1, idx[..., None], 1.0)
+
+
+def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw from (unnormalised, non-negative) probs [..., V] with u [...] in [0, 1).
+
+    float64 cumsum: u * total < total strictly, and a zero-probability token is never chosen (its cumsum
+    equals its predecessor's, so the predecessor is found first).
+    """
+    c = probs.double().cumsum(-1)
+    target = (u * c[..., -1])[..., None]
+    return torch.searchsorted(c, target, right=True)[..., 0].clamp_(max=probs.shape[-1] - 1)
+
+
+def verify(
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    drafts: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_sample: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact speculative sampling for a batch with ragged acceptance.
+
+    p [B, k+1, V] target's processed distributions at the k+1 verify positions; q [B, k, V] the drafter's
+    processed distributions (None = deterministic drafts, q one-hot on the draft); drafts [B, k];
+    u_accept [B, k], u_sample [B, k+1] uniforms. Draft j is accepted with probability min(1, p(x)/q(x))
+    (tested as u*q(x) < p(x)); at the first rejection j a token is drawn from normalize(max(0, p_j - q_j));
+    if all k are accepted, a bonus token from p_k.
+    Returns (tokens [B, k+1]: accepted drafts then the drawn token at index n_acc; n_acc [B]).
+    """
+    B, K1, V = p.shape
+    k = K1 - 1
+    rows = torch.arange(B, device=p.device)
+    if k == 0:
+        return sample(p[:, 0], u_sample[:, 0])[:, None], torch.zeros(B, dtype=torch.long, device=p.device)
+    px = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+    if q is None:
+        accept = u_accept < px.double()
+    else:
+        qx = q.gather(-1, drafts[..., None])[..., 0]
+        accept = u_accept * qx.double() < px.double()
+    n_acc = accept.long().cumprod(-1).sum(-1)  # leading accepted drafts
+    p_sel = p[rows, n_acc]  # [B, V]
+    rejected = (n_acc < k)[:, None]
+    d_sel = drafts.gather(-1, n_acc.clamp(max=k - 1)[:, None])[:, 0]
+    if q is None:
+        q_sel = F_one_hot(d_sel, V)
+    else:
+        q_sel = q[rows, n_acc.clamp(max=k - 1)]
+    resid = torch.where(rejected, (p_sel - q_sel).clamp_(min=0), p_sel)
+    # Mathematically a rejection implies residual mass > 0; guard the float corner where it rounds to 0.
+    empty = resid.sum(-1, keepdim=True) <= 0
+    resid = torch.where(empty, p_sel, resid)
+    final = sample(resid, u_sample.gather(-1, n_acc[:, None])[:, 0])
+    tokens = torch.cat([drafts, drafts[:, :1]], dim=1).scatter_(1, n_acc[:, None], final[:, None])
+    return tokens, n_acc
