@@ -89,7 +89,8 @@ class GpuLane(_View):
     id: str
     node: str
     gpu: int
-    segments: list[Segment] = Field(description="consecutive, non-overlapping, oldest first, within the window")
+    segments: list[Segment] = Field(description="consecutive, non-overlapping, oldest first, within the window; "
+                                    "they start at the GPU's first recorded state (none: never recorded)")
 
 
 class TelemetrySeries(_View):

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client.core import (
-    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -114,7 +118,7 @@ class StateCollector(Collector):
         up = _family("tailspec_redis_up")
         try:
             view, sessions = read_state(self.r, self.cluster, sessions_limit=None)
-        except Exception as e:  # Redis down or unreadable: report it, never fail the scrape
+        except Exception as e:  # noqa: BLE001 — Redis down or unreadable: report it, never fail the scrape
             log.warning("cluster state unreadable: %s", e)
             up.add_metric([], 0)
             yield up

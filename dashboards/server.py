@@ -16,10 +16,11 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -144,7 +145,7 @@ class App:
             return _json(400, {"error": f"/api/state takes no query parameters (got {sorted(query)})"})
         try:
             view, _ = read_state(self.r, self.cluster)
-        except Exception as e:  # Redis down: the page shows the error and keeps polling
+        except Exception as e:  # noqa: BLE001 — Redis down: the page shows the error and keeps polling
             return _json(503, {"error": f"cluster state unreadable: {e}"})
         return Response(200, view.model_dump_json().encode())
 
@@ -164,7 +165,7 @@ class App:
                                             f"got {raw[:50]!r}"})
         try:
             view = read_timeline(self.r, self.cluster, window_s=window)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 — as in state()
             return _json(503, {"error": f"cluster state unreadable: {e}"})
         return Response(200, view.model_dump_json().encode())
 
@@ -194,7 +195,7 @@ class _Handler(BaseHTTPRequestHandler):
             name = host.rsplit(":", 1)[0] if ":" in host else host
         return name in LOOPBACK_NAMES
 
-    def do_GET(self) -> None:  # noqa: N802 (stdlib naming)
+    def do_GET(self) -> None:
         if not self._host_ok():
             self._send(_json(403, {"error": "Host header is not a loopback name; the dashboard serves "
                                             "loopback clients only (see --allow-remote)"}))

@@ -13,7 +13,15 @@ from typing import Any
 
 from tailspec import state as S
 from tailspec.state import (
-    DrafterVersion, Event, GpuState, GpuStatus, GpuTelemetry, PhaseInfo, RolloutStats, SessionInfo, StateError,
+    DrafterVersion,
+    Event,
+    GpuState,
+    GpuStatus,
+    GpuTelemetry,
+    PhaseInfo,
+    RolloutStats,
+    SessionInfo,
+    StateError,
 )
 
 from .api import Counters, GpuLane, GpuView, RolloutPoint, Segment, StateView, TelemetrySeries, TimelineView
@@ -245,13 +253,18 @@ def read_timeline(r: Any, cluster: str, window_s: float = 300.0, max_points: int
         # The current status is the newest transition (the scheduler may write it before the stream).
         if g.state_since is not None and (not trs or trs[-1].since < g.state_since):
             trs.append(GpuStatus(node=g.node, gpu=g.gpu, state=g.state, since=g.state_since))
+        # Before a GPU's first known transition there is no record: no segment (not "unknown",
+        # which is a state the scheduler reports, e.g. for a GPU whose NVML reads fail).
         segs: list[Segment] = []
-        prev_state, prev_t = GpuState.UNKNOWN, start
+        prev_state: GpuState | None = None
+        prev_t = start
         for st in trs:
             t = min(max(st.since, start), now)
-            segs.append(Segment(state=prev_state, start=prev_t, end=t))
+            if prev_state is not None:
+                segs.append(Segment(state=prev_state, start=prev_t, end=t))
             prev_state, prev_t = st.state, t
-        segs.append(Segment(state=prev_state, start=prev_t, end=now, open=True))
+        if prev_state is not None:
+            segs.append(Segment(state=prev_state, start=prev_t, end=now, open=True))
         lanes.append(GpuLane(id=g.id, node=g.node, gpu=g.gpu, segments=_merge_segments(segs)))
 
     series: dict[tuple[str, int], TelemetrySeries] = {}

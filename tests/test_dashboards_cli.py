@@ -52,7 +52,7 @@ def test_dashboard_command_serves_page_api_and_exporter(redis_client, redis_url)
 def test_dashboard_command_refuses_remote_bind_without_flag(redis_url):
     out = subprocess.run(TAILSPEC + ["dashboard", "--redis", redis_url, "--host", "0.0.0.0",
                                      "--port", str(free_port())],
-                         capture_output=True, text=True, timeout=30, env={**os.environ, "TAILSPEC_CONFIG": ""})
+                         capture_output=True, text=True, timeout=30, check=False, env={**os.environ, "TAILSPEC_CONFIG": ""})
     assert out.returncode == 2
     assert "refusing to bind" in out.stderr and "--allow-remote" in out.stderr
 
@@ -61,10 +61,10 @@ def test_dashboard_command_reads_its_config_section(redis_url, tmp_path: Path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("dashboards:\n  host: 192.168.7.7\n")
     out = subprocess.run(TAILSPEC + ["dashboard", "--config", str(cfg), "--redis", redis_url],
-                         capture_output=True, text=True, timeout=30)
+                         capture_output=True, text=True, timeout=30, check=False)
     assert out.returncode == 2 and "'192.168.7.7'" in out.stderr
     out = subprocess.run(TAILSPEC + ["dashboard", "--redis", redis_url, "--cluster", "bad name"],
-                         capture_output=True, text=True, timeout=30)
+                         capture_output=True, text=True, timeout=30, check=False)
     assert out.returncode == 2 and "--cluster" in out.stderr
 
 

@@ -8,10 +8,9 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_dashboards_writer import StateWriter
-
 from tailspec.dashboards.exporter import METRICS, STOP_LATENCY_BUCKETS, exposed_names
 from tailspec.dashboards.server import start_exporter
+from test_dashboards_writer import StateWriter
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -114,7 +113,7 @@ def test_names_follow_prometheus_conventions(redis_client, exporter):
         if kind == "counter":
             assert name + "_total" in names
         assert not name.endswith(("_milliseconds", "_percent", "_kilobytes")), name  # base units only
-    for (name, labels), _ in m.items():
+    for name, labels in m:
         keys = {k for k, _ in labels}
         if name.startswith("tailspec_gpu_"):
             assert {"node", "gpu", "worker"} <= keys, name

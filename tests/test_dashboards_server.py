@@ -10,10 +10,10 @@ import urllib.request
 
 import jsonschema
 import pytest
+from tailspec.dashboards.server import BindRefused, check_bind, is_loopback, start_dashboard
 from test_dashboards_writer import StateWriter
 
 from tailspec.config import ConfigError
-from tailspec.dashboards.server import BindRefused, check_bind, is_loopback, start_dashboard
 
 
 @pytest.fixture

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
+from tailspec.dashboards.snapshot import read_state, read_timeline, reclaimed_share
 from test_dashboards_writer import GiB, StateWriter
 
 from tailspec import state as S
-from tailspec.dashboards.snapshot import read_state, read_timeline, reclaimed_share
 from tailspec.state import GpuState
 
 
@@ -53,12 +54,17 @@ def test_timeline_segments_match_transitions(redis_client):
     assert lanes["node0:0"].segments[-1].open and got[-1][2] == 0.0
     assert round(tl.now - lanes["node0:0"].segments[-1].start, 1) == round(5 + off, 1)
     # segments tile the window: consecutive, no gaps, no overlap
-    for lane in tl.gpus:
+    for lane in tl.gpus[:2]:
         segs = lane.segments
         assert segs[0].start == tl.start and segs[-1].end == tl.now
-        assert all(a.end == b.start for a, b in zip(segs, segs[1:]))
+        assert all(a.end == b.start for a, b in itertools.pairwise(segs))
     assert [(s.state, s.open) for s in lanes["node0:1"].segments] == [(GpuState.GENERATING, True)]
-    assert [s.state for s in lanes["node0:2"].segments] == [GpuState.UNKNOWN]
+    assert lanes["node0:2"].segments == []  # never had a scheduler state: nothing recorded, nothing drawn
+    # a GPU first seen inside the window: its lane starts at its first transition
+    w.status(3, GpuState.DRAINED, since=now - 12)
+    w.status(3, GpuState.LENT, since=now - 2)
+    lane = {lane.id: lane for lane in read_timeline(redis_client, "t", window_s=40.0).gpus}["node0:3"]
+    assert [(s.state, round(s.end - s.start)) for s in lane.segments] == [(GpuState.DRAINED, 10), (GpuState.LENT, 2)]
 
 
 def test_timeline_telemetry_series_and_downsampling(redis_client):

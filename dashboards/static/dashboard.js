@@ -9,7 +9,8 @@
   };
   const PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
                    "#ff9da7", "#9c755f", "#bab0ac"];
-  const REFRESH_MS = 1000;
+  // ?refresh=MS polls faster or slower (at least 200 ms); the only thing the page reads from its URL.
+  const REFRESH_MS = Math.max(200, Number(new URLSearchParams(location.search).get("refresh")) || 1000);
   const INT_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000];  // integer x ticks
   const $ = (id) => document.getElementById(id);
   const SVG_NS = "http://www.w3.org/2000/svg";
@@ -195,6 +196,7 @@
       const y = axisH + gap + i * (laneH + gap);
       const current = lane.segments.length ? lane.segments[lane.segments.length - 1].state : "unknown";
       const g = svg("g", {class: "lane", "data-gpu-id": lane.id, "data-state": current});
+      g.append(svg("rect", {x: labelW, y, width: W - labelW - right, height: laneH, class: "lane-bg"}));
       const label = svg("text", {x: 4, y: y + laneH - 6});
       label.textContent = lane.id;
       g.append(label);
@@ -341,6 +343,7 @@
   }
 
   renderLegend();
+  $("refresh-every").textContent = (REFRESH_MS / 1000).toFixed(REFRESH_MS % 1000 ? 2 : 0) + " s";
   $("window").addEventListener("change", () => { for (const k of Object.keys(charts)) { charts[k].plot.destroy(); delete charts[k]; } });
   tick();
 })();
