@@ -9,10 +9,12 @@ trainer's real session is started the same way, through `scheduler.session_entry
 from __future__ import annotations
 
 import os
+import time
 
 from tailspec.scheduler.session import SessionContext
 
 STEP_ENV = "TAILSPEC_DEMO_STEP_ITERS"
+SLEEP_ENV = "TAILSPEC_DEMO_STEP_SLEEP_S"
 
 
 def busy_session(ctx: SessionContext) -> None:
@@ -20,9 +22,13 @@ def busy_session(ctx: SessionContext) -> None:
     if visible != str(ctx.gpu):
         raise RuntimeError(f"session for GPU {ctx.gpu} sees CUDA_VISIBLE_DEVICES={visible!r}")
     iters = int(os.environ.get(STEP_ENV, "20000"))  # ≈ 2-5 ms of Python arithmetic
+    # A GPU-bound training step mostly waits on the device; the sleep stands for that wait.
+    wait = float(os.environ.get(SLEEP_ENV, "0.02"))
     step, acc = 0, 0.0
     while ctx.should_continue():
         for i in range(iters):
             acc += (i % 7) * 1e-9
+        if wait > 0:
+            time.sleep(wait)
         step += 1
         ctx.report(step, loss=1.0 / step, tokens=step * 64)

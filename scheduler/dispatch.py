@@ -119,7 +119,7 @@ class LocalDispatcher:
 def _session_actor_class():
     import ray
 
-    @ray.remote(num_gpus=0, num_cpus=0, max_restarts=0)
+    @ray.remote(num_gpus=0, num_cpus=0, max_restarts=0, max_concurrency=2)  # 2: where() answers during run()
     class SessionActor:
         """Runs one session in a Ray worker process on the GPU's node."""
 

@@ -210,6 +210,10 @@ class Scheduler:
         elif a.kind == "revoke":
             assert a.token is not None
             self.leases.revoke(a.node, a.gpu, a.token, flag_ttl_s=max(60.0, 10 * sc.lease_ttl_s))
+            if a.session_id is not None and self._still_starting(a.session_id):
+                # Not training yet (still importing / loading): nothing to save, cancel it now
+                # instead of waiting for a lease check it has not reached.
+                self.dispatcher.stop(a.session_id)
             pipe.hincrbyfloat(ck, "sessions_preempted", 1)
             self._event("lease_revoked", a.node, a.gpu, pipe, token=a.token, session_id=a.session_id,
                         reason=a.reason)
@@ -228,6 +232,13 @@ class Scheduler:
             self._finalize_record(sid, a.reason)
             self._event("session_stopped", a.node, a.gpu, pipe, session_id=sid, token=a.token, reason=a.reason,
                         release_latency_s=a.latency_s, exited=exited)
+
+    def _still_starting(self, sid: str) -> bool:
+        try:
+            info = state.get(self.r, state.key(self.c, "session", session_id=sid), SessionInfo)
+        except StateError:
+            return False
+        return info is not None and info.status == "starting"
 
     def _finalize_record(self, sid: str, reason: str) -> None:
         """A session killed before writing its final record is marked stopped by us."""

@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "tailspec.commands.task",
     "tailspec.commands.bench",
     "tailspec.commands.dashboard",
+    "tailspec.commands.scheduler",
 ]
 
 

@@ -1,0 +1,279 @@
+"""The calls an RL framework makes: report progress, set the phase, submit samples, get the drafter.
+
+Best-effort and non-blocking. Every call validates its input (a bad argument raises ValueError at
+once — that is the caller's bug), then only touches an in-memory buffer under a lock; a background
+thread writes to Redis. A dead or slow Redis never stalls a rollout: progress and phase coalesce
+(latest wins, retried), samples go through a bounded queue and are dropped and counted when it is full
+or Redis refuses them. `current_drafter()` returns a cached value the thread refreshes.
+
+    from tailspec.scheduler import client
+    c = client.connect("redis://127.0.0.1:6379/0", cluster="default", node="node0")
+    c.set_phase("rollout", step=3, policy_version=3, policy_path="/ckpt/step3")
+    c.report_progress("worker0", gpus=[0], active=12, finished=52, phase="rollout", step=3, total=64)
+    c.submit_samples([{"prompt_ids": [...], "response_ids": [...], "reward": 1.0, "policy_version": 3}])
+    version = c.current_drafter()  # DrafterVersion or None
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from typing import Any, Iterable
+
+from pydantic import ValidationError
+
+from tailspec import state
+from tailspec.state import DrafterVersion, Event, PhaseInfo, Progress, Sample
+
+log = logging.getLogger(__name__)
+
+
+class TailspecClient:
+    def __init__(self, redis_url: str, cluster: str = "default", node: str = "node0",
+                 queue_size: int = 4096, progress_ttl_s: float = 5.0, timeout_s: float = 0.5,
+                 refresh_s: float = 0.5, samples_maxlen: int = 100_000):
+        import redis
+
+        self.cluster, self.node = cluster, node
+        self.progress_ttl_s, self.refresh_s, self.queue_size = progress_ttl_s, refresh_s, queue_size
+        self.samples_maxlen = samples_maxlen
+        self.r = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._progress: dict[str, Progress] = {}  # latest per worker, not yet written
+        self._last_sent: dict[str, tuple[Progress, float]] = {}  # for keep-alive re-sends
+        self._phase: PhaseInfo | None = None
+        self._samples: collections.deque[Sample] = collections.deque()
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self._dropped_unsynced: collections.Counter[str] = collections.Counter()
+        self.sent = collections.Counter()
+        self.errors = 0
+        self._drafter: DrafterVersion | None = None
+        self._phase_seen: PhaseInfo | None = None
+        self._refreshed = threading.Event()
+        self._last_refresh = 0.0
+        self._thread = threading.Thread(target=self._run, name="tailspec-client", daemon=True)
+        self._thread.start()
+
+    # -- the calls -----------------------------------------------------------------------------
+    def report_progress(self, worker: str, gpus: list[int], active: int, finished: int, phase: str = "rollout",
+                        *, total: int = 0, step: int | None = None, tokens_done: int = 0,
+                        tokens_per_s: float = 0.0, remaining_s: float | None = None,
+                        node: str | None = None) -> None:
+        if step is None:
+            known = self._phase or self._phase_seen
+            step = known.step if known is not None else 0
+        try:
+            p = Progress(worker=worker, node=node or self.node, gpus=list(gpus), active=active, finished=finished,
+                         total=total, phase=phase, step=step, tokens_done=tokens_done,
+                         tokens_per_s=tokens_per_s, remaining_s=remaining_s, ts=time.time())
+        except ValidationError as e:
+            raise ValueError(f"report_progress: {_first_error(e)}") from None
+        with self._lock:
+            self._progress[worker] = p
+        self._wake.set()
+
+    def set_phase(self, phase: str, step: int, policy_version: int = 0, policy_path: str | None = None) -> None:
+        try:
+            info = PhaseInfo(phase=phase, step=step, started_at=time.time(), policy_version=policy_version,
+                             policy_path=policy_path)
+        except ValidationError as e:
+            raise ValueError(f"set_phase: {_first_error(e)}") from None
+        with self._lock:
+            self._phase = info
+            self._phase_seen = info
+        self._wake.set()
+
+    def submit_samples(self, samples: Iterable[Sample | dict]) -> int:
+        """Queue samples; returns how many were accepted (the rest were dropped and counted)."""
+        good: list[Sample] = []
+        for s in samples:
+            try:
+                good.append(s if isinstance(s, Sample) else Sample.model_validate(s))
+            except ValidationError as e:
+                raise ValueError(f"submit_samples: {_first_error(e)}") from None
+        accepted = 0
+        with self._lock:
+            for s in good:
+                if len(self._samples) >= self.queue_size:
+                    self._drop("client_queue_full")
+                else:
+                    self._samples.append(s)
+                    accepted += 1
+        self._wake.set()
+        return accepted
+
+    def current_drafter(self, wait_s: float = 0.2) -> DrafterVersion | None:
+        """The promoted drafter version (cached, refreshed every refresh_s); waits at most wait_s for
+        the very first read."""
+        if not self._refreshed.is_set():
+            self._wake.set()
+            self._refreshed.wait(wait_s)
+        return self._drafter
+
+    def current_phase(self) -> PhaseInfo | None:
+        return self._phase_seen
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until everything queued was written (or dropped); True if the buffers are empty."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                empty = not self._progress and self._phase is None and not self._samples
+            if empty:
+                return True
+            self._wake.set()
+            time.sleep(0.005)
+        return False
+
+    def close(self, flush_s: float = 1.0) -> None:
+        self.flush(flush_s)
+        self._closed.set()
+        self._wake.set()
+        self._thread.join(timeout=2)
+        try:
+            self.r.close()
+        except Exception:
+            pass
+
+    # -- background writer ---------------------------------------------------------------------
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] += n
+        self._dropped_unsynced[reason] += n
+
+    def _run(self) -> None:
+        backoff = 0.0
+        while not self._closed.is_set():
+            self._wake.wait(timeout=max(backoff, min(self.refresh_s, self.progress_ttl_s / 3)))
+            self._wake.clear()
+            if backoff and self._closed.wait(backoff):  # Redis failing: space the retries
+                break
+            try:
+                self._write_once()
+                backoff = 0.0
+            except Exception as e:  # Redis down or slow: keep the latest progress/phase, retry later
+                self.errors += 1
+                backoff = min(1.0, max(0.05, backoff * 2))
+                if self.errors in (1, 10) or self.errors % 100 == 0:
+                    log.warning("tailspec client: Redis write failed (%s); %d errors, dropped %s",
+                                e, self.errors, dict(self.dropped))
+
+    def _write_once(self) -> None:
+        c = self.cluster
+        now = time.time()
+        with self._lock:
+            progress, self._progress = self._progress, {}
+            phase, self._phase = self._phase, None
+            n = min(len(self._samples), 1000)
+            samples = [self._samples.popleft() for _ in range(n)]
+            dropped, self._dropped_unsynced = self._dropped_unsynced, collections.Counter()
+        # keep-alive: re-send each worker's last report before its key expires
+        for w, (p, sent_at) in self._last_sent.items():
+            if w not in progress and now - sent_at > self.progress_ttl_s / 3:
+                progress[w] = p
+        pipe = self.r.pipeline(transaction=False)
+        if phase is not None:
+            pipe.set(state.key(c, "phase"), state.encode(phase))
+            pipe.xadd(state.key(c, "events"), {"data": state.encode(Event(
+                kind="phase", detail={"phase": phase.phase, "step": phase.step,
+                                      "policy_version": phase.policy_version}))}, maxlen=20_000, approximate=True)
+        px = int(self.progress_ttl_s * 1000)
+        for w, p in progress.items():
+            pipe.set(state.key(c, "progress", worker=w), state.encode(p), px=px)
+            pipe.sadd(state.key(c, "workers"), w)
+        for s in samples:
+            pipe.xadd(state.key(c, "samples"), {"data": state.encode(s)}, maxlen=self.samples_maxlen,
+                      approximate=True)
+        for reason, k in dropped.items():
+            pipe.hincrby(state.key(c, "dropped"), reason, k)
+        refresh = now - self._last_refresh >= self.refresh_s or not self._refreshed.is_set()
+        if refresh:
+            pipe.get(state.key(c, "drafter_current"))
+            pipe.get(state.key(c, "phase"))
+        try:
+            res = pipe.execute()
+        except Exception:
+            with self._lock:  # progress and phase: newest wins, so put back only what was not replaced
+                for w, p in progress.items():
+                    self._progress.setdefault(w, p)
+                if phase is not None and self._phase is None:
+                    self._phase = phase
+                for reason, k in dropped.items():
+                    self._dropped_unsynced[reason] += k
+            if samples:
+                self._drop("redis_unavailable", len(samples))
+            raise
+        for w, p in progress.items():
+            self._last_sent[w] = (p, now)
+        self.sent["progress"] += len(progress)
+        self.sent["samples"] += len(samples)
+        if refresh:
+            self._last_refresh = now
+            raw_drafter, raw_phase = res[-2], res[-1]
+            try:
+                self._drafter = None if raw_drafter is None else state.decode(DrafterVersion, raw_drafter)
+            except state.StateError:
+                self._drop("bad_drafter_record")
+            try:
+                if raw_phase is not None:
+                    self._phase_seen = state.decode(PhaseInfo, raw_phase)
+            except state.StateError:
+                pass
+            self._refreshed.set()
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "(value)"
+    return f"{loc}: {err['msg']} (got {err.get('input')!r})"
+
+
+_default: TailspecClient | None = None
+_default_lock = threading.Lock()
+
+
+def connect(redis_url: str | None = None, cluster: str | None = None, node: str | None = None,
+            **kw: Any) -> TailspecClient:
+    """Create (or replace) the process-wide client; missing arguments come from the tailspec config
+    (TAILSPEC_CONFIG / TAILSPEC_* environment)."""
+    global _default
+    if redis_url is None or cluster is None or node is None:
+        from tailspec.config import load_config
+
+        cfg = load_config()
+        redis_url = redis_url or cfg.cluster.redis_url
+        cluster = cluster or cfg.cluster.name
+        node = node or os.environ.get("TAILSPEC_NODE") or cfg.cluster.node
+        kw.setdefault("progress_ttl_s", cfg.scheduler.progress_ttl_s)
+    with _default_lock:
+        if _default is not None:
+            _default.close(flush_s=0.2)
+        _default = TailspecClient(redis_url, cluster, node, **kw)
+    return _default
+
+
+def default_client() -> TailspecClient:
+    with _default_lock:
+        have = _default
+    return have if have is not None else connect()
+
+
+def report_progress(worker: str, gpus: list[int], active: int, finished: int, phase: str = "rollout",
+                    **kw: Any) -> None:
+    default_client().report_progress(worker, gpus, active, finished, phase, **kw)
+
+
+def set_phase(phase: str, step: int, policy_version: int = 0, policy_path: str | None = None) -> None:
+    default_client().set_phase(phase, step, policy_version, policy_path)
+
+
+def submit_samples(samples: Iterable[Sample | dict]) -> int:
+    return default_client().submit_samples(samples)
+
+
+def current_drafter() -> DrafterVersion | None:
+    return default_client().current_drafter()

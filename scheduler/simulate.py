@@ -1,0 +1,146 @@
+"""A simulated long-tail rollout that drives the real scheduler through the real client and Redis.
+
+N workers, each owning GPU i of one node, decode a batch of requests; a request of L tokens finishes
+after L × token_time_s (continuous batching: every active request gains one token per decode step), so
+a worker drains when its longest request is done. Lengths come from the caller (e.g. the task's length
+distribution) or from a log-normal (median, sigma). Each rollout step is framed by set_phase("rollout")
+and set_phase("train"); the simulation records the true drain times, so callers can compare the
+scheduler's view (counters, events) with ground truth.
+
+    from tailspec.scheduler.simulate import run_simulated_rollout
+    result = run_simulated_rollout(redis_url, workers=4, steps=2, cluster="default")
+    result.idle_gpu_seconds  # Σ over workers of (phase end − drain), the true idle GPU time
+
+Only the GPUs are simulated (with SimulatedTelemetry, labelled so); Redis, the client, the scheduler
+process and the sessions are real.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from tailspec.scheduler.client import TailspecClient
+
+
+@dataclass
+class StepRecord:
+    step: int
+    started_at: float
+    ended_at: float = 0.0
+    drained_at: dict[str, float] = field(default_factory=dict)  # worker → time its last request finished
+    lengths: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def idle_gpu_seconds(self) -> float:
+        return sum(max(0.0, self.ended_at - t) for t in self.drained_at.values())
+
+
+@dataclass
+class SimResult:
+    workers: int
+    steps: list[StepRecord]
+    node: str
+    worker_gpus: dict[str, list[int]]
+
+    @property
+    def idle_gpu_seconds(self) -> float:
+        return sum(s.idle_gpu_seconds for s in self.steps)
+
+    @property
+    def rollout_seconds(self) -> float:
+        return sum(s.ended_at - s.started_at for s in self.steps)
+
+
+def lognormal_lengths(n: int, median: float = 45.0, sigma: float = 0.8, lo: int = 8, hi: int = 400,
+                      rng: random.Random | None = None) -> list[int]:
+    rng = rng or random.Random(0)
+    return [int(min(hi, max(lo, round(math.exp(rng.gauss(math.log(median), sigma)))))) for _ in range(n)]
+
+
+def run_simulated_rollout(
+    redis_url: str,
+    workers: int = 4,
+    steps: int = 2,
+    *,
+    requests_per_worker: int = 8,
+    lengths: Sequence[int] | None = None,
+    token_time_s: float = 0.02,
+    train_s: float = 0.5,
+    cluster: str = "default",
+    node: str = "node0",
+    seed: int = 0,
+    median_tokens: float = 45.0,
+    sigma: float = 0.8,
+    report_period_s: float = 0.005,
+    client: TailspecClient | None = None,
+    stop: threading.Event | None = None,
+) -> SimResult:
+    """Run `steps` rollout steps with `workers` simulated workers (worker i on GPU i); returns ground
+    truth. `lengths` (tokens per request) are consumed in order, cycling; otherwise log-normal draws."""
+    if workers < 1 or steps < 1 or requests_per_worker < 1:
+        raise ValueError("workers, steps and requests_per_worker must be ≥ 1")
+    if token_time_s <= 0:
+        raise ValueError(f"token_time_s must be > 0, got {token_time_s}")
+    if lengths is not None and (len(lengths) == 0 or any(int(x) < 1 for x in lengths)):
+        raise ValueError("lengths must be a non-empty sequence of positive token counts")
+    own_client = client is None
+    c = client or TailspecClient(redis_url, cluster=cluster, node=node)
+    rng = random.Random(seed)
+    names = [f"sim-worker{i}" for i in range(workers)]
+    gpus = {w: [i] for i, w in enumerate(names)}
+    records: list[StepRecord] = []
+    cursor = 0
+
+    def draw(n: int) -> list[int]:
+        nonlocal cursor
+        if lengths is None:
+            return lognormal_lengths(n, median_tokens, sigma, rng=rng)
+        out = [int(lengths[(cursor + i) % len(lengths)]) for i in range(n)]
+        cursor += n
+        return out
+
+    try:
+        for step in range(1, steps + 1):
+            if stop is not None and stop.is_set():
+                break
+            lens = {w: draw(requests_per_worker) for w in names}
+            c.set_phase("rollout", step=step)
+            t0 = time.time()
+            rec = StepRecord(step=step, started_at=t0, lengths=lens)
+            last_active: dict[str, int] = {}
+            while True:
+                now = time.time()
+                elapsed = now - t0
+                for w in names:
+                    active = sum(1 for L in lens[w] if L * token_time_s > elapsed)
+                    if active != last_active.get(w):
+                        done = requests_per_worker - active
+                        tokens = sum(min(L, int(elapsed / token_time_s)) for L in lens[w] if L * token_time_s > elapsed)
+                        c.report_progress(w, gpus[w], active=active, finished=done, phase="rollout",
+                                          total=requests_per_worker, step=step, tokens_done=tokens,
+                                          tokens_per_s=active / token_time_s)
+                        last_active[w] = active
+                        if active == 0:
+                            rec.drained_at[w] = t0 + max(lens[w]) * token_time_s
+                if len(rec.drained_at) == workers or (stop is not None and stop.is_set()):
+                    break
+                time.sleep(report_period_s)
+            rec.ended_at = time.time()
+            c.set_phase("train", step=step)
+            for w in names:
+                c.report_progress(w, gpus[w], active=0, finished=requests_per_worker, phase="train",
+                                  total=requests_per_worker, step=step)
+            records.append(rec)
+            if train_s > 0:
+                time.sleep(train_s)
+        c.set_phase("idle", step=len(records))
+        c.flush(2.0)
+    finally:
+        if own_client:
+            c.close()
+    return SimResult(workers=workers, steps=records, node=node, worker_gpus=gpus)
