@@ -1,0 +1,249 @@
+"""The scheduler end to end in single-node mode: real redis-server, real scheduler loop, real session
+processes (tailspec.scheduler.demo_session:busy_session), simulated GPU telemetry. Failure cases:
+SIGKILL of the scheduler process and a stopped Redis while GPUs are lent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import redis
+
+from tailspec import state
+from tailspec.config import TailspecConfig
+from tailspec.scheduler.client import TailspecClient
+from tailspec.state import Event, GpuState, GpuStatus, SessionInfo
+
+ENTRY = "tailspec.scheduler.demo_session:busy_session"
+
+
+def make_cfg(url: str, cluster: str = "t", ttl: float = 2.0, gpus: int = 3) -> TailspecConfig:
+    cfg = TailspecConfig()
+    cfg.cluster.name = cluster
+    cfg.cluster.redis_url = url
+    cfg.scheduler.telemetry = "simulated"
+    cfg.scheduler.simulated_gpus = gpus
+    cfg.scheduler.session_entry = ENTRY
+    cfg.scheduler.lease_ttl_s = ttl
+    cfg.scheduler.session_startup_s = 0.0
+    return cfg
+
+
+def wait_for(pred, timeout: float, what: str, period: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(period)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def sessions(r, cluster="t") -> dict[str, SessionInfo]:
+    out = {}
+    for sid in r.smembers(state.key(cluster, "sessions")):
+        info = state.get(r, state.key(cluster, "session", session_id=sid.decode()), SessionInfo)
+        if info is not None:
+            out[sid.decode()] = info
+    return out
+
+
+def running_sessions(r, n: int, cluster="t") -> dict[str, SessionInfo]:
+    s = {k: v for k, v in sessions(r, cluster).items() if v.status == "running" and v.step >= 2}
+    return s if len(s) >= n else {}
+
+
+def lend_two_gpus(c: TailspecClient) -> None:
+    """GPU 1's worker keeps generating (the tail); GPUs 0 and 2 drained → lendable."""
+    c.set_phase("rollout", step=1)
+    c.report_progress("w0", [0], active=0, finished=8, step=1)
+    c.report_progress("w1", [1], active=3, finished=5, step=1)
+    c.report_progress("w2", [2], active=0, finished=8, step=1)
+
+
+def test_local_scheduler_lends_drained_gpus_and_reclaims_them_at_phase_end(redis_url, redis_client):
+    from tailspec.scheduler.service import run_local
+
+    cfg = make_cfg(redis_url)
+    stop = threading.Event()
+    th = threading.Thread(target=run_local, args=(cfg, stop), daemon=True)
+    th.start()
+    c = TailspecClient(redis_url, cluster="t", node=cfg.cluster.node)
+    try:
+        lend_two_gpus(c)
+        live = wait_for(lambda: running_sessions(redis_client, 2), 30, "two running sessions")
+        assert sorted(s.gpu for s in live.values()) == [0, 2]  # never GPU 1: its worker generates
+        st1 = state.get(redis_client, state.key("t", "gpu_status", node="node0", gpu=1), GpuStatus)
+        assert st1.state == GpuState.GENERATING
+        for s in live.values():
+            st = state.get(redis_client, state.key("t", "gpu_status", node="node0", gpu=s.gpu), GpuStatus)
+            assert st.state == GpuState.LENT and st.session_id == s.session_id
+            lease = state.get(redis_client, state.key("t", "lease", node="node0", gpu=s.gpu), state.Lease)
+            assert lease.token == s.lease_token
+        # the phase ends: every session stops (by its own lease check) well within the deadline
+        t_end = time.time()
+        c.set_phase("train", step=1)
+        done = wait_for(lambda: all(v.status in ("stopped", "failed") for v in sessions(redis_client).values())
+                        and sessions(redis_client), 10, "sessions stopped")
+        for s in sessions(redis_client).values():
+            assert s.status == "stopped", s  # busy_session fails if CUDA_VISIBLE_DEVICES != its GPU
+            assert s.stop_reason == "revoked"
+            assert s.stopped_at - t_end < cfg.scheduler.stop_deadline_s + 0.5
+        assert done
+        wait_for(lambda: redis_client.keys(state.key("t", "lease", node="*", gpu="*")) == [], 5, "leases gone")
+        counters = {k.decode(): float(v) for k, v in redis_client.hgetall(state.key("t", "counters")).items()}
+        assert counters["sessions_started"] == 2 and counters["sessions_preempted"] == 2
+        wait_for(lambda: float(redis_client.hget(state.key("t", "counters"), "sessions_stopped") or 0) == 2, 5,
+                 "sessions_stopped counter")
+        assert 0 < counters["lent_gpu_seconds"] <= counters["idle_gpu_seconds"]
+        # the dashboards' timeline: GPU 0 went drained → lent → reclaiming
+        hist, _ = state.read_stream(redis_client, state.key("t", "status_history"), GpuStatus)
+        seq = [s.state for _, s in hist if s.gpu == 0]
+        i = seq.index(GpuState.DRAINED)
+        assert seq[i:i + 3] == [GpuState.DRAINED, GpuState.LENT, GpuState.RECLAIMING]
+        events, _ = state.read_stream(redis_client, state.key("t", "events"), Event)
+        kinds = [e.kind for _, e in events]
+        for k in ("gpu_idle", "lease_granted", "session_started", "lease_revoked", "session_stopped"):
+            assert k in kinds
+        tel = state.get(redis_client, state.key("t", "telemetry", node="node0", gpu=1), state.GpuTelemetry)
+        assert tel.simulated and tel.util > 50  # GPU 1 generating
+        assert redis_client.xlen(state.key("t", "telemetry_history")) > 0
+    finally:
+        c.close()
+        stop.set()
+        th.join(10)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigkill_scheduler_sessions_stop_within_one_ttl(redis_url, redis_client, tmp_path):
+    ttl = 2.0
+    cmd = [sys.executable, "-m", "tailspec.cli", "scheduler", "run", "--redis", redis_url,
+           "--session-logs", str(tmp_path), "--set", "cluster.name=t", "--set", "scheduler.telemetry=simulated",
+           "--set", "scheduler.simulated_gpus=3", "--set", f"scheduler.session_entry={ENTRY}",
+           "--set", f"scheduler.lease_ttl_s={ttl}", "--set", "scheduler.session_startup_s=0"]
+    sched = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    c = TailspecClient(redis_url, cluster="t", node="node0")
+    try:
+        wait_for(lambda: redis_client.get(state.key("t", "scheduler_heartbeat")), 30, "scheduler heartbeat")
+        lend_two_gpus(c)
+        live = wait_for(lambda: running_sessions(redis_client, 2), 30, "two running sessions")
+        pids = _children(sched.pid)
+        assert len(pids) == 2
+        t_kill = time.time()
+        sched.send_signal(signal.SIGKILL)
+        sched.wait(5)
+        wait_for(lambda: not any(_alive(p) for p in pids), 3 * ttl, "sessions to exit")
+        t_gone = time.time()
+        for sid in live:
+            info = state.get(redis_client, state.key("t", "session", session_id=sid), SessionInfo)
+            assert info.status == "stopped" and info.stop_reason == "scheduler heartbeat lost"
+            assert info.stopped_at - t_kill <= ttl, f"{sid} stopped {info.stopped_at - t_kill:.2f}s after SIGKILL"
+        print(f"sessions gone {t_gone - t_kill:.2f}s after SIGKILL (ttl {ttl}s)")
+    finally:
+        c.close()
+        if sched.poll() is None:
+            sched.kill()
+        for p in _children(sched.pid):
+            os.kill(p, signal.SIGKILL)
+
+
+def test_redis_stop_sessions_stop_within_one_ttl_and_client_stays_fast(tmp_path):
+    from tailspec.redis_server import start_redis
+    from tailspec.scheduler.service import run_local
+
+    ttl = 2.0
+    server = start_redis()
+    r = redis.Redis.from_url(server.url)
+    cfg = make_cfg(server.url, ttl=ttl)
+    stop = threading.Event()
+    th = threading.Thread(target=run_local, args=(cfg, stop), kwargs={"log_dir": str(tmp_path)}, daemon=True)
+    th.start()
+    c = TailspecClient(server.url, cluster="t", node="node0", timeout_s=0.5)
+    try:
+        lend_two_gpus(c)
+        wait_for(lambda: running_sessions(r, 2), 30, "two running sessions")
+        pids = [p for p in _children(os.getpid()) if "tailspec.scheduler.session" in open(f"/proc/{p}/cmdline").read()]
+        assert len(pids) == 2
+        t_stop = time.time()
+        server.stop()
+        # the client keeps answering at once while Redis is gone
+        worst = 0.0
+        for i in range(200):
+            t0 = time.perf_counter()
+            c.report_progress("w1", [1], active=2, finished=6, step=1)
+            c.submit_samples([{"prompt_ids": [1, 2], "response_ids": [3], "reward": 1.0, "policy_version": 0}])
+            c.current_drafter()
+            worst = max(worst, time.perf_counter() - t0)
+            time.sleep(0.002)
+        assert worst < 0.05, f"a client call took {worst * 1000:.1f} ms with Redis down"
+        wait_for(lambda: not any(_alive(p) for p in pids), 3 * ttl, "sessions to exit")
+        gone = time.time() - t_stop
+        assert gone <= ttl + 0.25, f"sessions took {gone:.2f}s to stop after Redis went away (ttl {ttl}s)"
+        wait_for(lambda: c.dropped["redis_unavailable"] + c.dropped["client_queue_full"] > 0, 5, "counted drops")
+        print(f"sessions gone {gone:.2f}s after Redis stopped; worst client call {worst * 1000:.2f} ms; "
+              f"drops {dict(c.dropped)}")
+    finally:
+        stop.set()
+        th.join(15)
+        c.close(flush_s=0.1)
+        server.stop()
+        for p in _children(os.getpid()):
+            try:
+                if "tailspec.scheduler.session" in open(f"/proc/{p}/cmdline").read():
+                    os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_scheduler_restart_revokes_leases_of_its_previous_incarnation(redis_url, redis_client):
+    from tailspec.scheduler.dispatch import LocalDispatcher
+    from tailspec.scheduler.leases import Leases
+    from tailspec.scheduler.service import Scheduler
+
+    ls = Leases(redis_client, "t")
+    old = ls.acquire("node0", 1, "scheduler@old", ttl_s=30)
+    s = Scheduler(make_cfg(redis_url), redis_client, LocalDispatcher(ENTRY))
+    assert s.recover() == 1
+    assert ls.current("node0", 1) is None
+    assert ls.renew("node0", 1, old.token, 30, require_heartbeat=False) < 0
+
+
+def test_bad_payloads_are_skipped_not_fatal(redis_url, redis_client):
+    from tailspec.scheduler.dispatch import LocalDispatcher
+    from tailspec.scheduler.service import Scheduler
+
+    s = Scheduler(make_cfg(redis_url), redis_client, LocalDispatcher(ENTRY))
+    redis_client.set(state.key("t", "phase"), b"\x80\x04pickle")
+    redis_client.sadd(state.key("t", "workers"), "w0", "w1")
+    redis_client.set(state.key("t", "progress", worker="w0"), b'{"worker": "w0"}')
+    redis_client.sadd(state.key("t", "gpus"), "node0:0", "garbage")
+    redis_client.set(state.key("t", "telemetry", node="node0", gpu=0), b"not json")
+    s.tick()
+    s.tick()
+    assert s.bad_payloads >= 6
+    assert redis_client.get(state.key("t", "scheduler_heartbeat")) is not None
