@@ -51,14 +51,15 @@ class _SchedulerActor:
     def __init__(self, cfg_json: str, redis_url: str):
         import ray
         import redis
-
         from tailspec.scheduler.dispatch import RayDispatcher
         from tailspec.scheduler.service import Scheduler
 
         cfg = TailspecConfig.model_validate_json(cfg_json)
         self.r = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         node_ids = {node_name(n["NodeID"]): n["NodeID"] for n in _alive_nodes()}
-        self.dispatcher = RayDispatcher(cfg.scheduler.session_entry, node_ids, namespace=ray.get_runtime_context().namespace)
+        self.dispatcher = RayDispatcher(
+            cfg.scheduler.session_entry, node_ids, namespace=ray.get_runtime_context().namespace
+        )
         self.sched = Scheduler(cfg, self.r, self.dispatcher, redis_url=redis_url)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.sched.serve, args=(self._stop,), daemon=True)
@@ -91,7 +92,6 @@ class _SchedulerActor:
 class _TelemetryActor:
     def __init__(self, cfg_json: str, redis_url: str, node: str, num_gpus: int):
         import redis
-
         from tailspec.scheduler.monitor import TelemetryMonitor
         from tailspec.scheduler.telemetry import make_telemetry
 
@@ -99,15 +99,22 @@ class _TelemetryActor:
         sc = cfg.scheduler
         self.r = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         telemetry, self.warning = make_telemetry(sc.telemetry, node, self.r, cfg.cluster.name, num_gpus)
-        self.monitor = TelemetryMonitor(telemetry, self.r, cfg.cluster.name, sc.sample_period_s,
-                                        sc.history_maxlen, warning=self.warning).start()
+        self.monitor = TelemetryMonitor(
+            telemetry, self.r, cfg.cluster.name, sc.sample_period_s, sc.history_maxlen, warning=self.warning
+        ).start()
 
     def ping(self) -> dict[str, Any]:
         import ray
 
         t = self.monitor.telemetry
-        return {"node": t.node, "node_id": ray.get_runtime_context().get_node_id(), "simulated": t.simulated,
-                "gpus": t.gpu_ids(), "samples": self.monitor.samples, "warning": self.warning}
+        return {
+            "node": t.node,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "simulated": t.simulated,
+            "gpus": t.gpu_ids(),
+            "samples": self.monitor.samples,
+            "warning": self.warning,
+        }
 
     def shutdown(self) -> bool:
         self.monitor.stop()
@@ -131,15 +138,24 @@ def attach(cfg: TailspecConfig, redis_url: str, address: str | None = "auto") ->
         name = node_name(nid)
         gpus = int(n.get("Resources", {}).get("GPU", 0)) or cfg.scheduler.simulated_gpus
         a = tel_cls.options(
-            name=telemetry_actor_name(cluster, name), namespace=NAMESPACE, lifetime="detached",
-            get_if_exists=True, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nid, soft=False),
+            name=telemetry_actor_name(cluster, name),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nid, soft=False),
         ).remote(cfg_json, redis_url, name, gpus)
         pings.append(a.ping.remote())
-    sched = sched_cls.options(name=scheduler_actor_name(cluster), namespace=NAMESPACE, lifetime="detached",
-                              get_if_exists=True).remote(cfg_json, redis_url)
+    sched = sched_cls.options(
+        name=scheduler_actor_name(cluster), namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+    ).remote(cfg_json, redis_url)
     telemetry = ray.get(pings, timeout=120)
-    return {"cluster": cluster, "scheduler": scheduler_actor_name(cluster), "namespace": NAMESPACE,
-            "scheduler_state": ray.get(sched.ping.remote(), timeout=120), "telemetry": telemetry}
+    return {
+        "cluster": cluster,
+        "scheduler": scheduler_actor_name(cluster),
+        "namespace": NAMESPACE,
+        "scheduler_state": ray.get(sched.ping.remote(), timeout=120),
+        "telemetry": telemetry,
+    }
 
 
 def tailspec_actor_names(cluster: str) -> list[str]:

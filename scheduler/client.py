@@ -21,7 +21,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -32,9 +33,17 @@ log = logging.getLogger(__name__)
 
 
 class TailspecClient:
-    def __init__(self, redis_url: str, cluster: str = "default", node: str = "node0",
-                 queue_size: int = 4096, progress_ttl_s: float = 5.0, timeout_s: float = 0.5,
-                 refresh_s: float = 0.5, samples_maxlen: int = 100_000):
+    def __init__(
+        self,
+        redis_url: str,
+        cluster: str = "default",
+        node: str = "node0",
+        queue_size: int = 4096,
+        progress_ttl_s: float = 5.0,
+        timeout_s: float = 0.5,
+        refresh_s: float = 0.5,
+        samples_maxlen: int = 100_000,
+    ):
         import redis
 
         self.cluster, self.node = cluster, node
@@ -60,27 +69,56 @@ class TailspecClient:
         self._thread.start()
 
     # -- the calls -----------------------------------------------------------------------------
-    def report_progress(self, worker: str, gpus: list[int], active: int, finished: int, phase: str = "rollout",
-                        *, total: int = 0, step: int | None = None, tokens_done: int = 0,
-                        tokens_per_s: float = 0.0, remaining_s: float | None = None,
-                        node: str | None = None) -> None:
+    def report_progress(
+        self,
+        worker: str,
+        gpus: list[int],
+        active: int,
+        finished: int,
+        phase: str = "rollout",
+        *,
+        total: int = 0,
+        step: int | None = None,
+        tokens_done: int = 0,
+        tokens_per_s: float = 0.0,
+        remaining_s: float | None = None,
+        node: str | None = None,
+    ) -> None:
         if step is None:
             known = self._phase or self._phase_seen
             step = known.step if known is not None else 0
         try:
-            p = Progress(worker=worker, node=node or self.node, gpus=list(gpus), active=active, finished=finished,
-                         total=total, phase=phase, step=step, tokens_done=tokens_done,
-                         tokens_per_s=tokens_per_s, remaining_s=remaining_s, ts=time.time())
+            p = Progress(
+                worker=worker,
+                node=node or self.node,
+                gpus=list(gpus),
+                active=active,
+                finished=finished,
+                total=total,
+                phase=phase,
+                step=step,
+                tokens_done=tokens_done,
+                tokens_per_s=tokens_per_s,
+                remaining_s=remaining_s,
+                ts=time.time(),
+            )
         except ValidationError as e:
             raise ValueError(f"report_progress: {_first_error(e)}") from None
         with self._lock:
             self._progress[worker] = p
         self._wake.set()
 
-    def set_phase(self, phase: str, step: int, policy_version: int = 0, policy_path: str | None = None) -> None:
+    def set_phase(
+        self, phase: str, step: int, policy_version: int = 0, policy_path: str | None = None
+    ) -> None:
         try:
-            info = PhaseInfo(phase=phase, step=step, started_at=time.time(), policy_version=policy_version,
-                             policy_path=policy_path)
+            info = PhaseInfo(
+                phase=phase,
+                step=step,
+                started_at=time.time(),
+                policy_version=policy_version,
+                policy_path=policy_path,
+            )
         except ValidationError as e:
             raise ValueError(f"set_phase: {_first_error(e)}") from None
         with self._lock:
@@ -159,8 +197,12 @@ class TailspecClient:
                 self.errors += 1
                 backoff = min(1.0, max(0.05, backoff * 2))
                 if self.errors in (1, 10) or self.errors % 100 == 0:
-                    log.warning("tailspec client: Redis write failed (%s); %d errors, dropped %s",
-                                e, self.errors, dict(self.dropped))
+                    log.warning(
+                        "tailspec client: Redis write failed (%s); %d errors, dropped %s",
+                        e,
+                        self.errors,
+                        dict(self.dropped),
+                    )
 
     def _write_once(self) -> None:
         c = self.cluster
@@ -178,16 +220,34 @@ class TailspecClient:
         pipe = self.r.pipeline(transaction=False)
         if phase is not None:
             pipe.set(state.key(c, "phase"), state.encode(phase))
-            pipe.xadd(state.key(c, "events"), {"data": state.encode(Event(
-                kind="phase", detail={"phase": phase.phase, "step": phase.step,
-                                      "policy_version": phase.policy_version}))}, maxlen=20_000, approximate=True)
+            pipe.xadd(
+                state.key(c, "events"),
+                {
+                    "data": state.encode(
+                        Event(
+                            kind="phase",
+                            detail={
+                                "phase": phase.phase,
+                                "step": phase.step,
+                                "policy_version": phase.policy_version,
+                            },
+                        )
+                    )
+                },
+                maxlen=20_000,
+                approximate=True,
+            )
         px = int(self.progress_ttl_s * 1000)
         for w, p in progress.items():
             pipe.set(state.key(c, "progress", worker=w), state.encode(p), px=px)
             pipe.sadd(state.key(c, "workers"), w)
         for s in samples:
-            pipe.xadd(state.key(c, "samples"), {"data": state.encode(s)}, maxlen=self.samples_maxlen,
-                      approximate=True)
+            pipe.xadd(
+                state.key(c, "samples"),
+                {"data": state.encode(s)},
+                maxlen=self.samples_maxlen,
+                approximate=True,
+            )
         for reason, k in dropped.items():
             pipe.hincrby(state.key(c, "dropped"), reason, k)
         refresh = now - self._last_refresh >= self.refresh_s or not self._refreshed.is_set()
@@ -236,8 +296,9 @@ _default: TailspecClient | None = None
 _default_lock = threading.Lock()
 
 
-def connect(redis_url: str | None = None, cluster: str | None = None, node: str | None = None,
-            **kw: Any) -> TailspecClient:
+def connect(
+    redis_url: str | None = None, cluster: str | None = None, node: str | None = None, **kw: Any
+) -> TailspecClient:
     """Create (or replace) the process-wide client; missing arguments come from the tailspec config
     (TAILSPEC_CONFIG / TAILSPEC_* environment)."""
     global _default
@@ -262,8 +323,9 @@ def default_client() -> TailspecClient:
     return have if have is not None else connect()
 
 
-def report_progress(worker: str, gpus: list[int], active: int, finished: int, phase: str = "rollout",
-                    **kw: Any) -> None:
+def report_progress(
+    worker: str, gpus: list[int], active: int, finished: int, phase: str = "rollout", **kw: Any
+) -> None:
     default_client().report_progress(worker, gpus, active, finished, phase, **kw)
 
 

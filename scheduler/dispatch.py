@@ -74,8 +74,13 @@ class LocalDispatcher:
         env.update(session_env(ctx, self.entry))
         log_path = os.path.join(self.log_dir or ".", f"{ctx.session_id}.log")
         with open(log_path, "ab") as logf:
-            proc = subprocess.Popen([sys.executable, "-m", "tailspec.scheduler.session"], env=env,
-                                    stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tailspec.scheduler.session"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+            )
         self.procs[ctx.session_id] = _Proc(ctx, proc, log_path)
 
     def stop(self, session_id: str) -> None:
@@ -135,8 +140,11 @@ def _session_actor_class():
         def where(self) -> dict[str, Any]:
             import ray as _ray
 
-            return {"node_id": _ray.get_runtime_context().get_node_id(),
-                    "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid()}
+            return {
+                "node_id": _ray.get_runtime_context().get_node_id(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "pid": os.getpid(),
+            }
 
     return SessionActor
 
@@ -160,10 +168,16 @@ class RayDispatcher:
 
         node_id = self.node_ids.get(ctx.node, ctx.node)
         actor = self._cls.options(
-            name=f"tailspec-session-{ctx.session_id}", namespace=self.namespace,
+            name=f"tailspec-session-{ctx.session_id}",
+            namespace=self.namespace,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-            runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": str(ctx.gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-                                      "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}},
+            runtime_env={
+                "env_vars": {
+                    "CUDA_VISIBLE_DEVICES": str(ctx.gpu),
+                    "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                }
+            },
         ).remote()
         self.actors[ctx.session_id] = (actor, actor.run.remote(ctx.to_json(), self.entry))
 

@@ -19,8 +19,9 @@ Rules (DESIGN.md, issue 5):
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Mapping
+from typing import Literal
 
 from tailspec.state import GpuState, GpuTelemetry, PhaseInfo, Progress
 
@@ -120,22 +121,48 @@ class IdleDetector:
             actions.extend(self._step(m, now, phase, rollout, tail, p, t, stopped_sessions))
         return actions
 
-    def _step(self, m: GpuMachine, now: float, phase: PhaseInfo | None, rollout: bool, tail: float,
-              p: Progress | None, t: GpuTelemetry | None, stopped: set[str] | frozenset[str]) -> list[Action]:
+    def _step(
+        self,
+        m: GpuMachine,
+        now: float,
+        phase: PhaseInfo | None,
+        rollout: bool,
+        tail: float,
+        p: Progress | None,
+        t: GpuTelemetry | None,
+        stopped: set[str] | frozenset[str],
+    ) -> list[Action]:
         out: list[Action] = []
         t_ok = t is not None and t.error is None
         generating = p is not None and p.active > 0
-        drained = (rollout and p is not None and p.active == 0 and p.phase == "rollout"
-                   and phase is not None and p.step == phase.step)
+        drained = (
+            rollout
+            and p is not None
+            and p.active == 0
+            and p.phase == "rollout"
+            and phase is not None
+            and p.step == phase.step
+        )
 
         if m.state == GpuState.LENT:
             if m.session_id is not None and m.session_id in stopped:
                 out.append(self._reclaim(m, now, "session ended"))
             else:
-                reason = ("phase ended" if not rollout else "worker progress lost" if p is None
-                          else "worker generating" if generating else "worker left the rollout step"
-                          if not drained else "telemetry lost" if t is None
-                          else f"telemetry error: {t.error}" if not t_ok else None)
+                reason = (
+                    "phase ended"
+                    if not rollout
+                    else "worker progress lost"
+                    if p is None
+                    else "worker generating"
+                    if generating
+                    else "worker left the rollout step"
+                    if not drained
+                    else "telemetry lost"
+                    if t is None
+                    else f"telemetry error: {t.error}"
+                    if not t_ok
+                    else None
+                )
                 if reason is not None:
                     m._enter(GpuState.RECLAIMING, now)
                     m.revoked_at, m.revoke_reason = now, reason
@@ -170,8 +197,12 @@ class IdleDetector:
             elif t.ts >= m.drained_at and m.low_since is None:
                 m.low_since = t.ts if m.last_high is not None else m.drained_at
             low_since = m.low_since
-            idle = (low_since is not None and t.ts >= low_since and t.util < self.util_threshold
-                    and now - low_since >= self.window_s)
+            idle = (
+                low_since is not None
+                and t.ts >= low_since
+                and t.util < self.util_threshold
+                and now - low_since >= self.window_s
+            )
             if idle and m.detected_at is None:
                 m.detected_at = now
                 out.append(Action("idle", m.node, m.gpu, latency_s=now - m.drained_at))

@@ -26,8 +26,13 @@ STALE = -2  # another holder's token is on the GPU now
 REVOKED = -3  # the scheduler flagged this token for revocation
 NO_SCHEDULER = -4  # scheduler heartbeat gone
 
-REASONS = {RENEWED: "renewed", EXPIRED: "lease expired", STALE: "stale fencing token",
-           REVOKED: "revoked", NO_SCHEDULER: "scheduler heartbeat lost"}
+REASONS = {
+    RENEWED: "renewed",
+    EXPIRED: "lease expired",
+    STALE: "stale fencing token",
+    REVOKED: "revoked",
+    NO_SCHEDULER: "scheduler heartbeat lost",
+}
 
 # KEYS: lease, revoke flag, heartbeat. ARGV: token, ttl_ms, require_heartbeat (1/0).
 _RENEW = """
@@ -96,8 +101,10 @@ class Leases:
         self._fenced_set = self.r.register_script(_FENCED_SET)
 
     def _keys(self, node: str, gpu: int) -> tuple[str, str]:
-        return (state.key(self.cluster, "lease", node=node, gpu=gpu),
-                state.key(self.cluster, "revoke", node=node, gpu=gpu))
+        return (
+            state.key(self.cluster, "lease", node=node, gpu=gpu),
+            state.key(self.cluster, "revoke", node=node, gpu=gpu),
+        )
 
     def acquire(self, node: str, gpu: int, holder: str, ttl_s: float) -> Lease | None:
         """Grant a new lease with a fresh fencing token, or None if the GPU is already leased."""
@@ -114,8 +121,11 @@ class Leases:
         """Extend the lease by ttl_s if `token` still holds it; returns RENEWED or a negative reason code."""
         lease_key, revoke_key = self._keys(node, gpu)
         hb = state.key(self.cluster, "scheduler_heartbeat")
-        return int(self._renew(keys=[lease_key, revoke_key, hb],
-                               args=[token, _ms(ttl_s), "1" if require_heartbeat else "0"]))
+        return int(
+            self._renew(
+                keys=[lease_key, revoke_key, hb], args=[token, _ms(ttl_s), "1" if require_heartbeat else "0"]
+            )
+        )
 
     def revoke(self, node: str, gpu: int, token: int, flag_ttl_s: float = 60.0) -> bool:
         """Flag `token` as revoked and delete its lease; True if the lease was still there."""
@@ -131,8 +141,9 @@ class Leases:
         lease_key, _ = self._keys(node, gpu)
         return state.get(self.r, lease_key, Lease)
 
-    def fenced_set(self, node: str, gpu: int, token: int, target_key: str, value: bytes | str,
-                   px_ms: int = 0) -> bool:
+    def fenced_set(
+        self, node: str, gpu: int, token: int, target_key: str, value: bytes | str, px_ms: int = 0
+    ) -> bool:
         """SET target_key only while `token` holds the GPU's lease (a stale holder's write is refused)."""
         lease_key, _ = self._keys(node, gpu)
         return bool(self._fenced_set(keys=[lease_key, target_key], args=[token, value, px_ms]))

@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tailspec.scheduler.telemetry import Telemetry
+
 from tailspec import state
 from tailspec.state import Event, GpuTelemetry
-
-from tailspec.scheduler.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +46,23 @@ class TelemetryMonitor:
         for s in samples:
             pipe.set(state.key(c, "telemetry", node=s.node, gpu=s.gpu), state.encode(s), px=ttl_ms)
             pipe.sadd(state.key(c, "gpus"), f"{s.node}:{s.gpu}")
-            pipe.xadd(state.key(c, "telemetry_history"), {"data": state.encode(s)},
-                      maxlen=self.history_maxlen, approximate=True)
+            pipe.xadd(
+                state.key(c, "telemetry_history"),
+                {"data": state.encode(s)},
+                maxlen=self.history_maxlen,
+                approximate=True,
+            )
         if self.warning and not self._warned:
-            pipe.xadd(state.key(c, "events"), {"data": state.encode(
-                Event(kind="warning", node=self.telemetry.node, detail={"message": self.warning}))},
-                maxlen=self.history_maxlen, approximate=True)
+            pipe.xadd(
+                state.key(c, "events"),
+                {
+                    "data": state.encode(
+                        Event(kind="warning", node=self.telemetry.node, detail={"message": self.warning})
+                    )
+                },
+                maxlen=self.history_maxlen,
+                approximate=True,
+            )
         pipe.execute()
         self._warned = True
         self.samples += 1
@@ -67,7 +78,9 @@ class TelemetryMonitor:
             except Exception as e:  # Redis down, a telemetry bug: count, log, keep sampling
                 self.errors += 1
                 if self.errors in (1, 10) or self.errors % 100 == 0:
-                    log.warning("telemetry monitor on %s: %s (%d errors)", self.telemetry.node, e, self.errors)
+                    log.warning(
+                        "telemetry monitor on %s: %s (%d errors)", self.telemetry.node, e, self.errors
+                    )
             next_t += self.period_s
             delay = next_t - time.monotonic()
             if delay < 0:  # fell behind (loaded machine): skip missed periods instead of bursting

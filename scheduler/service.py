@@ -16,13 +16,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailspec import state
-from tailspec.config import TailspecConfig
-from tailspec.state import Event, GpuState, GpuStatus, GpuTelemetry, Lease, PhaseInfo, Progress, SessionInfo, StateError
-
 from tailspec.scheduler.idle import Action, IdleDetector
 from tailspec.scheduler.leases import Leases
 from tailspec.scheduler.session import SessionContext
+
+from tailspec import state
+from tailspec.config import TailspecConfig
+from tailspec.state import (
+    Event,
+    GpuState,
+    GpuStatus,
+    GpuTelemetry,
+    Lease,
+    PhaseInfo,
+    Progress,
+    SessionInfo,
+    StateError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +56,12 @@ class Scheduler:
     def __post_init__(self) -> None:
         sc = self.cfg.scheduler
         self.c = self.cfg.cluster.name
-        self.detector = IdleDetector(util_threshold=sc.idle_util_threshold, window_s=sc.idle_window_s,
-                                     startup_s=sc.session_startup_s, stop_deadline_s=sc.stop_deadline_s)
+        self.detector = IdleDetector(
+            util_threshold=sc.idle_util_threshold,
+            window_s=sc.idle_window_s,
+            startup_s=sc.session_startup_s,
+            stop_deadline_s=sc.stop_deadline_s,
+        )
         self.leases = Leases(self.r, self.c)
         self._published: dict[tuple[str, int], tuple[GpuState, float]] = {}
         self._last_tick: float | None = None
@@ -57,7 +71,9 @@ class Scheduler:
     def _bad(self, where: str, err: Exception) -> None:
         self.bad_payloads += 1
         if self.bad_payloads in (1, 10) or self.bad_payloads % 100 == 0:
-            log.warning("scheduler: skipping bad payload at %s: %s (%d so far)", where, err, self.bad_payloads)
+            log.warning(
+                "scheduler: skipping bad payload at %s: %s (%d so far)", where, err, self.bad_payloads
+            )
 
     def snapshot(self) -> tuple[PhaseInfo | None, dict[str, Progress], dict[tuple[str, int], GpuTelemetry]]:
         c = self.c
@@ -93,7 +109,7 @@ class Scheduler:
             except StateError as e:
                 self._bad(f"progress:{w}", e)
         telemetry: dict[tuple[str, int], GpuTelemetry] = {}
-        for k, v in zip(gpu_keys, raw[len(workers):]):
+        for k, v in zip(gpu_keys, raw[len(workers) :]):
             if v is None:
                 continue
             try:
@@ -114,20 +130,32 @@ class Scheduler:
                 continue
             if lease is not None:
                 self.leases.revoke(lease.node, lease.gpu, lease.token)
-                self._event("lease_revoked", lease.node, lease.gpu, token=lease.token,
-                            reason="left by a previous scheduler")
+                self._event(
+                    "lease_revoked",
+                    lease.node,
+                    lease.gpu,
+                    token=lease.token,
+                    reason="left by a previous scheduler",
+                )
                 n += 1
         return n
 
     def _event(self, kind: str, node: str | None, gpu: int | None, pipe: Any = None, **detail: Any) -> None:
         ev = Event(kind=kind, node=node, gpu=gpu, detail=detail)  # type: ignore[arg-type]
-        (pipe or self.r).xadd(state.key(self.c, "events"), {"data": state.encode(ev)},
-                              maxlen=self.cfg.scheduler.history_maxlen, approximate=True)
+        (pipe or self.r).xadd(
+            state.key(self.c, "events"),
+            {"data": state.encode(ev)},
+            maxlen=self.cfg.scheduler.history_maxlen,
+            approximate=True,
+        )
 
     def heartbeat(self, pipe: Any) -> None:
         # Expires before one TTL is over, so sessions' renewals fail within one TTL of our death.
-        pipe.set(state.key(self.c, "scheduler_heartbeat"), repr(time.time()),
-                 px=max(50, int(self.cfg.scheduler.lease_ttl_s * 750)))
+        pipe.set(
+            state.key(self.c, "scheduler_heartbeat"),
+            repr(time.time()),
+            px=max(50, int(self.cfg.scheduler.lease_ttl_s * 750)),
+        )
 
     # -- one tick ------------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> list[Action]:
@@ -153,10 +181,15 @@ class Scheduler:
         # (imports, model load) must not lose its GPU before its first own renewal.
         for m in self.detector.machines.values():
             if m.state == GpuState.LENT and m.lease_token is not None:
-                self.leases._renew(keys=[state.key(self.c, "lease", node=m.node, gpu=m.gpu),
-                                         state.key(self.c, "revoke", node=m.node, gpu=m.gpu),
-                                         state.key(self.c, "scheduler_heartbeat")],
-                                   args=[m.lease_token, int(sc.lease_ttl_s * 1000), "0"], client=pipe)
+                self.leases._renew(
+                    keys=[
+                        state.key(self.c, "lease", node=m.node, gpu=m.gpu),
+                        state.key(self.c, "revoke", node=m.node, gpu=m.gpu),
+                        state.key(self.c, "scheduler_heartbeat"),
+                    ],
+                    args=[m.lease_token, int(sc.lease_ttl_s * 1000), "0"],
+                    client=pipe,
+                )
         self._publish_status(now, pipe)
         if dt > 0:
             ck = state.key(self.c, "counters")
@@ -181,22 +214,44 @@ class Scheduler:
                 return  # someone else's lease is still live (it expires within one TTL); retry next tick
             sid = f"{a.node}-g{a.gpu}-t{lease.token}"
             ctx = SessionContext(
-                session_id=sid, node=a.node, gpu=a.gpu, lease_token=lease.token,
-                redis_url=self.redis_url or self.cfg.cluster.redis_url, cluster=c,
-                config=self.cfg.model_dump(mode="json"), lease_ttl_s=sc.lease_ttl_s,
-                stop_deadline_s=sc.stop_deadline_s, started_at=lease.granted_at,
+                session_id=sid,
+                node=a.node,
+                gpu=a.gpu,
+                lease_token=lease.token,
+                redis_url=self.redis_url or self.cfg.cluster.redis_url,
+                cluster=c,
+                config=self.cfg.model_dump(mode="json"),
+                lease_ttl_s=sc.lease_ttl_s,
+                stop_deadline_s=sc.stop_deadline_s,
+                started_at=lease.granted_at,
                 require_heartbeat=self.require_heartbeat,
             )
-            info = SessionInfo(session_id=sid, node=a.node, gpu=a.gpu, lease_token=lease.token,
-                               status="starting", started_at=lease.granted_at)
+            info = SessionInfo(
+                session_id=sid,
+                node=a.node,
+                gpu=a.gpu,
+                lease_token=lease.token,
+                status="starting",
+                started_at=lease.granted_at,
+            )
             # Written before the process starts so the session's own fenced writes come after it.
             self.r.set(state.key(c, "session", session_id=sid), state.encode(info))
             try:
                 self.dispatcher.start(ctx)
             except Exception as e:
                 self.leases.release(a.node, a.gpu, lease.token)
-                self.r.set(state.key(c, "session", session_id=sid), state.encode(info.model_copy(
-                    update={"status": "failed", "stopped_at": time.time(), "stop_reason": f"start: {e}"})))
+                self.r.set(
+                    state.key(c, "session", session_id=sid),
+                    state.encode(
+                        info.model_copy(
+                            update={
+                                "status": "failed",
+                                "stopped_at": time.time(),
+                                "stop_reason": f"start: {e}",
+                            }
+                        )
+                    ),
+                )
                 self._event("session_failed", a.node, a.gpu, pipe, session_id=sid, error=str(e))
                 raise
             self.detector.lent(a.node, a.gpu, lease.token, sid, now)
@@ -204,8 +259,16 @@ class Scheduler:
             pipe.sadd(state.key(c, "sessions"), sid)
             pipe.hincrbyfloat(ck, "sessions_started", 1)
             m = self.detector.machine(a.node, a.gpu)
-            self._event("lease_granted", a.node, a.gpu, pipe, token=lease.token, session_id=sid,
-                        reason=a.reason, idle_s=now - (m.drained_at or now))
+            self._event(
+                "lease_granted",
+                a.node,
+                a.gpu,
+                pipe,
+                token=lease.token,
+                session_id=sid,
+                reason=a.reason,
+                idle_s=now - (m.drained_at or now),
+            )
             self._event("session_started", a.node, a.gpu, pipe, session_id=sid, token=lease.token)
         elif a.kind == "revoke":
             assert a.token is not None
@@ -215,8 +278,9 @@ class Scheduler:
                 # instead of waiting for a lease check it has not reached.
                 self.dispatcher.stop(a.session_id)
             pipe.hincrbyfloat(ck, "sessions_preempted", 1)
-            self._event("lease_revoked", a.node, a.gpu, pipe, token=a.token, session_id=a.session_id,
-                        reason=a.reason)
+            self._event(
+                "lease_revoked", a.node, a.gpu, pipe, token=a.token, session_id=a.session_id, reason=a.reason
+            )
         elif a.kind == "reclaimed":
             sid = a.session_id
             if a.token is not None:
@@ -230,8 +294,17 @@ class Scheduler:
             self.live.pop(sid, None)
             pipe.hincrbyfloat(ck, "sessions_stopped", 1)
             self._finalize_record(sid, a.reason)
-            self._event("session_stopped", a.node, a.gpu, pipe, session_id=sid, token=a.token, reason=a.reason,
-                        release_latency_s=a.latency_s, exited=exited)
+            self._event(
+                "session_stopped",
+                a.node,
+                a.gpu,
+                pipe,
+                session_id=sid,
+                token=a.token,
+                reason=a.reason,
+                release_latency_s=a.latency_s,
+                exited=exited,
+            )
 
     def _still_starting(self, sid: str) -> bool:
         try:
@@ -248,8 +321,18 @@ class Scheduler:
         except StateError:
             info = None
         if info is not None and info.status not in ("stopped", "failed"):
-            self.r.set(k, state.encode(info.model_copy(update={
-                "status": "stopped", "stopped_at": time.time(), "stop_reason": f"scheduler: {reason}"})))
+            self.r.set(
+                k,
+                state.encode(
+                    info.model_copy(
+                        update={
+                            "status": "stopped",
+                            "stopped_at": time.time(),
+                            "stop_reason": f"scheduler: {reason}",
+                        }
+                    )
+                ),
+            )
 
     def _publish_status(self, now: float, pipe: Any) -> None:
         for key, m in self.detector.machines.items():
@@ -257,11 +340,22 @@ class Scheduler:
             if self._published.get(key) == cur:
                 continue
             self._published[key] = cur
-            st = GpuStatus(node=m.node, gpu=m.gpu, state=m.state, since=m.since, worker=m.worker,
-                           lease_token=m.lease_token, session_id=m.session_id)
+            st = GpuStatus(
+                node=m.node,
+                gpu=m.gpu,
+                state=m.state,
+                since=m.since,
+                worker=m.worker,
+                lease_token=m.lease_token,
+                session_id=m.session_id,
+            )
             pipe.set(state.key(self.c, "gpu_status", node=m.node, gpu=m.gpu), state.encode(st))
-            pipe.xadd(state.key(self.c, "status_history"), {"data": state.encode(st)},
-                      maxlen=self.cfg.scheduler.history_maxlen, approximate=True)
+            pipe.xadd(
+                state.key(self.c, "status_history"),
+                {"data": state.encode(st)},
+                maxlen=self.cfg.scheduler.history_maxlen,
+                approximate=True,
+            )
 
     # -- loop ----------------------------------------------------------------------------------
     def serve(self, stop: threading.Event | None = None) -> None:
@@ -308,11 +402,14 @@ class Scheduler:
             pass
 
 
-def run_local(cfg: TailspecConfig, stop: threading.Event | None = None, redis_url: str | None = None,
-              log_dir: str | None = None) -> None:
+def run_local(
+    cfg: TailspecConfig,
+    stop: threading.Event | None = None,
+    redis_url: str | None = None,
+    log_dir: str | None = None,
+) -> None:
     """Single-node mode: one process with the telemetry monitor (thread) and the scheduler loop."""
     import redis
-
     from tailspec.scheduler.dispatch import LocalDispatcher
     from tailspec.scheduler.monitor import TelemetryMonitor
     from tailspec.scheduler.telemetry import make_telemetry
@@ -320,9 +417,12 @@ def run_local(cfg: TailspecConfig, stop: threading.Event | None = None, redis_ur
     url = redis_url or cfg.cluster.redis_url
     sc = cfg.scheduler
     r = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-    telemetry, warning = make_telemetry(sc.telemetry, cfg.cluster.node, r, cfg.cluster.name, sc.simulated_gpus)
-    monitor = TelemetryMonitor(telemetry, r, cfg.cluster.name, sc.sample_period_s, sc.history_maxlen,
-                               warning=warning).start()
+    telemetry, warning = make_telemetry(
+        sc.telemetry, cfg.cluster.node, r, cfg.cluster.name, sc.simulated_gpus
+    )
+    monitor = TelemetryMonitor(
+        telemetry, r, cfg.cluster.name, sc.sample_period_s, sc.history_maxlen, warning=warning
+    ).start()
     sched = Scheduler(cfg, r, LocalDispatcher(sc.session_entry, log_dir=log_dir), redis_url=url)
     stop = stop or threading.Event()
     try:

@@ -19,8 +19,9 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from tailspec import state
 from tailspec.state import SessionInfo
@@ -114,8 +115,13 @@ class SessionContext:
         from tailspec.scheduler import leases as L
 
         try:
-            code = self.leases.renew(self.node, self.gpu, self.lease_token, self.lease_ttl_s,
-                                     require_heartbeat=self.require_heartbeat)
+            code = self.leases.renew(
+                self.node,
+                self.gpu,
+                self.lease_token,
+                self.lease_ttl_s,
+                require_heartbeat=self.require_heartbeat,
+            )
         except Exception as e:  # redis down / timeout / script error: the last renewal still covers us
             # Stop a little before the lease's own expiry so the GPU is free when Redis says it is.
             if time.time() - self._last_renewed >= 0.75 * self.lease_ttl_s:
@@ -126,17 +132,30 @@ class SessionContext:
             return True
         return self._stop(L.REASONS.get(code, f"renew code {code}"))
 
-    def report(self, step: int, loss: float | None = None, tokens: int = 0,
-               drafter_version: int | None = None) -> bool:
+    def report(
+        self, step: int, loss: float | None = None, tokens: int = 0, drafter_version: int | None = None
+    ) -> bool:
         """Publish progress (fenced: refused once the lease is gone). Never raises on Redis errors."""
-        info = SessionInfo(session_id=self.session_id, node=self.node, gpu=self.gpu,
-                           lease_token=self.lease_token, status="running", step=step,
-                           loss=None if loss is None or loss != loss else float(loss), tokens=tokens,
-                           started_at=self.started_at, drafter_version=drafter_version)
+        info = SessionInfo(
+            session_id=self.session_id,
+            node=self.node,
+            gpu=self.gpu,
+            lease_token=self.lease_token,
+            status="running",
+            step=step,
+            loss=None if loss is None or loss != loss else float(loss),
+            tokens=tokens,
+            started_at=self.started_at,
+            drafter_version=drafter_version,
+        )
         try:
-            return self.leases.fenced_set(self.node, self.gpu, self.lease_token,
-                                          state.key(self.cluster, "session", session_id=self.session_id),
-                                          state.encode(info))
+            return self.leases.fenced_set(
+                self.node,
+                self.gpu,
+                self.lease_token,
+                state.key(self.cluster, "session", session_id=self.session_id),
+                state.encode(info),
+            )
         except Exception:
             return False
 
@@ -148,10 +167,18 @@ class SessionContext:
             prev = None
         now = time.time()
         info = SessionInfo(
-            session_id=self.session_id, node=self.node, gpu=self.gpu, lease_token=self.lease_token,
-            status=status, step=prev.step if prev else 0, loss=prev.loss if prev else None,
-            tokens=prev.tokens if prev else 0, started_at=self.started_at, stopped_at=now,
-            stop_reason=reason, drafter_version=prev.drafter_version if prev else None,
+            session_id=self.session_id,
+            node=self.node,
+            gpu=self.gpu,
+            lease_token=self.lease_token,
+            status=status,
+            step=prev.step if prev else 0,
+            loss=prev.loss if prev else None,
+            tokens=prev.tokens if prev else 0,
+            started_at=self.started_at,
+            stopped_at=now,
+            stop_reason=reason,
+            drafter_version=prev.drafter_version if prev else None,
             stop_latency_s=(now - self.stop_seen_at) if self.stop_seen_at else None,
         )
         try:
@@ -215,7 +242,8 @@ def main() -> int:
         return 2
     ctx = SessionContext.from_json(raw)
     entry = os.environ.get("TAILSPEC_SESSION_ENTRY") or ctx.config.get("scheduler", {}).get(
-        "session_entry", "tailspec.sessions:run_session")
+        "session_entry", "tailspec.sessions:run_session"
+    )
     return run_context(ctx, entry, handle_sigterm=True)
 
 

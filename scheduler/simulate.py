@@ -21,8 +21,8 @@ import math
 import random
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from tailspec.scheduler.client import TailspecClient
 
@@ -56,8 +56,14 @@ class SimResult:
         return sum(s.ended_at - s.started_at for s in self.steps)
 
 
-def lognormal_lengths(n: int, median: float = 45.0, sigma: float = 0.8, lo: int = 8, hi: int = 400,
-                      rng: random.Random | None = None) -> list[int]:
+def lognormal_lengths(
+    n: int,
+    median: float = 45.0,
+    sigma: float = 0.8,
+    lo: int = 8,
+    hi: int = 400,
+    rng: random.Random | None = None,
+) -> list[int]:
     rng = rng or random.Random(0)
     return [int(min(hi, max(lo, round(math.exp(rng.gauss(math.log(median), sigma)))))) for _ in range(n)]
 
@@ -120,10 +126,20 @@ def run_simulated_rollout(
                     active = sum(1 for L in lens[w] if L * token_time_s > elapsed)
                     if active != last_active.get(w):
                         done = requests_per_worker - active
-                        tokens = sum(min(L, int(elapsed / token_time_s)) for L in lens[w] if L * token_time_s > elapsed)
-                        c.report_progress(w, gpus[w], active=active, finished=done, phase="rollout",
-                                          total=requests_per_worker, step=step, tokens_done=tokens,
-                                          tokens_per_s=active / token_time_s)
+                        tokens = sum(
+                            min(L, int(elapsed / token_time_s)) for L in lens[w] if L * token_time_s > elapsed
+                        )
+                        c.report_progress(
+                            w,
+                            gpus[w],
+                            active=active,
+                            finished=done,
+                            phase="rollout",
+                            total=requests_per_worker,
+                            step=step,
+                            tokens_done=tokens,
+                            tokens_per_s=active / token_time_s,
+                        )
                         last_active[w] = active
                         if active == 0:
                             rec.drained_at[w] = t0 + max(lens[w]) * token_time_s
@@ -133,8 +149,15 @@ def run_simulated_rollout(
             rec.ended_at = time.time()
             c.set_phase("train", step=step)
             for w in names:
-                c.report_progress(w, gpus[w], active=0, finished=requests_per_worker, phase="train",
-                                  total=requests_per_worker, step=step)
+                c.report_progress(
+                    w,
+                    gpus[w],
+                    active=0,
+                    finished=requests_per_worker,
+                    phase="train",
+                    total=requests_per_worker,
+                    step=step,
+                )
             records.append(rec)
             if train_s > 0:
                 time.sleep(train_s)

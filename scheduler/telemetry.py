@@ -53,7 +53,8 @@ class NvmlTelemetry:
         except nvml.NVMLError as e:
             raise TelemetryError(
                 f"telemetry 'nvml': NVML failed to initialize ({e}); no NVIDIA driver / libnvidia-ml "
-                "on this machine? Use scheduler.telemetry=simulated (or auto, which falls back with a warning)"
+                "on this machine? Use scheduler.telemetry=simulated "
+                "(or auto, which falls back with a warning)"
             ) from None
         try:
             self.count = int(nvml.nvmlDeviceGetCount())
@@ -94,13 +95,29 @@ class NvmlTelemetry:
                 power = nvml.nvmlDeviceGetPowerUsage(h) / 1000.0
             except nvml.NVMLError:
                 power = None
-            return GpuTelemetry(node=self.node, gpu=i, util=min(100.0, max(0.0, util)), mem_used=int(mem.used),
-                                mem_total=int(mem.total), power_w=power, processes=self._pids(h),
-                                simulated=False, ts=now)
+            return GpuTelemetry(
+                node=self.node,
+                gpu=i,
+                util=min(100.0, max(0.0, util)),
+                mem_used=int(mem.used),
+                mem_total=int(mem.total),
+                power_w=power,
+                processes=self._pids(h),
+                simulated=False,
+                ts=now,
+            )
         except nvml.NVMLError as e:
             self._handles.pop(i, None)  # re-acquire next time: the device may come back
-            return GpuTelemetry(node=self.node, gpu=i, util=0.0, mem_used=0, mem_total=0, simulated=False,
-                                error=f"NVML: {e}", ts=now)
+            return GpuTelemetry(
+                node=self.node,
+                gpu=i,
+                util=0.0,
+                mem_used=0,
+                mem_total=0,
+                simulated=False,
+                error=f"NVML: {e}",
+                ts=now,
+            )
 
     def sample(self) -> list[GpuTelemetry]:
         return [self.sample_one(i) for i in range(self.count)]
@@ -130,8 +147,9 @@ class SimulatedTelemetry:
 
     def _activity(self) -> tuple[dict[int, Progress], set[int]]:
         c = self.cluster
-        workers = sorted(w.decode() if isinstance(w, bytes) else w
-                         for w in self.r.smembers(state.key(c, "workers")))
+        workers = sorted(
+            w.decode() if isinstance(w, bytes) else w for w in self.r.smembers(state.key(c, "workers"))
+        )
         pipe = self.r.pipeline(transaction=False)
         for w in workers:
             pipe.get(state.key(c, "progress", worker=w))
@@ -151,7 +169,7 @@ class SimulatedTelemetry:
                 for g in p.gpus:
                     owners[g] = p
         leased = set()
-        for g, v in enumerate(raw[len(workers):]):
+        for g, v in enumerate(raw[len(workers) :]):
             if v is not None:
                 try:
                     state.decode(Lease, v)
@@ -178,17 +196,28 @@ class SimulatedTelemetry:
             else:
                 util = self.rng.uniform(0.0, 2.0)
             util = min(100.0, max(0.0, util))
-            out.append(GpuTelemetry(node=self.node, gpu=g, util=round(util, 1), mem_used=mem,
-                                    mem_total=self.MEM_TOTAL, power_w=round(70 + 6 * util, 1), processes=[],
-                                    simulated=True, ts=now))
+            out.append(
+                GpuTelemetry(
+                    node=self.node,
+                    gpu=g,
+                    util=round(util, 1),
+                    mem_used=mem,
+                    mem_total=self.MEM_TOTAL,
+                    power_w=round(70 + 6 * util, 1),
+                    processes=[],
+                    simulated=True,
+                    ts=now,
+                )
+            )
         return out
 
     def close(self) -> None:
         pass
 
 
-def make_telemetry(kind: str, node: str, r: Any, cluster: str, num_gpus: int = 4,
-                   nvml: Any = None) -> tuple[Telemetry, str | None]:
+def make_telemetry(
+    kind: str, node: str, r: Any, cluster: str, num_gpus: int = 4, nvml: Any = None
+) -> tuple[Telemetry, str | None]:
     """Build the configured telemetry. Returns (telemetry, warning): `auto` falls back to simulated
     with a warning when NVML does not initialize or sees no device; `nvml` raises TelemetryError."""
     if kind not in ("auto", "nvml", "simulated"):

@@ -99,13 +99,25 @@ def gather(r: Any, cluster: str) -> Snapshot:
     rows = []
     for node, g, t, st, lease, sid in partial:
         info = sessions.get(sid) if sid else None
-        rows.append(Row(
-            node=node, gpu=g, state=st.state.value if st else "unknown",
-            util=t.util if t else None, mem_used=t.mem_used if t else None, mem_total=t.mem_total if t else None,
-            power_w=t.power_w if t else None, simulated=bool(t and t.simulated), error=t.error if t else None,
-            worker=st.worker if st else None, lease_token=lease.token if lease else None, session_id=sid,
-            session_status=info.status if info else None, session_step=info.step if info else None,
-            session_loss=info.loss if info else None))
+        rows.append(
+            Row(
+                node=node,
+                gpu=g,
+                state=st.state.value if st else "unknown",
+                util=t.util if t else None,
+                mem_used=t.mem_used if t else None,
+                mem_total=t.mem_total if t else None,
+                power_w=t.power_w if t else None,
+                simulated=bool(t and t.simulated),
+                error=t.error if t else None,
+                worker=st.worker if st else None,
+                lease_token=lease.token if lease else None,
+                session_id=sid,
+                session_status=info.status if info else None,
+                session_step=info.step if info else None,
+                session_loss=info.loss if info else None,
+            )
+        )
     return Snapshot(phase, rows, counters, hb_age)
 
 
@@ -118,12 +130,13 @@ def _header(snap: Snapshot, cluster: str) -> list[str]:
     c = snap.counters
     idle, lent = c.get("idle_gpu_seconds", 0.0), c.get("lent_gpu_seconds", 0.0)
     head = [
-        f"tailspec top — cluster {cluster}"
-        + (" — SIMULATED telemetry (no NVML)" if snap.simulated else ""),
+        f"tailspec top — cluster {cluster}" + (" — SIMULATED telemetry (no NVML)" if snap.simulated else ""),
         f"phase {ph.phase} step {ph.step} policy v{ph.policy_version}" if ph else "phase: (none reported)",
-        f"scheduler heartbeat: {snap.heartbeat_age_s:.1f}s ago" if snap.heartbeat_age_s is not None
+        f"scheduler heartbeat: {snap.heartbeat_age_s:.1f}s ago"
+        if snap.heartbeat_age_s is not None
         else "scheduler: not running",
-        f"idle {idle:.1f} GPU-s, lent {lent:.1f} GPU-s, reclaimed {lent / idle:.0%}" if idle > 0
+        f"idle {idle:.1f} GPU-s, lent {lent:.1f} GPU-s, reclaimed {lent / idle:.0%}"
+        if idle > 0
         else f"idle {idle:.1f} GPU-s, lent {lent:.1f} GPU-s",
         f"sessions started {int(c.get('sessions_started', 0))}, stopped {int(c.get('sessions_stopped', 0))}, "
         f"preempted {int(c.get('sessions_preempted', 0))}",
@@ -140,13 +153,20 @@ def render_text(snap: Snapshot, cluster: str) -> str:
         util = "-" if r.util is None else f"{r.util:5.1f}" + (" sim" if r.simulated else "")
         if r.error:
             util = f"ERR {r.error[:30]}"
-        body.append([
-            f"{r.node}:{r.gpu}", r.state, util, f"{_gib(r.mem_used)}/{_gib(r.mem_total)}",
-            "-" if r.power_w is None else f"{r.power_w:.0f}", r.worker or "-",
-            "-" if r.lease_token is None else f"t{r.lease_token}", r.session_id or "-",
-            "-" if r.session_step is None else str(r.session_step),
-            "-" if r.session_loss is None else f"{r.session_loss:.4g}",
-        ])
+        body.append(
+            [
+                f"{r.node}:{r.gpu}",
+                r.state,
+                util,
+                f"{_gib(r.mem_used)}/{_gib(r.mem_total)}",
+                "-" if r.power_w is None else f"{r.power_w:.0f}",
+                r.worker or "-",
+                "-" if r.lease_token is None else f"t{r.lease_token}",
+                r.session_id or "-",
+                "-" if r.session_step is None else str(r.session_step),
+                "-" if r.session_loss is None else f"{r.session_loss:.4g}",
+            ]
+        )
     widths = [max(len(x) for x in col) for col in zip(cols, *body)] if body else [len(x) for x in cols]
     lines = head + ["", "  ".join(h.ljust(w) for h, w in zip(cols, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in body]
@@ -155,8 +175,13 @@ def render_text(snap: Snapshot, cluster: str) -> str:
     return "\n".join(lines)
 
 
-_STATE_STYLE = {"generating": "green", "drained": "yellow", "lent": "cyan", "reclaiming": "magenta",
-                "unknown": "dim"}
+_STATE_STYLE = {
+    "generating": "green",
+    "drained": "yellow",
+    "lent": "cyan",
+    "reclaiming": "magenta",
+    "unknown": "dim",
+}
 
 
 def render_rich(snap: Snapshot, cluster: str) -> Any:
@@ -171,9 +196,14 @@ def render_rich(snap: Snapshot, cluster: str) -> Any:
         if r.error:
             util = f"[red]ERR {r.error[:30]}[/]"
         t.add_row(
-            f"{r.node}:{r.gpu}", f"[{_STATE_STYLE.get(r.state, 'white')}]{r.state}[/]", util,
-            f"{_gib(r.mem_used)}/{_gib(r.mem_total)}", "-" if r.power_w is None else f"{r.power_w:.0f}",
-            r.worker or "-", "-" if r.lease_token is None else f"t{r.lease_token}", r.session_id or "-",
+            f"{r.node}:{r.gpu}",
+            f"[{_STATE_STYLE.get(r.state, 'white')}]{r.state}[/]",
+            util,
+            f"{_gib(r.mem_used)}/{_gib(r.mem_total)}",
+            "-" if r.power_w is None else f"{r.power_w:.0f}",
+            r.worker or "-",
+            "-" if r.lease_token is None else f"t{r.lease_token}",
+            r.session_id or "-",
             "-" if r.session_step is None else str(r.session_step),
             "-" if r.session_loss is None else f"{r.session_loss:.4g}",
         )
@@ -186,7 +216,9 @@ def run_top(r: Any, cluster: str, interval_s: float = 0.5, once: bool = False) -
         return
     from rich.live import Live
 
-    with Live(render_rich(gather(r, cluster), cluster), refresh_per_second=max(1, int(1 / interval_s))) as live:
+    with Live(
+        render_rich(gather(r, cluster), cluster), refresh_per_second=max(1, int(1 / interval_s))
+    ) as live:
         while True:
             time.sleep(interval_s)
             try:

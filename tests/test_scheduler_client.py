@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from tailspec import state
 from tailspec.scheduler.client import TailspecClient
 from tailspec.scheduler.simulate import run_simulated_rollout
+
+from tailspec import state
 from tailspec.state import DrafterVersion, PhaseInfo, Progress, Sample
 
 
@@ -17,16 +17,30 @@ def test_progress_phase_and_samples_reach_redis(redis_url, redis_client):
     try:
         c.set_phase("rollout", step=4, policy_version=4, policy_path="/ckpt/4")
         c.report_progress("w0", [0, 1], active=5, finished=3, total=8, tokens_done=120, tokens_per_s=300.0)
-        n = c.submit_samples([
-            Sample(prompt_ids=[1, 2], response_ids=[3, 4, 5], reward=0.5, policy_version=4),
-            {"prompt_ids": [7], "response_ids": [8], "reward": -1.0, "policy_version": 4, "group_id": "g"},
-        ])
+        n = c.submit_samples(
+            [
+                Sample(prompt_ids=[1, 2], response_ids=[3, 4, 5], reward=0.5, policy_version=4),
+                {
+                    "prompt_ids": [7],
+                    "response_ids": [8],
+                    "reward": -1.0,
+                    "policy_version": 4,
+                    "group_id": "g",
+                },
+            ]
+        )
         assert n == 2
         assert c.flush(5)
         ph = state.get(redis_client, state.key("t", "phase"), PhaseInfo)
         assert (ph.phase, ph.step, ph.policy_version, ph.policy_path) == ("rollout", 4, 4, "/ckpt/4")
         p = state.get(redis_client, state.key("t", "progress", worker="w0"), Progress)
-        assert (p.node, p.gpus, p.active, p.finished, p.step) == ("n1", [0, 1], 5, 3, 4)  # step from set_phase
+        assert (p.node, p.gpus, p.active, p.finished, p.step) == (
+            "n1",
+            [0, 1],
+            5,
+            3,
+            4,
+        )  # step from set_phase
         assert 0 < redis_client.pttl(state.key("t", "progress", worker="w0")) <= 3000
         assert redis_client.smembers(state.key("t", "workers")) == {b"w0"}
         got, _ = state.read_stream(redis_client, state.key("t", "samples"), Sample)
@@ -54,7 +68,9 @@ def test_bad_input_raises_clear_errors(redis_url):
         with pytest.raises(ValueError, match="phase"):
             c.set_phase("generate", step=1)
         with pytest.raises(ValueError, match="reward"):
-            c.submit_samples([{"prompt_ids": [1], "response_ids": [2], "reward": "high", "policy_version": 0}])
+            c.submit_samples(
+                [{"prompt_ids": [1], "response_ids": [2], "reward": "high", "policy_version": 0}]
+            )
     finally:
         c.close()
 
@@ -111,8 +127,16 @@ def test_slow_redis_never_stalls_the_caller(redis_url, redis_client):
 
 
 def test_simulated_rollout_ground_truth(redis_url, redis_client):
-    res = run_simulated_rollout(redis_url, workers=3, steps=1, requests_per_worker=2, lengths=[10, 20, 5, 5, 40, 1],
-                                token_time_s=0.01, train_s=0.0, cluster="t")
+    res = run_simulated_rollout(
+        redis_url,
+        workers=3,
+        steps=1,
+        requests_per_worker=2,
+        lengths=[10, 20, 5, 5, 40, 1],
+        token_time_s=0.01,
+        train_s=0.0,
+        cluster="t",
+    )
     st = res.steps[0]
     # worker i finishes with its longest request: 20, 5 and 40 tokens × 10 ms
     assert [round(st.drained_at[f"sim-worker{i}"] - st.started_at, 3) for i in range(3)] == [0.2, 0.05, 0.4]

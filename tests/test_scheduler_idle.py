@@ -7,16 +7,25 @@ from dataclasses import dataclass, field
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tailspec.scheduler.idle import IdleDetector, expected_tail_s
+
 from tailspec.state import GpuState, GpuTelemetry, PhaseInfo, Progress
 
 N = "n0"
 
 
 def prog(w: int, active: int, ts: float, step: int = 1, phase: str = "rollout", remaining_s=None) -> Progress:
-    return Progress(worker=f"w{w}", node=N, gpus=[w], active=active, finished=0, phase=phase, step=step,
-                    remaining_s=remaining_s, ts=ts)
+    return Progress(
+        worker=f"w{w}",
+        node=N,
+        gpus=[w],
+        active=active,
+        finished=0,
+        phase=phase,
+        step=step,
+        remaining_s=remaining_s,
+        ts=ts,
+    )
 
 
 def tel(g: int, util: float, ts: float, error: str | None = None) -> GpuTelemetry:
@@ -109,8 +118,12 @@ def test_reclaim_after_deadline_without_session_confirmation():
 W = 3  # workers, one GPU each
 
 # Kinds weighted so that drains, busy workers and ticks dominate (lends happen), with every fault mixed in.
-_KINDS = (["busy"] * 4 + ["drain"] * 4 + ["tick"] * 5 + ["progress", "tel", "tel_error", "phase",
-          "session_ends", "worker_gone", "step_worker"])
+_KINDS = (
+    ["busy"] * 4
+    + ["drain"] * 4
+    + ["tick"] * 5
+    + ["progress", "tel", "tel_error", "phase", "session_ends", "worker_gone", "step_worker"]
+)
 
 
 @st.composite
@@ -191,8 +204,9 @@ class Harness:
         kind, a, b = ev
         self.now += 0.001
         if kind in ("progress", "drain"):
-            self.progress[f"w{a}"] = prog(a, b, self.now, step=self.step,
-                                          phase=self.phase.phase if self.phase else "idle")
+            self.progress[f"w{a}"] = prog(
+                a, b, self.now, step=self.step, phase=self.phase.phase if self.phase else "idle"
+            )
             if kind == "drain":
                 self.now += 0.001
                 self.telemetry[(N, a)] = tel(a, 1.0, self.now)
@@ -264,8 +278,10 @@ def test_property_drained_workers_get_lent_during_a_long_tail(finish):
     now = 0.0
     while now < end:
         now = round(now + 0.05, 6)
-        p = {f"w{i}": prog(i, 0 if now >= f else 1, min(now, f) if now >= f else now)
-             for i, f in enumerate(finish)}
+        p = {
+            f"w{i}": prog(i, 0 if now >= f else 1, min(now, f) if now >= f else now)
+            for i, f in enumerate(finish)
+        }
         t = {(N, i): tel(i, 0.0 if now >= f else 90.0, now) for i, f in enumerate(finish)}
         for a in d.tick(now, ph, p, t):
             if a.kind == "lend":

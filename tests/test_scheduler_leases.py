@@ -8,11 +8,11 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from tailspec import state
 from tailspec.scheduler import leases as L
 from tailspec.scheduler.leases import Leases
 from tailspec.scheduler.session import SessionContext
+
+from tailspec import state
 
 
 def _heartbeat(r, cluster="t", px=60_000):
@@ -131,8 +131,17 @@ def test_session_context_round_trip_and_should_continue(redis_client, redis_url)
     _heartbeat(redis_client)
     ls = Leases(redis_client, "t")
     a = ls.acquire("n0", 2, "s", ttl_s=1)
-    ctx = SessionContext(session_id="s1", node="n0", gpu=2, lease_token=a.token, redis_url=redis_url,
-                         cluster="t", config={"x": 1}, lease_ttl_s=1, min_renew_interval_s=0)
+    ctx = SessionContext(
+        session_id="s1",
+        node="n0",
+        gpu=2,
+        lease_token=a.token,
+        redis_url=redis_url,
+        cluster="t",
+        config={"x": 1},
+        lease_ttl_s=1,
+        min_renew_interval_s=0,
+    )
     ctx2 = SessionContext.from_json(ctx.to_json())
     assert ctx2.to_json() == ctx.to_json() and ctx2.gpu == 2
     with pytest.raises(ValueError, match="unknown fields"):
@@ -151,8 +160,16 @@ def test_session_context_round_trip_and_should_continue(redis_client, redis_url)
 
 
 def test_should_continue_stops_within_ttl_when_redis_is_unreachable():
-    ctx = SessionContext(session_id="s", node="n0", gpu=0, lease_token=1, redis_url="redis://127.0.0.1:1/0",
-                         cluster="t", lease_ttl_s=0.5, min_renew_interval_s=0)
+    ctx = SessionContext(
+        session_id="s",
+        node="n0",
+        gpu=0,
+        lease_token=1,
+        redis_url="redis://127.0.0.1:1/0",
+        cluster="t",
+        lease_ttl_s=0.5,
+        min_renew_interval_s=0,
+    )
     t0 = time.time()
     while ctx.should_continue():
         assert time.time() - t0 < 0.5
@@ -163,10 +180,13 @@ def test_should_continue_stops_within_ttl_when_redis_is_unreachable():
 
 # -- property: at most one holder per GPU, whatever the interleaving ---------------------------------
 _ops = st.lists(
-    st.tuples(st.sampled_from(["acquire", "renew", "revoke", "release", "expire"]),
-              st.integers(0, 2),  # holder
-              st.integers(0, 1)),  # gpu
-    min_size=1, max_size=40,
+    st.tuples(
+        st.sampled_from(["acquire", "renew", "revoke", "release", "expire"]),
+        st.integers(0, 2),  # holder
+        st.integers(0, 1),
+    ),  # gpu
+    min_size=1,
+    max_size=40,
 )
 
 
@@ -197,8 +217,11 @@ def test_property_at_most_one_holder_per_gpu(redis_client, ops):
         # Invariant: per GPU, at most one believed holder can still renew, and it is the lease's token.
         for gpu in (0, 1):
             cur = ls.current("n", gpu)
-            ok = [hh for (hh, gg), tok in tokens.items() if gg == gpu
-                  and ls.renew("n", gpu, tok, 30) == L.RENEWED]
+            ok = [
+                hh
+                for (hh, gg), tok in tokens.items()
+                if gg == gpu and ls.renew("n", gpu, tok, 30) == L.RENEWED
+            ]
             assert len(ok) <= 1
             if ok:
                 assert cur is not None and cur.token == tokens[(ok[0], gpu)]

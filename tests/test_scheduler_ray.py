@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
+from tailspec.scheduler.client import TailspecClient
 
 from tailspec import state
 from tailspec.config import TailspecConfig
-from tailspec.scheduler.client import TailspecClient
 from tailspec.state import SessionInfo
 
 ENTRY = "tailspec.scheduler.demo_session:busy_session"
@@ -61,10 +61,26 @@ def test_ray_sessions_run_on_the_lent_gpus_and_stop_on_revoke(ray_cluster, redis
         c.set_phase("rollout", step=1)
         for g in range(4):
             c.report_progress(f"w{g}", [g], active=0 if g in (1, 3) else 4, finished=4, step=1)
-        live = wait_for(lambda: {k: v for k, v in sessions(redis_client, cluster).items()
-                                 if v.status == "running" and v.step > 0} if len(
-            [v for v in sessions(redis_client, cluster).values() if v.status == "running" and v.step > 0]) == 2
-            else None, 90, "two running session actors")
+        live = wait_for(
+            lambda: (
+                {
+                    k: v
+                    for k, v in sessions(redis_client, cluster).items()
+                    if v.status == "running" and v.step > 0
+                }
+                if len(
+                    [
+                        v
+                        for v in sessions(redis_client, cluster).values()
+                        if v.status == "running" and v.step > 0
+                    ]
+                )
+                == 2
+                else None
+            ),
+            90,
+            "two running session actors",
+        )
         assert sorted(v.gpu for v in live.values()) == [1, 3]
         sched = ray.get_actor(scheduler_actor_name(cluster), namespace=NAMESPACE)
         where = ray.get(sched.where.remote(), timeout=60)
@@ -78,11 +94,15 @@ def test_ray_sessions_run_on_the_lent_gpus_and_stop_on_revoke(ray_cluster, redis
         c.report_progress("w1", [1], active=2, finished=4, step=1)
         s1 = next(k for k, v in live.items() if v.gpu == 1)
         s3 = next(k for k, v in live.items() if v.gpu == 3)
-        wait_for(lambda: sessions(redis_client, cluster)[s1].status == "stopped", 30, "GPU 1's session to stop")
+        wait_for(
+            lambda: sessions(redis_client, cluster)[s1].status == "stopped", 30, "GPU 1's session to stop"
+        )
         assert sessions(redis_client, cluster)[s1].stop_reason == "revoked"
         assert sessions(redis_client, cluster)[s3].status == "running"
         c.set_phase("train", step=1)
-        wait_for(lambda: sessions(redis_client, cluster)[s3].status == "stopped", 30, "GPU 3's session to stop")
+        wait_for(
+            lambda: sessions(redis_client, cluster)[s3].status == "stopped", 30, "GPU 3's session to stop"
+        )
         wait_for(lambda: ray.get(sched.ping.remote())["live"] == [], 30, "scheduler to forget its sessions")
     finally:
         c.close()
@@ -99,8 +119,13 @@ def test_cli_attach_and_detach_against_a_running_cluster(ray_cluster, redis_url,
     address = "auto"  # finds the cluster this test process started
     env = dict(os.environ, RAY_DEDUP_LOGS="0")
     base = ["--set", "cluster.name=raycli", "--set", "scheduler.telemetry=simulated"]
-    p = subprocess.run([sys.executable, "-m", "tailspec.cli", "attach", "--address", address, "--redis", redis_url,
-                        *base], capture_output=True, text=True, timeout=240, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "tailspec.cli", "attach", "--address", address, "--redis", redis_url, *base],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "SIMULATED telemetry" in p.stdout
     summary = json.loads(p.stdout.strip().splitlines()[-1])
@@ -109,8 +134,13 @@ def test_cli_attach_and_detach_against_a_running_cluster(ray_cluster, redis_url,
     ray.get_actor(scheduler_actor_name("raycli"), namespace=NAMESPACE)
     wait_for(lambda: redis_client.get(state.key("raycli", "scheduler_heartbeat")), 60, "scheduler heartbeat")
     wait_for(lambda: redis_client.scard(state.key("raycli", "gpus")) == 4, 60, "telemetry of 4 GPUs")
-    p = subprocess.run([sys.executable, "-m", "tailspec.cli", "detach", "--address", address, *base],
-                       capture_output=True, text=True, timeout=240, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "tailspec.cli", "detach", "--address", address, *base],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "removed 2 actors" in p.stdout
     with pytest.raises(ValueError):

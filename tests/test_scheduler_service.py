@@ -11,12 +11,11 @@ import sys
 import threading
 import time
 
-import pytest
 import redis
+from tailspec.scheduler.client import TailspecClient
 
 from tailspec import state
 from tailspec.config import TailspecConfig
-from tailspec.scheduler.client import TailspecClient
 from tailspec.state import Event, GpuState, GpuStatus, SessionInfo
 
 ENTRY = "tailspec.scheduler.demo_session:busy_session"
@@ -88,24 +87,35 @@ def test_local_scheduler_lends_drained_gpus_and_reclaims_them_at_phase_end(redis
         # the phase ends: every session stops (by its own lease check) well within the deadline
         t_end = time.time()
         c.set_phase("train", step=1)
-        done = wait_for(lambda: all(v.status in ("stopped", "failed") for v in sessions(redis_client).values())
-                        and sessions(redis_client), 10, "sessions stopped")
+        done = wait_for(
+            lambda: (
+                all(v.status in ("stopped", "failed") for v in sessions(redis_client).values())
+                and sessions(redis_client)
+            ),
+            10,
+            "sessions stopped",
+        )
         for s in sessions(redis_client).values():
             assert s.status == "stopped", s  # busy_session fails if CUDA_VISIBLE_DEVICES != its GPU
             assert s.stop_reason == "revoked"
             assert s.stopped_at - t_end < cfg.scheduler.stop_deadline_s + 0.5
         assert done
-        wait_for(lambda: redis_client.keys(state.key("t", "lease", node="*", gpu="*")) == [], 5, "leases gone")
+        wait_for(
+            lambda: redis_client.keys(state.key("t", "lease", node="*", gpu="*")) == [], 5, "leases gone"
+        )
         counters = {k.decode(): float(v) for k, v in redis_client.hgetall(state.key("t", "counters")).items()}
         assert counters["sessions_started"] == 2 and counters["sessions_preempted"] == 2
-        wait_for(lambda: float(redis_client.hget(state.key("t", "counters"), "sessions_stopped") or 0) == 2, 5,
-                 "sessions_stopped counter")
+        wait_for(
+            lambda: float(redis_client.hget(state.key("t", "counters"), "sessions_stopped") or 0) == 2,
+            5,
+            "sessions_stopped counter",
+        )
         assert 0 < counters["lent_gpu_seconds"] <= counters["idle_gpu_seconds"]
         # the dashboards' timeline: GPU 0 went drained → lent → reclaiming
         hist, _ = state.read_stream(redis_client, state.key("t", "status_history"), GpuStatus)
         seq = [s.state for _, s in hist if s.gpu == 0]
         i = seq.index(GpuState.DRAINED)
-        assert seq[i:i + 3] == [GpuState.DRAINED, GpuState.LENT, GpuState.RECLAIMING]
+        assert seq[i : i + 3] == [GpuState.DRAINED, GpuState.LENT, GpuState.RECLAIMING]
         events, _ = state.read_stream(redis_client, state.key("t", "events"), Event)
         kinds = [e.kind for _, e in events]
         for k in ("gpu_idle", "lease_granted", "session_started", "lease_revoked", "session_stopped"):
@@ -142,10 +152,29 @@ def _alive(pid: int) -> bool:
 
 def test_sigkill_scheduler_sessions_stop_within_one_ttl(redis_url, redis_client, tmp_path):
     ttl = 2.0
-    cmd = [sys.executable, "-m", "tailspec.cli", "scheduler", "run", "--redis", redis_url,
-           "--session-logs", str(tmp_path), "--set", "cluster.name=t", "--set", "scheduler.telemetry=simulated",
-           "--set", "scheduler.simulated_gpus=3", "--set", f"scheduler.session_entry={ENTRY}",
-           "--set", f"scheduler.lease_ttl_s={ttl}", "--set", "scheduler.session_startup_s=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tailspec.cli",
+        "scheduler",
+        "run",
+        "--redis",
+        redis_url,
+        "--session-logs",
+        str(tmp_path),
+        "--set",
+        "cluster.name=t",
+        "--set",
+        "scheduler.telemetry=simulated",
+        "--set",
+        "scheduler.simulated_gpus=3",
+        "--set",
+        f"scheduler.session_entry={ENTRY}",
+        "--set",
+        f"scheduler.lease_ttl_s={ttl}",
+        "--set",
+        "scheduler.session_startup_s=0",
+    ]
     sched = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     c = TailspecClient(redis_url, cluster="t", node="node0")
     try:
@@ -162,7 +191,9 @@ def test_sigkill_scheduler_sessions_stop_within_one_ttl(redis_url, redis_client,
         for sid in live:
             info = state.get(redis_client, state.key("t", "session", session_id=sid), SessionInfo)
             assert info.status == "stopped" and info.stop_reason == "scheduler heartbeat lost"
-            assert info.stopped_at - t_kill <= ttl, f"{sid} stopped {info.stopped_at - t_kill:.2f}s after SIGKILL"
+            assert info.stopped_at - t_kill <= ttl, (
+                f"{sid} stopped {info.stopped_at - t_kill:.2f}s after SIGKILL"
+            )
         print(f"sessions gone {t_gone - t_kill:.2f}s after SIGKILL (ttl {ttl}s)")
     finally:
         c.close()
@@ -173,8 +204,9 @@ def test_sigkill_scheduler_sessions_stop_within_one_ttl(redis_url, redis_client,
 
 
 def test_redis_stop_sessions_stop_within_one_ttl_and_client_stays_fast(tmp_path):
-    from tailspec.redis_server import start_redis
     from tailspec.scheduler.service import run_local
+
+    from tailspec.redis_server import start_redis
 
     ttl = 2.0
     server = start_redis()
@@ -187,7 +219,11 @@ def test_redis_stop_sessions_stop_within_one_ttl_and_client_stays_fast(tmp_path)
     try:
         lend_two_gpus(c)
         wait_for(lambda: running_sessions(r, 2), 30, "two running sessions")
-        pids = [p for p in _children(os.getpid()) if "tailspec.scheduler.session" in open(f"/proc/{p}/cmdline").read()]
+        pids = [
+            p
+            for p in _children(os.getpid())
+            if "tailspec.scheduler.session" in open(f"/proc/{p}/cmdline").read()
+        ]
         assert len(pids) == 2
         t_stop = time.time()
         server.stop()
@@ -196,7 +232,9 @@ def test_redis_stop_sessions_stop_within_one_ttl_and_client_stays_fast(tmp_path)
         for i in range(200):
             t0 = time.perf_counter()
             c.report_progress("w1", [1], active=2, finished=6, step=1)
-            c.submit_samples([{"prompt_ids": [1, 2], "response_ids": [3], "reward": 1.0, "policy_version": 0}])
+            c.submit_samples(
+                [{"prompt_ids": [1, 2], "response_ids": [3], "reward": 1.0, "policy_version": 0}]
+            )
             c.current_drafter()
             worst = max(worst, time.perf_counter() - t0)
             time.sleep(0.002)
@@ -204,9 +242,13 @@ def test_redis_stop_sessions_stop_within_one_ttl_and_client_stays_fast(tmp_path)
         wait_for(lambda: not any(_alive(p) for p in pids), 3 * ttl, "sessions to exit")
         gone = time.time() - t_stop
         assert gone <= ttl + 0.25, f"sessions took {gone:.2f}s to stop after Redis went away (ttl {ttl}s)"
-        wait_for(lambda: c.dropped["redis_unavailable"] + c.dropped["client_queue_full"] > 0, 5, "counted drops")
-        print(f"sessions gone {gone:.2f}s after Redis stopped; worst client call {worst * 1000:.2f} ms; "
-              f"drops {dict(c.dropped)}")
+        wait_for(
+            lambda: c.dropped["redis_unavailable"] + c.dropped["client_queue_full"] > 0, 5, "counted drops"
+        )
+        print(
+            f"sessions gone {gone:.2f}s after Redis stopped; worst client call {worst * 1000:.2f} ms; "
+            f"drops {dict(c.dropped)}"
+        )
     finally:
         stop.set()
         th.join(15)

@@ -10,10 +10,10 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
-from tailspec import state
 from tailspec.scheduler.monitor import TelemetryMonitor
 from tailspec.scheduler.telemetry import NvmlTelemetry, SimulatedTelemetry, TelemetryError, make_telemetry
+
+from tailspec import state
 from tailspec.state import Event, GpuTelemetry, Progress
 
 
@@ -41,8 +41,22 @@ def test_nvml_required_but_missing_fails_with_a_clear_message(redis_client):
 
 @no_nvml
 def test_cli_with_nvml_telemetry_exits_with_the_message(redis_url):
-    p = subprocess.run([sys.executable, "-m", "tailspec.cli", "scheduler", "run", "--redis", redis_url,
-                        "--set", "scheduler.telemetry=nvml"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tailspec.cli",
+            "scheduler",
+            "run",
+            "--redis",
+            redis_url,
+            "--set",
+            "scheduler.telemetry=nvml",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2
     assert "NVML failed to initialize" in p.stderr
 
@@ -69,15 +83,27 @@ def test_unknown_telemetry_kind_is_refused(redis_client):
 
 def test_simulated_telemetry_follows_reported_activity(redis_client):
     c = "t"
-    state.put(redis_client, state.key(c, "progress", worker="w0"),
-              Progress(worker="w0", node="n0", gpus=[0], active=8, finished=0, phase="rollout", ts=time.time()))
-    state.put(redis_client, state.key(c, "progress", worker="w1"),
-              Progress(worker="w1", node="n0", gpus=[1], active=0, finished=8, phase="rollout", ts=time.time()))
-    state.put(redis_client, state.key(c, "progress", worker="w9"),  # another node's worker: not ours
-              Progress(worker="w9", node="n1", gpus=[2], active=8, finished=0, phase="rollout", ts=time.time()))
+    state.put(
+        redis_client,
+        state.key(c, "progress", worker="w0"),
+        Progress(worker="w0", node="n0", gpus=[0], active=8, finished=0, phase="rollout", ts=time.time()),
+    )
+    state.put(
+        redis_client,
+        state.key(c, "progress", worker="w1"),
+        Progress(worker="w1", node="n0", gpus=[1], active=0, finished=8, phase="rollout", ts=time.time()),
+    )
+    state.put(
+        redis_client,
+        state.key(c, "progress", worker="w9"),  # another node's worker: not ours
+        Progress(worker="w9", node="n1", gpus=[2], active=8, finished=0, phase="rollout", ts=time.time()),
+    )
     redis_client.sadd(state.key(c, "workers"), "w0", "w1", "w9", "gone")
-    state.put(redis_client, state.key(c, "lease", node="n0", gpu=3),
-              state.Lease(node="n0", gpu=3, token=1, holder="s", granted_at=0, ttl_s=5))
+    state.put(
+        redis_client,
+        state.key(c, "lease", node="n0", gpu=3),
+        state.Lease(node="n0", gpu=3, token=1, holder="s", granted_at=0, ttl_s=5),
+    )
     t = SimulatedTelemetry("n0", redis_client, c, num_gpus=4, seed=1)
     s = {x.gpu: x for x in t.sample()}
     assert all(x.simulated and x.node == "n0" for x in s.values())
@@ -110,8 +136,12 @@ def test_monitor_survives_redis_errors():
 
     r = redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.05)
     one = [GpuTelemetry(node="n0", gpu=0, util=1, mem_used=0, mem_total=1, simulated=True, ts=time.time())]
-    mon = TelemetryMonitor(SimpleNamespace(node="n0", sample=lambda: one, close=lambda: None, simulated=True),
-                           r, "t", period_s=0.01)
+    mon = TelemetryMonitor(
+        SimpleNamespace(node="n0", sample=lambda: one, close=lambda: None, simulated=True),
+        r,
+        "t",
+        period_s=0.01,
+    )
     mon.start()
     time.sleep(0.2)
     mon.stop()
@@ -188,9 +218,9 @@ def test_nvml_on_a_real_gpu_util_rises_under_matmul_and_idle_is_detected_fast():
     import threading
 
     import torch
+    from tailspec.scheduler.idle import IdleDetector
 
     from tailspec.config import SchedulerConfig
-    from tailspec.scheduler.idle import IdleDetector
     from tailspec.state import PhaseInfo
 
     t = NvmlTelemetry("n0")
@@ -218,10 +248,14 @@ def test_nvml_on_a_real_gpu_util_rises_under_matmul_and_idle_is_detected_fast():
         t_stop = time.time()
         d = IdleDetector(util_threshold=sc.idle_util_threshold, window_s=sc.idle_window_s, startup_s=0.0)
         ph = PhaseInfo(phase="rollout", step=1, started_at=t_stop - 10)
-        prog = {"w0": Progress(worker="w0", node="n0", gpus=[0], active=0, finished=1, phase="rollout",
-                               step=1, ts=t_stop),
-                "w1": Progress(worker="w1", node="n1", gpus=[0], active=1, finished=0, phase="rollout",
-                               step=1, ts=t_stop)}
+        prog = {
+            "w0": Progress(
+                worker="w0", node="n0", gpus=[0], active=0, finished=1, phase="rollout", step=1, ts=t_stop
+            ),
+            "w1": Progress(
+                worker="w1", node="n1", gpus=[0], active=1, finished=0, phase="rollout", step=1, ts=t_stop
+            ),
+        }
         detected = None
         samples_after = []
         while time.time() < t_stop + 3.0 and detected is None:
@@ -232,10 +266,12 @@ def test_nvml_on_a_real_gpu_util_rises_under_matmul_and_idle_is_detected_fast():
                     detected = time.time() - t_stop
             time.sleep(sc.sample_period_s / 4)
         peak = max(busy)
-        print(f"GPU: {torch.cuda.get_device_name(0)}; util idle {idle_before.util}%, under matmul "
-              f"peak {peak}% median {sorted(busy)[len(busy) // 2]}%; idle detected {detected}s after the "
-              f"stop; samples after stop {samples_after[:12]}; mem {idle_before.mem_used >> 20} MiB, "
-              f"power {idle_before.power_w} W")
+        print(
+            f"GPU: {torch.cuda.get_device_name(0)}; util idle {idle_before.util}%, under matmul "
+            f"peak {peak}% median {sorted(busy)[len(busy) // 2]}%; idle detected {detected}s after the "
+            f"stop; samples after stop {samples_after[:12]}; mem {idle_before.mem_used >> 20} MiB, "
+            f"power {idle_before.power_w} W"
+        )
         assert peak >= 80
         assert detected is not None and detected <= 0.5
     finally:

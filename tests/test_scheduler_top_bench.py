@@ -9,12 +9,10 @@ import threading
 import time
 
 import pytest
-
-from tailspec import state
-from tailspec.config import TailspecConfig
 from tailspec.scheduler.client import TailspecClient
 from tailspec.scheduler.top import gather, render_rich, render_text
-from tailspec.state import SessionInfo
+
+from tailspec.config import TailspecConfig
 
 
 def test_top_shows_states_leases_and_sessions_labelled_simulated(redis_url, redis_client):
@@ -50,8 +48,22 @@ def test_top_shows_states_leases_and_sessions_labelled_simulated(redis_url, redi
         assert "phase rollout step 2 policy v2" in text
         assert f"t{rows[0].lease_token}" in text and rows[0].session_id in text
         render_rich(snap, "t")  # builds without error
-        out = subprocess.run([sys.executable, "-m", "tailspec.cli", "top", "--once", "--redis", redis_url,
-                              "--set", "cluster.name=t"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tailspec.cli",
+                "top",
+                "--once",
+                "--redis",
+                redis_url,
+                "--set",
+                "cluster.name=t",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         assert "SIMULATED telemetry" in out.stdout and "lent" in out.stdout and "generating" in out.stdout
     finally:
@@ -61,19 +73,49 @@ def test_top_shows_states_leases_and_sessions_labelled_simulated(redis_url, redi
 
 
 def test_top_without_redis_says_so():
-    out = subprocess.run([sys.executable, "-m", "tailspec.cli", "top", "--once", "--redis", "redis://127.0.0.1:1/0"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "tailspec.cli", "top", "--once", "--redis", "redis://127.0.0.1:1/0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and "cannot reach Redis" in out.stderr
 
 
 @pytest.mark.slow
 def test_bench_scheduler_prints_one_json_line_with_the_contract_keys():
-    out = subprocess.run([sys.executable, "-m", "tailspec.cli", "bench", "scheduler", "--json", "--workers", "3",
-                          "--steps", "1", "--train-s", "0.3"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tailspec.cli",
+            "bench",
+            "scheduler",
+            "--json",
+            "--workers",
+            "3",
+            "--steps",
+            "1",
+            "--train-s",
+            "0.3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    for k in ("workers", "idle_gpu_seconds", "lent_gpu_seconds", "reclaimed_share", "detect_latency_p50_s",
-              "detect_latency_p99_s", "release_latency_p50_s", "release_latency_p99_s", "scheduler_cpu_share"):
+    for k in (
+        "workers",
+        "idle_gpu_seconds",
+        "lent_gpu_seconds",
+        "reclaimed_share",
+        "detect_latency_p50_s",
+        "detect_latency_p99_s",
+        "release_latency_p50_s",
+        "release_latency_p99_s",
+        "scheduler_cpu_share",
+    ):
         assert k in res
     assert res["workers"] == 3 and res["telemetry"] == "simulated"
     # something was really lent and trained on, and every session ended cleanly

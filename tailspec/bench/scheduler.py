@@ -22,8 +22,12 @@ import time
 
 import numpy as np
 
-TARGETS = {"detect_latency_p99_s": 0.5, "release_latency_p99_s": 1.0, "reclaimed_share": 0.9,
-           "scheduler_cpu_share": 0.05}
+TARGETS = {
+    "detect_latency_p99_s": 0.5,
+    "release_latency_p99_s": 1.0,
+    "reclaimed_share": 0.9,
+    "scheduler_cpu_share": 0.05,
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,11 +72,25 @@ def run(args: argparse.Namespace) -> dict:
     n = args.workers * args.requests_per_worker * args.steps
     lengths = [len(p.gold) + 1 for p in sample_problems(n, TaskConfig(), seed=args.seed)]
     logs = tempfile.mkdtemp(prefix="tailspec-bench-sessions-")
-    cmd = [sys.executable, "-m", "tailspec.cli", "scheduler", "run", "--redis", url,
-           "--session-logs", logs,
-           "--set", f"cluster.name={cluster}", "--set", "scheduler.telemetry=simulated",
-           "--set", f"scheduler.simulated_gpus={args.workers}",
-           "--set", "scheduler.session_entry=tailspec.scheduler.demo_session:busy_session"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tailspec.cli",
+        "scheduler",
+        "run",
+        "--redis",
+        url,
+        "--session-logs",
+        logs,
+        "--set",
+        f"cluster.name={cluster}",
+        "--set",
+        "scheduler.telemetry=simulated",
+        "--set",
+        f"scheduler.simulated_gpus={args.workers}",
+        "--set",
+        "scheduler.session_entry=tailspec.scheduler.demo_session:busy_session",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     sched = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -82,13 +100,23 @@ def run(args: argparse.Namespace) -> dict:
                 raise RuntimeError(f"scheduler did not start: {sched.stderr.read().decode()[-2000:]}")
             time.sleep(0.05)
         cpu0, wall0 = _proc_cpu_s(sched.pid), time.monotonic()
-        print(f"scheduler bench: {args.workers} workers × {args.steps} steps, {args.requests_per_worker} "
-              f"requests each, {args.token_time * 1000:.0f} ms/token, lengths from the runsum task "
-              f"(p50 {np.median(lengths):.0f}, max {max(lengths)} tokens); SIMULATED GPU telemetry", file=sys.stderr)
-        sim = run_simulated_rollout(url, workers=args.workers, steps=args.steps,
-                                    requests_per_worker=args.requests_per_worker, lengths=lengths,
-                                    token_time_s=args.token_time, train_s=args.train_s, cluster=cluster,
-                                    seed=args.seed)
+        print(
+            f"scheduler bench: {args.workers} workers × {args.steps} steps, {args.requests_per_worker} "
+            f"requests each, {args.token_time * 1000:.0f} ms/token, lengths from the runsum task "
+            f"(p50 {np.median(lengths):.0f}, max {max(lengths)} tokens); SIMULATED GPU telemetry",
+            file=sys.stderr,
+        )
+        sim = run_simulated_rollout(
+            url,
+            workers=args.workers,
+            steps=args.steps,
+            requests_per_worker=args.requests_per_worker,
+            lengths=lengths,
+            token_time_s=args.token_time,
+            train_s=args.train_s,
+            cluster=cluster,
+            seed=args.seed,
+        )
         cpu1, wall1 = _proc_cpu_s(sched.pid), time.monotonic()
         time.sleep(args.train_s + 1.5)  # let the last revocations finish
     finally:
@@ -102,8 +130,11 @@ def run(args: argparse.Namespace) -> dict:
     counters = {k.decode(): float(v) for k, v in r.hgetall(state.key(cluster, "counters")).items()}
     events, _ = state.read_stream(r, state.key(cluster, "events"), Event)
     detect = [e.detail["detect_latency_s"] for _, e in events if e.kind == "gpu_idle"]
-    release = [e.detail["release_latency_s"] for _, e in events
-               if e.kind == "session_stopped" and e.detail.get("release_latency_s") is not None]
+    release = [
+        e.detail["release_latency_s"]
+        for _, e in events
+        if e.kind == "session_stopped" and e.detail.get("release_latency_s") is not None
+    ]
     sessions = []
     for sid in r.smembers(state.key(cluster, "sessions")):
         info = state.get(r, state.key(cluster, "session", session_id=sid.decode()), SessionInfo)
@@ -137,12 +168,21 @@ def run(args: argparse.Namespace) -> dict:
         "telemetry": "simulated",
         "session_logs": logs,
     }
-    print("\nscheduler bench (SIMULATED GPU telemetry; real Redis, scheduler and session processes)", file=sys.stderr)
+    print(
+        "\nscheduler bench (SIMULATED GPU telemetry; real Redis, scheduler and session processes)",
+        file=sys.stderr,
+    )
     for k, target in TARGETS.items():
         v = result[k]
         ok = v is not None and (v >= target if k == "reclaimed_share" else v <= target)
-        print(f"  {k:24s} {v if v is not None else '-':>10}  target {'≥' if k == 'reclaimed_share' else '≤'} "
-              f"{target}  {'ok' if ok else 'MISSED'}", file=sys.stderr)
-    print(f"  idle {idle:.1f} GPU-s (truth), lent {lent:.1f} GPU-s, {result['sessions_started']} sessions, "
-          f"{session_steps} session steps, {failed} failed", file=sys.stderr)
+        print(
+            f"  {k:24s} {v if v is not None else '-':>10}  target {'≥' if k == 'reclaimed_share' else '≤'} "
+            f"{target}  {'ok' if ok else 'MISSED'}",
+            file=sys.stderr,
+        )
+    print(
+        f"  idle {idle:.1f} GPU-s (truth), lent {lent:.1f} GPU-s, {result['sessions_started']} sessions, "
+        f"{session_steps} session steps, {failed} failed",
+        file=sys.stderr,
+    )
     return result

@@ -15,17 +15,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("scheduler", help="run the idle-GPU scheduler on this node (single-node mode)")
     ssub = p.add_subparsers(dest="scheduler_cmd", metavar="ACTION")
     ssub.required = True
-    run = ssub.add_parser("run", help="telemetry monitor + scheduler loop + local session processes, "
-                                      "until SIGTERM / Ctrl-C (then every lease is revoked)")
+    run = ssub.add_parser(
+        "run",
+        help="telemetry monitor + scheduler loop + local session processes, "
+        "until SIGTERM / Ctrl-C (then every lease is revoked)",
+    )
     add_config_args(run)
     run.add_argument("--redis", metavar="URL", help="Redis URL (default: cluster.redis_url)")
     run.add_argument("--session-logs", metavar="DIR", help="where session processes write their output")
     run.set_defaults(func=_run)
 
-    a = sub.add_parser("attach", help="join a Ray cluster: detached scheduler actor + telemetry actor per node")
+    a = sub.add_parser(
+        "attach", help="join a Ray cluster: detached scheduler actor + telemetry actor per node"
+    )
     add_config_args(a)
     a.add_argument("--address", default="auto", help="Ray address: auto or HOST:PORT (default auto)")
-    a.add_argument("--redis", metavar="URL", help="Redis URL reachable from every node (default: cluster.redis_url)")
+    a.add_argument(
+        "--redis", metavar="URL", help="Redis URL reachable from every node (default: cluster.redis_url)"
+    )
     a.set_defaults(func=_attach)
 
     d = sub.add_parser("detach", help="remove tailspec's actors from the Ray cluster (revokes every lease)")
@@ -58,8 +65,11 @@ def _run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"tailspec scheduler: cluster {cfg.cluster.name}, node {cfg.cluster.node}, "
-          f"telemetry {cfg.scheduler.telemetry}, sessions {cfg.scheduler.session_entry}", flush=True)
+    print(
+        f"tailspec scheduler: cluster {cfg.cluster.name}, node {cfg.cluster.node}, "
+        f"telemetry {cfg.scheduler.telemetry}, sessions {cfg.scheduler.session_entry}",
+        flush=True,
+    )
     try:
         run_local(cfg, stop, log_dir=args.session_logs)
     except TelemetryError as e:
@@ -76,9 +86,14 @@ def _attach(args: argparse.Namespace) -> int:
     info = attach(cfg, cfg.cluster.redis_url, address=args.address)
     for t in info["telemetry"]:
         kind = "SIMULATED telemetry" if t["simulated"] else "NVML telemetry"
-        print(f"node {t['node']}: {len(t['gpus'])} GPUs, {kind}" + (f" ({t['warning']})" if t["warning"] else ""))
-    print(f"scheduler actor {info['scheduler']} (namespace {info['namespace']}) running; "
-          f"`tailspec detach` removes it")
+        print(
+            f"node {t['node']}: {len(t['gpus'])} GPUs, {kind}"
+            + (f" ({t['warning']})" if t["warning"] else "")
+        )
+    print(
+        f"scheduler actor {info['scheduler']} (namespace {info['namespace']}) running; "
+        f"`tailspec detach` removes it"
+    )
     print(json.dumps({"scheduler": info["scheduler"], "nodes": [t["node"] for t in info["telemetry"]]}))
     return 0
 
