@@ -1,0 +1,147 @@
+"""A real, minimal GRPO step: the demo's stand-in for the user's RL framework (verl, OpenRLHF, NeMo-RL).
+
+Groups of responses per prompt, group-normalized advantages, and a clipped policy-gradient step whose
+old log-probabilities are the rollout engine's own (RL needs the policy's own logprobs; the engine is
+lossless, so they are the policy's). It talks to tailspec only through the client calls, as an RL
+framework would.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Rollout:
+    """One response: ids, the rollout's per-token logprobs of the emitted tokens, reward, group."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    reward: float
+    group: int
+
+
+def group_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """GRPO: (r − mean of the group) / (std of the group + eps); a group where every reward is equal
+    carries no signal and gets advantage 0."""
+    adv = np.zeros_like(rewards, dtype=np.float64)
+    for g in np.unique(groups):
+        m = groups == g
+        r = rewards[m]
+        adv[m] = (r - r.mean()) / (r.std() + eps) if r.std() > 0 else 0.0
+    return adv
+
+
+def _pad(rollouts: list[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded [B, T] ids, attention mask, response mask (positions whose NEXT token is a response
+    token), and old logprobs aligned to those positions."""
+    seqs = [r.prompt_ids + r.response_ids for r in rollouts]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    resp = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
+    old = torch.zeros((len(seqs), width - 1), dtype=torch.float32)
+    for i, (r, s) in enumerate(zip(rollouts, seqs)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        resp[i, p - 1 : p - 1 + n] = True
+        old[i, p - 1 : p - 1 + n] = torch.tensor(r.logprobs, dtype=torch.float32)
+    return ids, attn, resp, old
+
+
+def token_logprobs(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(token t+1 | ≤ t) for every position of right-padded sequences, [B, T-1]."""
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.gather(F.log_softmax(logits, -1), 2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def recompute_logprobs(model: torch.nn.Module, rollouts: list[Rollout], pad_id: int, temperature: float = 1.0) -> list[list[float]]:
+    """A plain forward over the same tokens: the reference the engine's logprobs must equal."""
+    ids, attn, resp, _ = _pad(rollouts, pad_id)
+    lp = token_logprobs(model, ids, attn, temperature)
+    return [lp[i][resp[i]].tolist() for i in range(len(rollouts))]
+
+
+@dataclass
+class StepStats:
+    loss: float
+    mean_reward: float
+    clip_fraction: float
+    mean_abs_advantage: float
+    tokens: int
+
+
+def grpo_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rollouts: list[Rollout],
+    pad_id: int,
+    clip_eps: float = 0.2,
+    minibatch: int = 32,
+    temperature: float = 1.0,
+    max_grad_norm: float = 1.0,
+) -> StepStats:
+    """One GRPO update over `rollouts` (one pass, minibatches; token-level mean of the clipped objective)."""
+    rewards = np.array([r.reward for r in rollouts], dtype=np.float64)
+    groups = np.array([r.group for r in rollouts])
+    adv = group_advantages(rewards, groups)
+    informative = [i for i in range(len(rollouts)) if adv[i] != 0.0]
+    model.train()
+    losses, clipped, ntok = [], 0.0, 0
+    for s in range(0, len(informative), minibatch):
+        idx = informative[s : s + minibatch]
+        batch = [rollouts[i] for i in idx]
+        ids, attn, resp, old = _pad(batch, pad_id)
+        a = torch.tensor(adv[idx], dtype=torch.float32).unsqueeze(1)
+        new = token_logprobs(model, ids, attn, temperature)
+        ratio = torch.exp(new - old)
+        obj = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * a)
+        n = resp.sum().clamp(min=1)
+        loss = -(obj * resp).sum() / n
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        losses.append(loss.item())
+        clipped += (((ratio - 1).abs() > clip_eps) & resp).sum().item()
+        ntok += int(resp.sum())
+    model.eval()
+    return StepStats(
+        loss=float(np.mean(losses)) if losses else 0.0,
+        mean_reward=float(rewards.mean()),
+        clip_fraction=clipped / max(ntok, 1),
+        mean_abs_advantage=float(np.abs(adv).mean()),
+        tokens=ntok,
+    )
+
+
+def save_policy_weights(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Path:
+    """Publish the policy for workers and sessions: HF directory written to a temp sibling, then renamed,
+    so a reader never sees a half-written policy."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if out_dir.exists():
+        old = out_dir.with_name(out_dir.name + ".old")
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        import shutil
+
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+    return out_dir
