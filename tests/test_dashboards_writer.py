@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from tailspec import state as S
 from tailspec.state import (
@@ -167,66 +166,6 @@ class StateWriter:
                          baseline_tps=1500.0)
         self.drop("stale_policy", 3)
         self.drop("bad_sample", 1)
-
-
-class WriterRun:
-    """A background thread playing `n_gpus` GPUs through staggered lending cycles (a stand-in for the
-    scheduler's simulated run where that is not needed): each GPU generates, drains, is lent and
-    trains, is reclaimed, generates again; RL steps advance and rollout figures are published."""
-
-    CYCLE: ClassVar[list[tuple[str, float]]] = [("generating", 0.8), ("drained", 0.4), ("lent", 0.3), ("train", 0.3), ("train", 0.3),
-             ("reclaiming", 0.2), ("reclaimed", 0.0)]
-
-    def __init__(self, r, cluster: str = "t", n_gpus: int = 4):
-        import threading
-
-        self.w = StateWriter(r, cluster=cluster, n_gpus=n_gpus)
-        self.stop_flag = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.sessions = 0
-
-    def _run(self) -> None:
-        w = self.w
-        w.phase("rollout", step=1)
-        for g in range(w.n_gpus):
-            w.cycle(g, "generating")
-        # GPU g starts its cycle g × 0.45 s late, so states differ across GPUs at any moment
-        t0 = time.monotonic()
-        stage_of = [-1] * w.n_gpus
-        session = [""] * w.n_gpus
-        bounds = [sum(d for _, d in self.CYCLE[:i + 1]) for i in range(len(self.CYCLE))]
-        period = bounds[-1] + 0.1
-        step = 1
-        while not self.stop_flag.is_set():
-            now = time.monotonic() - t0
-            for g in range(w.n_gpus):
-                t = now - 0.45 * g
-                if t < 0:
-                    continue
-                k = next(i for i, b in enumerate(bounds + [period]) if (t % period) < b)
-                k = min(k, len(self.CYCLE) - 1)
-                if k != stage_of[g]:
-                    stage_of[g] = k
-                    stage = self.CYCLE[k][0]
-                    if stage == "lent":
-                        self.sessions += 1
-                        session[g] = f"s{self.sessions}"
-                    w.cycle(g, stage, session_id=session[g] or "s0", dt=0.1)
-            if int(now / 2) + 1 != step:  # a new RL step every 2 s, with its rollout figures
-                step = int(now / 2) + 1
-                w.phase("rollout", step=step, policy_version=step)
-                w.rollout("w0", step, tokens=10_000, seconds=5.0, forwards=4000, mix={"0": 2, "4": 8},
-                          baseline_tps=1500.0, drafter_version=step // 2)
-            w.heartbeat()
-            time.sleep(0.05)
-
-    def __enter__(self) -> WriterRun:  # noqa: PYI034 (py3.10: no typing.Self)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_flag.set()
-        self.thread.join(timeout=5)
 
 
 def test_writer_round_trip_through_reader(redis_client):
