@@ -166,7 +166,7 @@ class RayDispatcher:
     def start(self, ctx: SessionContext) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        node_id = self.node_ids.get(ctx.node, ctx.node)
+        node_id = self._node_id(ctx.node)
         actor = self._cls.options(
             name=f"tailspec-session-{ctx.session_id}",
             namespace=self.namespace,
@@ -180,6 +180,15 @@ class RayDispatcher:
             },
         ).remote()
         self.actors[ctx.session_id] = (actor, actor.run.remote(ctx.to_json(), self.entry))
+
+    def _node_id(self, node: str) -> str:
+        if node not in self.node_ids:  # a node that joined after attach: look again
+            import ray
+
+            for n in ray.nodes():
+                if n.get("Alive") and n["NodeID"].startswith(node):
+                    self.node_ids[node] = n["NodeID"]
+        return self.node_ids.get(node, node)
 
     def handle(self, session_id: str) -> Any:
         a = self.actors.get(session_id)

@@ -36,6 +36,8 @@ from tailspec.state import (
 
 log = logging.getLogger(__name__)
 
+COUNTER_FLUSH_S = 0.25
+
 
 def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
@@ -65,6 +67,9 @@ class Scheduler:
         self.leases = Leases(self.r, self.c)
         self._published: dict[tuple[str, int], tuple[GpuState, float]] = {}
         self._last_tick: float | None = None
+        self._last_renew = float("-inf")
+        self._last_flush = float("-inf")
+        self._idle_acc = self._lent_acc = 0.0
         self._stop = threading.Event()
 
     # -- state snapshot ------------------------------------------------------------------------
@@ -177,10 +182,13 @@ class Scheduler:
             except Exception as e:  # one failed action must not stop the loop (Redis blips, dispatch errors)
                 self.errors += 1
                 log.warning("scheduler: %s on %s:%d failed: %s", a.kind, a.node, a.gpu, e)
-        # Leases of live sessions are renewed here too: a session whose process is still starting
-        # (imports, model load) must not lose its GPU before its first own renewal.
+        # Leases of live sessions are renewed here too (every quarter TTL): a session whose process is
+        # still starting (imports, model load) must not lose its GPU before its first own renewal.
+        renew = now - self._last_renew >= sc.lease_ttl_s / 4
+        if renew:
+            self._last_renew = now
         for m in self.detector.machines.values():
-            if m.state == GpuState.LENT and m.lease_token is not None:
+            if renew and m.state == GpuState.LENT and m.lease_token is not None:
                 self.leases._renew(
                     keys=[
                         state.key(self.c, "lease", node=m.node, gpu=m.gpu),
@@ -191,16 +199,23 @@ class Scheduler:
                     client=pipe,
                 )
         self._publish_status(now, pipe)
-        if dt > 0:
-            ck = state.key(self.c, "counters")
-            if n_idle:
-                pipe.hincrbyfloat(ck, "idle_gpu_seconds", dt * n_idle)
-            if n_lent:
-                pipe.hincrbyfloat(ck, "lent_gpu_seconds", dt * n_lent)
+        self._idle_acc += dt * n_idle
+        self._lent_acc += dt * n_lent
+        if now - self._last_flush >= COUNTER_FLUSH_S or actions:  # dashboards need ~4 Hz, not 20 Hz
+            self._flush_counters(pipe)
+            self._last_flush = now
         self.heartbeat(pipe)
         pipe.execute()
         self.ticks += 1
         return actions
+
+    def _flush_counters(self, pipe: Any) -> None:
+        ck = state.key(self.c, "counters")
+        if self._idle_acc:
+            pipe.hincrbyfloat(ck, "idle_gpu_seconds", self._idle_acc)
+        if self._lent_acc:
+            pipe.hincrbyfloat(ck, "lent_gpu_seconds", self._lent_acc)
+        self._idle_acc = self._lent_acc = 0.0
 
     def _execute(self, a: Action, now: float, phase: PhaseInfo | None, pipe: Any) -> None:
         c, sc = self.c, self.cfg.scheduler
@@ -384,6 +399,12 @@ class Scheduler:
 
     def shutdown(self) -> None:
         """Revoke every lease and stop every session (clean exit)."""
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            self._flush_counters(pipe)
+            pipe.execute()
+        except Exception:
+            pass
         for sid, (node, gpu, token) in list(self.live.items()):
             try:
                 self.leases.revoke(node, gpu, token)
