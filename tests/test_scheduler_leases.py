@@ -225,3 +225,57 @@ def test_property_at_most_one_holder_per_gpu(redis_client, ops):
             assert len(ok) <= 1
             if ok:
                 assert cur is not None and cur.token == tokens[(ok[0], gpu)]
+
+
+def test_sigstopped_session_process_wakes_after_expiry_and_stops_without_writing(
+    redis_client, redis_url, tmp_path
+):
+    """A real session process is paused (SIGSTOP) past its lease TTL; another holder takes the GPU; when
+    the paused process resumes, its writes are refused and it stops on the stale token."""
+    import os
+    import signal
+
+    from tailspec.scheduler.dispatch import LocalDispatcher
+
+    _heartbeat(redis_client)
+    ls = Leases(redis_client, "t")
+    a = ls.acquire("n0", 0, "scheduler", ttl_s=30)  # covers the start-up; the session renews with 0.5 s
+    ctx = SessionContext(
+        session_id="paused",
+        node="n0",
+        gpu=0,
+        lease_token=a.token,
+        redis_url=redis_url,
+        cluster="t",
+        lease_ttl_s=0.5,
+    )
+    d = LocalDispatcher("tailspec.scheduler.demo_session:busy_session", log_dir=str(tmp_path))
+    d.start(ctx)
+    key = state.key("t", "session", session_id="paused")
+
+    def step():
+        info = state.get(redis_client, key, state.SessionInfo)
+        return info.step if info else 0
+
+    deadline = time.monotonic() + 30
+    while step() < 3:
+        assert time.monotonic() < deadline, "session did not start"
+        time.sleep(0.02)
+    pid = d.pid("paused")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.1)
+        frozen = step()
+        time.sleep(0.8)  # past the TTL: the lease expires while the holder sleeps
+        b = ls.acquire("n0", 0, "other", ttl_s=30)
+        assert b is not None and b.token > a.token
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while "paused" not in d.poll():
+        assert time.monotonic() < deadline, "paused session did not stop after waking"
+        time.sleep(0.02)
+    info = state.get(redis_client, key, state.SessionInfo)
+    assert info.status == "stopped" and info.stop_reason == "stale fencing token"
+    assert info.step == frozen  # its post-wake progress report was refused by the fence
+    assert ls.current("n0", 0).token == b.token  # the new holder's lease is untouched

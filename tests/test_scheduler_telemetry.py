@@ -215,6 +215,7 @@ def test_nvml_init_failure_is_a_telemetry_error():
 def test_nvml_on_a_real_gpu_util_rises_under_matmul_and_idle_is_detected_fast():
     """Real NVML on GPU 0: utilization rises under a matmul loop; after the loop stops, the scheduler's
     idle detector (drained at the stop, default threshold and window) confirms idle within 0.5 s."""
+    import random
     import threading
 
     import torch
@@ -256,15 +257,22 @@ def test_nvml_on_a_real_gpu_util_rises_under_matmul_and_idle_is_detected_fast():
                 worker="w1", node="n1", gpus=[0], active=1, finished=0, phase="rollout", step=1, ts=t_stop
             ),
         }
+        # As deployed: the monitor samples every sample_period_s (first sample at a random phase of
+        # its period), the scheduler ticks every tick_s on the latest sample.
         detected = None
         samples_after = []
+        s = None
+        next_sample = t_stop + random.uniform(0, sc.sample_period_s)
         while time.time() < t_stop + 3.0 and detected is None:
-            s = t.sample_one(0)
-            samples_after.append((round(s.ts - t_stop, 3), s.util))
-            for act in d.tick(time.time(), ph, prog, {("n0", 0): s}):
-                if act.kind == "idle":
-                    detected = time.time() - t_stop
-            time.sleep(sc.sample_period_s / 4)
+            if time.time() >= next_sample:
+                s = t.sample_one(0)
+                samples_after.append((round(s.ts - t_stop, 3), s.util))
+                next_sample += sc.sample_period_s
+            if s is not None:
+                for act in d.tick(time.time(), ph, prog, {("n0", 0): s}):
+                    if act.kind == "idle":
+                        detected = time.time() - t_stop
+            time.sleep(sc.tick_s)
         peak = max(busy)
         print(
             f"GPU: {torch.cuda.get_device_name(0)}; util idle {idle_before.util}%, under matmul "
