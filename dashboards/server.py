@@ -29,7 +29,7 @@ from tailspec.config import ConfigError
 
 from .api import json_schema
 from .exporter import make_registry
-from .snapshot import MAX_WINDOW_S, read_state, read_timeline
+from .snapshot import MAX_WINDOW_S, HistoryCache, read_state, read_timeline
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class App:
         self.r = redis_client
         self.cluster = cluster
         self.registry = make_registry(redis_client, cluster)
+        self.history = HistoryCache()  # the timeline's incremental copy of the history streams
         routes: dict[str, Callable[[dict[str, list[str]]], Response]] = {"/metrics": self.metrics}
         if not metrics_only:
             routes.update({"/": self.index, "/api/state": self.state, "/api/timeline": self.timeline,
@@ -164,7 +165,7 @@ class App:
                 return _json(400, {"error": f"window must be a number of seconds in [1, {MAX_WINDOW_S:.0f}], "
                                             f"got {raw[:50]!r}"})
         try:
-            view = read_timeline(self.r, self.cluster, window_s=window)
+            view = read_timeline(self.r, self.cluster, window_s=window, cache=self.history)
         except Exception as e:  # noqa: BLE001 — as in state()
             return _json(503, {"error": f"cluster state unreadable: {e}"})
         return Response(200, view.model_dump_json().encode())

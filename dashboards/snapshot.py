@@ -7,6 +7,8 @@ entry is counted in `bad_payloads` and skipped, so one bad writer never blanks t
 
 from __future__ import annotations
 
+import bisect
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -233,9 +235,92 @@ def _merge_segments(segs: list[Segment]) -> list[Segment]:
     return out
 
 
-def read_timeline(r: Any, cluster: str, window_s: float = 300.0, max_points: int = 600) -> TimelineView:
+StatusRow = tuple[float, str, int, GpuState]  # since, node, gpu, state
+TelemetryRow = tuple[float, str, int, float, int, bool]  # ts, node, gpu, util, mem_used, simulated
+
+
+def _status_row(s: GpuStatus) -> StatusRow:
+    return (s.since, s.node, s.gpu, s.state)
+
+
+def _telemetry_row(t: GpuTelemetry) -> TelemetryRow:
+    return (t.ts, t.node, t.gpu, t.util, t.mem_used, t.simulated)
+
+
+class StreamCache:
+    """One history stream, decoded once and kept in the server's memory as small rows, read
+    incrementally: a poll fetches only the entries added since the last one (XRANGE after the last id
+    seen), so the page's polling costs O(new entries) instead of O(window). Entries are kept for at
+    most MAX_WINDOW_S and `max_rows`; a stream that was recreated (ids went back) is re-read."""
+
+    def __init__(self, name: str, model: type, project: Any, max_rows: int = 200_000):
+        self.name, self.model, self.project, self.max_rows = name, model, project, max_rows
+        self.rows: list[tuple[int, tuple]] = []  # (entry ms, row), in stream order
+        self.last_id: bytes | None = None
+        self.from_ms: int | None = None  # every entry at or after this time is held
+        self.lock = threading.Lock()
+
+    def _decode_into(self, rd: Reader, key: str, entries: list) -> list[tuple[int, tuple]]:
+        out = []
+        for entry_id, fields in entries:
+            p = rd._decode(self.model, fields.get(b"data"), where=f"{key} {entry_id!r}")
+            if p is not None:
+                out.append((int(entry_id.split(b"-")[0]), self.project(p)))
+        return out
+
+    def read(self, rd: Reader, start_ms: int) -> list[tuple]:
+        """Rows of entries added at or after `start_ms` (entry time), oldest first."""
+        key = rd.key(self.name)
+        with self.lock:
+            newest = rd.r.xrevrange(key, max="+", min="-", count=1)
+            if not newest:
+                self.rows, self.last_id, self.from_ms = [], None, None
+                return []
+            if self.last_id is not None and _id_key(newest[0][0]) < _id_key(self.last_id):
+                self.rows, self.last_id, self.from_ms = [], None, None  # stream recreated
+            if self.from_ms is None or self.last_id is None:
+                entries = rd.r.xrange(key, min=f"{start_ms}-0", max="+")
+                self.rows = self._decode_into(rd, key, entries)
+                self.from_ms = start_ms
+                self.last_id = newest[0][0]
+            else:
+                if start_ms < self.from_ms:  # a longer window than held so far: fetch the older part
+                    older = rd.r.xrange(key, min=f"{start_ms}-0", max=f"({self.from_ms}-0")
+                    self.rows = self._decode_into(rd, key, older) + self.rows
+                    self.from_ms = start_ms
+                entries = rd.r.xrange(key, min=b"(" + self.last_id, max="+")
+                self.rows.extend(self._decode_into(rd, key, entries))
+            if entries:  # entries added after the XREVRANGE above were read too: resume after them
+                self.last_id = max(self.last_id, entries[-1][0], key=_id_key)
+            oldest_ms = int((time.time() - MAX_WINDOW_S) * 1000)
+            if len(self.rows) > self.max_rows or (self.rows and self.rows[0][0] < oldest_ms):
+                keep = bisect.bisect_left(self.rows, (oldest_ms,))
+                keep = max(keep, len(self.rows) - self.max_rows)
+                self.rows = self.rows[keep:]
+                self.from_ms = max(self.from_ms, self.rows[0][0] if self.rows else oldest_ms)
+            i = bisect.bisect_left(self.rows, (start_ms,))
+            return [row for _, row in self.rows[i:]]
+
+
+def _id_key(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass
+class HistoryCache:
+    """The web server's incremental copies of the status and telemetry histories (one per App)."""
+
+    status: StreamCache = field(default_factory=lambda: StreamCache("status_history", GpuStatus, _status_row))
+    telemetry: StreamCache = field(
+        default_factory=lambda: StreamCache("telemetry_history", GpuTelemetry, _telemetry_row))
+
+
+def read_timeline(r: Any, cluster: str, window_s: float = 300.0, max_points: int = 300,
+                  cache: HistoryCache | None = None) -> TimelineView:
     """Per-GPU state segments over the last `window_s` seconds (from the status history stream, state
-    at the window start taken from the last transition before it), and utilization / memory series."""
+    at the window start taken from the last transition before it), and utilization / memory series
+    (at most `max_points` per GPU). With `cache`, the histories are read incrementally."""
     if not (1.0 <= window_s <= MAX_WINDOW_S):
         raise ValueError(f"window must be in [1, {MAX_WINDOW_S:.0f}] seconds, got {window_s}")
     rd = Reader(r, cluster)
@@ -244,47 +329,55 @@ def read_timeline(r: Any, cluster: str, window_s: float = 300.0, max_points: int
     gpus = rd.gpus()
     # Transitions from one window earlier, so the state at `start` is known for GPUs that changed
     # state in it; a GPU whose last transition is older still is in its current state since `since`.
-    transitions: dict[tuple[str, int], list[GpuStatus]] = {}
-    for _, st in rd._stream("status_history", GpuStatus, start_ms=int((start - window_s) * 1000)):
-        transitions.setdefault((st.node, st.gpu), []).append(st)
+    lookback_ms = int((start - window_s) * 1000)
+    if cache is not None:
+        status_rows: list[StatusRow] = cache.status.read(rd, lookback_ms)
+    else:
+        status_rows = [_status_row(p) for _, p in rd._stream("status_history", GpuStatus, start_ms=lookback_ms)]
+    transitions: dict[tuple[str, int], list[StatusRow]] = {}
+    for row in status_rows:
+        transitions.setdefault((row[1], row[2]), []).append(row)
     lanes = []
     for g in gpus:
-        trs = sorted(transitions.get((g.node, g.gpu), []), key=lambda s: s.since)
+        trs = sorted(transitions.get((g.node, g.gpu), []), key=lambda row: row[0])
         # The current status is the newest transition (the scheduler may write it before the stream).
-        if g.state_since is not None and (not trs or trs[-1].since < g.state_since):
-            trs.append(GpuStatus(node=g.node, gpu=g.gpu, state=g.state, since=g.state_since))
+        if g.state_since is not None and (not trs or trs[-1][0] < g.state_since):
+            trs.append((g.state_since, g.node, g.gpu, g.state))
         # Before a GPU's first known transition there is no record: no segment (not "unknown",
         # which is a state the scheduler reports, e.g. for a GPU whose NVML reads fail).
         segs: list[Segment] = []
         prev_state: GpuState | None = None
         prev_t = start
-        for st in trs:
-            t = min(max(st.since, start), now)
+        for since, _, _, st in trs:
+            t = min(max(since, start), now)
             if prev_state is not None:
                 segs.append(Segment(state=prev_state, start=prev_t, end=t))
-            prev_state, prev_t = st.state, t
+            prev_state, prev_t = st, t
         if prev_state is not None:
             segs.append(Segment(state=prev_state, start=prev_t, end=now, open=True))
         lanes.append(GpuLane(id=g.id, node=g.node, gpu=g.gpu, segments=_merge_segments(segs)))
 
-    series: dict[tuple[str, int], TelemetrySeries] = {}
-    for _, t in rd._stream("telemetry_history", GpuTelemetry, start_ms=int(start * 1000)):
-        if t.ts < start:
+    start_ms = int(start * 1000)
+    if cache is not None:
+        tel_rows: list[TelemetryRow] = cache.telemetry.read(rd, start_ms)
+    else:
+        tel_rows = [_telemetry_row(p) for _, p in rd._stream("telemetry_history", GpuTelemetry, start_ms=start_ms)]
+    cols: dict[tuple[str, int], tuple[list[float], list[float], list[int], list[bool]]] = {}
+    for ts, node, gpu, util, mem, sim in tel_rows:
+        if ts < start:
             continue
-        s = series.get((t.node, t.gpu))
-        if s is None:
-            s = series[(t.node, t.gpu)] = TelemetrySeries(
-                id=f"{t.node}:{t.gpu}", node=t.node, gpu=t.gpu, simulated=t.simulated, ts=[], util=[], mem_used=[])
-        s.ts.append(t.ts)
-        s.util.append(t.util)
-        s.mem_used.append(t.mem_used)
-        s.simulated = s.simulated or t.simulated
-    for s in series.values():
-        if len(s.ts) > max_points:  # keep every n-th point and the newest
-            n = -(-len(s.ts) // max_points)
-            idx = list(range(len(s.ts) - 1, -1, -n))[::-1]
-            s.ts, s.util, s.mem_used = [s.ts[i] for i in idx], [s.util[i] for i in idx], [s.mem_used[i] for i in idx]
-    return TimelineView(
-        cluster=cluster, now=now, start=start, window_s=window_s, gpus=lanes,
-        telemetry=[series[k] for k in sorted(series)], bad_payloads=rd.bad,
-    )
+        c = cols.setdefault((node, gpu), ([], [], [], []))
+        c[0].append(ts)
+        c[1].append(util)
+        c[2].append(mem)
+        c[3].append(sim)
+    telemetry = []
+    for (node, gpu), (ts, util, mem, sim) in sorted(cols.items()):
+        if len(ts) > max_points:  # keep every n-th point, counted back from the newest
+            n = -(-len(ts) // max_points)
+            idx = range((len(ts) - 1) % n, len(ts), n)
+            ts, util, mem = [ts[i] for i in idx], [util[i] for i in idx], [mem[i] for i in idx]
+        telemetry.append(TelemetrySeries(id=f"{node}:{gpu}", node=node, gpu=gpu, simulated=any(sim),
+                                         ts=ts, util=util, mem_used=mem))
+    return TimelineView(cluster=cluster, now=now, start=start, window_s=window_s, gpus=lanes,
+                        telemetry=telemetry, bad_payloads=rd.bad)

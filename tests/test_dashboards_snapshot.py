@@ -6,11 +6,19 @@ import itertools
 import time
 
 import pytest
-from tailspec.dashboards.snapshot import read_state, read_timeline, reclaimed_share
+from tailspec.dashboards.snapshot import (
+    HistoryCache,
+    Reader,
+    StreamCache,
+    _telemetry_row,
+    read_state,
+    read_timeline,
+    reclaimed_share,
+)
 from test_dashboards_writer import GiB, StateWriter
 
 from tailspec import state as S
-from tailspec.state import GpuState
+from tailspec.state import GpuState, GpuTelemetry
 
 
 def test_rollout_speedup_and_strategy_figures(redis_client):
@@ -114,3 +122,59 @@ def test_empty_cluster_reads_cleanly(redis_client):
     assert view.counters.reclaimed_share is None
     tl = read_timeline(redis_client, "nothing-here", window_s=10)
     assert tl.gpus == [] and tl.telemetry == []
+
+
+def _direct(redis_client, start_ms: int) -> list[tuple]:
+    """Reference: the telemetry rows of a plain XRANGE from start_ms, decoded."""
+    rd = Reader(redis_client, "t")
+    return [_telemetry_row(p) for _, p in rd._stream("telemetry_history", GpuTelemetry, start_ms=start_ms)]
+
+
+def test_incremental_history_cache_matches_a_full_read(redis_client):
+    w = StateWriter(redis_client)
+    cache = StreamCache("telemetry_history", GpuTelemetry, _telemetry_row)
+    rd = Reader(redis_client, "t")
+    t0_ms = int(time.time() * 1000)
+    assert cache.read(rd, t0_ms - 60_000) == []  # no stream yet
+    for i in range(5):
+        w.telemetry(i % 2, float(i), i * GiB)
+    assert cache.read(rd, t0_ms - 60_000) == _direct(redis_client, t0_ms - 60_000)
+    for poll in range(4):  # polls with new entries in between, and one with none
+        for i in range(poll * 3):
+            w.telemetry(i % 2, float(10 * poll + i), GiB)
+        got = cache.read(rd, t0_ms - 60_000)
+        assert got == _direct(redis_client, t0_ms - 60_000) and len(got) == 5 + 3 * sum(range(poll + 1))
+    # a shorter window is a suffix, a longer one fetches the older part once
+    time.sleep(0.01)
+    mid_ms = int(time.time() * 1000)
+    w.telemetry(0, 99.0, GiB)
+    assert cache.read(rd, mid_ms) == _direct(redis_client, mid_ms)
+    assert cache.read(rd, t0_ms - 600_000) == _direct(redis_client, t0_ms - 600_000)
+    # a malformed entry is counted when first read, not on every poll
+    redis_client.xadd(S.key("t", "telemetry_history"), {"data": b"junk"})
+    rd1 = Reader(redis_client, "t")
+    cache.read(rd1, t0_ms - 60_000)
+    rd2 = Reader(redis_client, "t")
+    cache.read(rd2, t0_ms - 60_000)
+    assert (rd1.bad, rd2.bad) == (1, 0)
+    # the stream recreated (Redis restarted, key deleted): the cache starts over instead of waiting for old ids
+    redis_client.delete(S.key("t", "telemetry_history"))
+    assert cache.read(rd, t0_ms - 60_000) == []
+    redis_client.xadd(S.key("t", "telemetry_history"), {"data": b"junk"}, id="1-1")
+    w.telemetry(1, 1.0, GiB)
+    assert cache.read(rd, 0) == _direct(redis_client, 0) and len(cache.read(rd, 0)) == 1
+
+
+def test_cached_timeline_equals_uncached(redis_client):
+    w = StateWriter(redis_client)
+    now = time.time()
+    cache = HistoryCache()
+    for poll in range(3):
+        for g in range(2):
+            w.telemetry(g, 10.0 * poll + g, GiB, ts=now - 30 + poll)
+            w.status(g, [GpuState.GENERATING, GpuState.DRAINED, GpuState.LENT][poll], since=now - 30 + 5 * poll + g)
+        a = read_timeline(redis_client, "t", window_s=120, cache=cache)
+        b = read_timeline(redis_client, "t", window_s=120)
+        assert [[(s.state, round(s.start, 3)) for s in lane.segments] for lane in a.gpus] == \
+            [[(s.state, round(s.start, 3)) for s in lane.segments] for lane in b.gpus]
+        assert [(s.id, s.ts, s.util) for s in a.telemetry] == [(s.id, s.ts, s.util) for s in b.telemetry]

@@ -5,4 +5,5 @@ very last stdout line with --json, one JSON object. Register a new one in BENCHE
 BENCHES: dict[str, str] = {
     "task": "tailspec.bench.task",
     "scheduler": "tailspec.bench.scheduler",
+    "dashboard": "tailspec.bench.dashboard",
 }
