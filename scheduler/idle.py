@@ -222,6 +222,14 @@ class IdleDetector:
         m._enter(GpuState.UNKNOWN, now)
         return a
 
+    def back_off(self, node: str, gpu: int, until: float) -> None:
+        """Do not lend this GPU again before `until` (its session failed to start or crashed)."""
+        m = self.machine(node, gpu)
+        m.floor = max(m.floor, until)
+        if m.state == GpuState.DRAINED and m.drained_at is not None:
+            m.drained_at = max(m.drained_at, until)
+            m.low_since = m.detected_at = None
+
     def lent(self, node: str, gpu: int, token: int, session_id: str, now: float) -> None:
         """The service got the lease and started the session."""
         m = self.machine(node, gpu)

@@ -37,6 +37,7 @@ from tailspec.state import (
 log = logging.getLogger(__name__)
 
 COUNTER_FLUSH_S = 0.25
+FAILED_BACKOFF_S = 5.0  # a GPU whose session failed is not lent again for this long
 
 
 def _s(v: bytes | str) -> str:
@@ -267,7 +268,9 @@ class Scheduler:
                         )
                     ),
                 )
+                pipe.sadd(state.key(c, "sessions"), sid)
                 self._event("session_failed", a.node, a.gpu, pipe, session_id=sid, error=str(e))
+                self.detector.back_off(a.node, a.gpu, now + FAILED_BACKOFF_S)
                 raise
             self.detector.lent(a.node, a.gpu, lease.token, sid, now)
             self.live[sid] = (a.node, a.gpu, lease.token)
@@ -305,6 +308,11 @@ class Scheduler:
             exited = sid in self.dispatcher.poll()
             if not exited:
                 self.dispatcher.stop(sid)  # past the deadline: the backstop
+            exit_code = self.dispatcher.ended.get(sid)
+            if exit_code and a.reason == "session ended":
+                # It failed on its own while the GPU was still idle: do not restart it in a tight loop.
+                self.detector.back_off(a.node, a.gpu, now + FAILED_BACKOFF_S)
+                self._event("session_failed", a.node, a.gpu, pipe, session_id=sid, exit_code=exit_code)
             self.dispatcher.forget(sid)
             self.live.pop(sid, None)
             pipe.hincrbyfloat(ck, "sessions_stopped", 1)

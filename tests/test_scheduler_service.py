@@ -289,3 +289,30 @@ def test_bad_payloads_are_skipped_not_fatal(redis_url, redis_client):
     s.tick()
     assert s.bad_payloads >= 6
     assert redis_client.get(state.key("t", "scheduler_heartbeat")) is not None
+
+
+def test_failing_session_entry_is_recorded_and_not_restarted_in_a_loop(redis_url, redis_client):
+    from tailspec.scheduler.service import FAILED_BACKOFF_S, run_local
+
+    cfg = make_cfg(redis_url)
+    cfg.scheduler.session_entry = "tailspec.scheduler.demo_session:no_such_session"
+    stop = threading.Event()
+    th = threading.Thread(target=run_local, args=(cfg, stop), daemon=True)
+    th.start()
+    c = TailspecClient(redis_url, cluster="t", node="node0")
+    try:
+        c.set_phase("rollout", step=1)
+        c.report_progress("w0", [0], active=0, finished=8, step=1)
+        c.report_progress("w1", [1], active=3, finished=5, step=1)
+        first = wait_for(
+            lambda: [s for s in sessions(redis_client).values() if s.status == "failed"], 30, "failure"
+        )
+        assert "has no function 'no_such_session'" in first[0].stop_reason
+        time.sleep(min(3.0, FAILED_BACKOFF_S - 1))
+        assert len(sessions(redis_client)) == 1  # backed off instead of relaunching every tick
+        events, _ = state.read_stream(redis_client, state.key("t", "events"), Event)
+        assert any(e.kind == "session_failed" for _, e in events)
+    finally:
+        c.close()
+        stop.set()
+        th.join(10)
