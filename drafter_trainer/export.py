@@ -1,0 +1,157 @@
+"""Export a drafter for serving: the EAGLE-3 directory vLLM and SGLang load, or an HF-style directory.
+
+`eagle3` (vLLM `speculative_config={"method": "eagle3", "model": DIR, ...}`, SGLang
+`--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR`):
+- config.json: `architectures: ["LlamaForCausalLMEagle3"]`, `model_type: llama`, `num_hidden_layers: 1`,
+  `draft_vocab_size`, `vocab_size` (the target's), `target_hidden_size`, hidden / heads / head_dim /
+  intermediate size, `rms_norm_eps`, rope fields copied from the target (`rope_theta`, `rope_scaling`,
+  `rope_parameters`), `max_position_embeddings`, and the aux layer ids ALWAYS written
+  (`eagle_aux_hidden_state_layer_ids` at the top level and under `eagle_config`): vLLM's default
+  (2, n//2, n-3) collapses for targets with fewer than 7 layers.
+- model.safetensors: `fc.weight` [H, 3H], `midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight`,
+  `midlayer.self_attn.{q,k,v}_proj.weight` [*, 2H], `midlayer.self_attn.o_proj.weight`,
+  `midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight` [draft_vocab, H] (always shipped:
+  a hot reload must never fall back to the target's head), and `d2t` (int64) / `t2d` (bool) only when the
+  draft vocabulary is smaller than the target's (vLLM refuses `d2t` otherwise).
+`hf`: the same plus `embed_tokens.weight` (the target's embedding), so the directory stands alone.
+
+Refused: colliding aux ids, and (eagle3) ids outside 1..n-1 — vLLM gathers aux states at the INPUT of
+layers 1..n-1, so id n is never produced and the fc would get the wrong width.
+The directory is written through a temporary sibling and renamed into place: whole or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter, write_dir_atomic
+
+log = logging.getLogger(__name__)
+
+Format = Literal["eagle3", "hf"]
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ExportError(ValueError):
+    pass
+
+
+def check_exportable(cfg: Eagle3Config, fmt: Format) -> None:
+    ids = list(cfg.aux_layer_ids)
+    if len(set(ids)) != len(ids):
+        raise ExportError(f"aux layer ids {ids} collide; serving engines drop duplicates and the fc width breaks")
+    if fmt == "eagle3":
+        n = cfg.target_num_layers
+        bad = [i for i in ids if not 1 <= i <= n - 1]
+        if bad:
+            raise ExportError(
+                f"aux layer ids {ids}: {bad} outside 1..{n - 1}; vLLM/SGLang gather aux states at the input of "
+                f"layers 1..{n - 1} of this {n}-layer target, so such a drafter cannot be served (train it with "
+                "ids in that range, or export --format hf)")
+
+
+def export_config(cfg: Eagle3Config) -> dict[str, Any]:
+    ids = list(cfg.aux_layer_ids)
+    rope_params = {"rope_type": "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "rope_parameters": rope_params,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        "tailspec": {"drafter_config": cfg.to_dict()},
+    }
+
+
+def export_tensors(drafter: Eagle3Drafter, fmt: Format, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    cfg = drafter.config
+    out = {}
+    for name, t in drafter.state_dict().items():
+        if name in ("d2t", "t2d"):
+            continue
+        out[name] = t.detach().to("cpu", dtype).contiguous()
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        out["d2t"] = drafter.d2t.detach().cpu().long().contiguous()
+        out["t2d"] = drafter.t2d.detach().cpu().bool().contiguous()
+    if fmt == "hf":
+        if drafter.embed_tokens is None:
+            raise ExportError("the hf format carries embed_tokens: give the drafter the target's embedding")
+        out["embed_tokens.weight"] = drafter.embed_tokens.weight.detach().to("cpu", dtype).contiguous()
+    return out
+
+
+def export(drafter: Eagle3Drafter, out_dir: str | Path, fmt: Format = "eagle3", dtype: str = "float32",
+           meta: dict | None = None) -> Path:
+    if fmt not in ("eagle3", "hf"):
+        raise ExportError(f"unknown export format {fmt!r}; choose eagle3 or hf")
+    if dtype not in _DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; choose {', '.join(_DTYPES)}")
+    check_exportable(drafter.config, fmt)
+    if 0 in drafter.config.aux_layer_ids and fmt == "eagle3":
+        log.warning("aux layer id 0 (embeddings) is unusual for serving engines; check your engine accepts it")
+    tensors = export_tensors(drafter, fmt, _DTYPES[dtype])
+    config = export_config(drafter.config)
+    config["torch_dtype"] = dtype
+    if meta:
+        config["tailspec"].update(meta)
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+
+    return write_dir_atomic(Path(out_dir), write)
+
+
+def load_export(path: str | Path, target_embedding: nn.Module | None = None) -> Eagle3Drafter:
+    """Read an exported directory back into an Eagle3Drafter (round trip; the hf format brings its embedding)."""
+    path = Path(path)
+    cfg_file, w_file = path / "config.json", path / "model.safetensors"
+    if not cfg_file.is_file() or not w_file.is_file():
+        raise FileNotFoundError(f"{path} is not an exported drafter (needs config.json and model.safetensors)")
+    config = json.loads(cfg_file.read_text())
+    if ARCHITECTURE not in config.get("architectures", []):
+        raise ValueError(f"{cfg_file}: architectures {config.get('architectures')} lack {ARCHITECTURE}")
+    dcfg = Eagle3Config.from_dict(config["tailspec"]["drafter_config"])
+    tensors = load_file(str(w_file))
+    emb = tensors.pop("embed_tokens.weight", None)
+    drafter = Eagle3Drafter(dcfg).to(next(iter(tensors.values())).dtype)
+    if emb is not None:
+        e = nn.Embedding(emb.shape[0], emb.shape[1], _weight=emb)
+        e.requires_grad_(False)
+        drafter.set_target_embedding(e)
+    elif target_embedding is not None:
+        drafter.set_target_embedding(target_embedding)
+    state = drafter.state_dict()
+    if "d2t" not in tensors:  # full vocabulary: identity maps
+        tensors["d2t"], tensors["t2d"] = state["d2t"], state["t2d"]
+    missing = sorted(set(state) - set(tensors))
+    unexpected = sorted(set(tensors) - set(state))
+    if missing or unexpected:
+        raise ValueError(f"{w_file}: missing tensors {missing}, unexpected {unexpected}")
+    drafter.load_state_dict(tensors)
+    return drafter

@@ -1,0 +1,163 @@
+"""Rollout samples for drafter training: validation, a bounded versioned replay buffer, the Redis reader.
+
+Only ids, rewards and versions travel (DESIGN.md); hidden states are recomputed by the teacher. A bad
+sample is dropped and counted by reason (locally and in the cluster's `dropped` hash, as
+`trainer_<reason>`), never raised: one bad writer must not stop a session.
+
+Held-out split: a sample goes to the validation set when a hash of its ids falls in the held-out
+fraction, so the split is stable whatever the arrival order and a sample is never in both sets.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import zlib
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from tailspec import state
+from tailspec.drafter_trainer.weights import Mode, reward_weights
+from tailspec.state import Sample
+
+log = logging.getLogger(__name__)
+
+DROP_PREFIX = "trainer_"
+
+
+def validate_sample(s: Sample, vocab_size: int, max_seq_len: int) -> str | None:
+    """None when the sample is usable, else the reason it is not (a short snake_case word)."""
+    if not s.prompt_ids:
+        return "empty_prompt"
+    if not s.response_ids:
+        return "empty_response"
+    if len(s.prompt_ids) + len(s.response_ids) > max_seq_len:
+        return "oversized"
+    if s.reward is None or not math.isfinite(s.reward):
+        return "nonfinite_reward"
+    lo = min(min(s.prompt_ids), min(s.response_ids))
+    hi = max(max(s.prompt_ids), max(s.response_ids))
+    if lo < 0 or hi >= vocab_size:
+        return "out_of_vocab"
+    return None
+
+
+def is_holdout(s: Sample, fraction: float) -> bool:
+    if fraction <= 0:
+        return False
+    h = zlib.crc32(np.asarray(s.prompt_ids + [-1] + s.response_ids, dtype=np.int64).tobytes())
+    return (h % 10_000) < fraction * 10_000
+
+
+@dataclass
+class SampleBuffer:
+    """Most recent samples of the most recent `keep_policy_versions` policy versions, at most `capacity`."""
+
+    capacity: int
+    keep_policy_versions: int = 2
+    holdout_fraction: float = 0.1
+    mode: Mode = "reward"
+    w_min: float = 0.1
+    w_max: float = 5.0
+    train: deque = field(default_factory=deque)
+    holdout: deque = field(default_factory=deque)
+    versions: list[int] = field(default_factory=list)  # distinct policy versions kept, ascending
+    _weights: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.train = deque(self.train, maxlen=self.capacity)
+        self.holdout = deque(self.holdout, maxlen=max(1, int(self.capacity * max(self.holdout_fraction, 0.05))))
+
+    def __len__(self) -> int:
+        return len(self.train)
+
+    def add(self, s: Sample) -> str:
+        """Add a validated sample → 'train' | 'holdout' | 'stale' (older than the versions kept)."""
+        if s.policy_version not in self.versions:
+            if self.versions and len(self.versions) >= self.keep_policy_versions and s.policy_version < self.versions[0]:
+                return "stale"
+            self.versions = sorted(self.versions + [s.policy_version])[-self.keep_policy_versions:]
+            oldest = self.versions[0]
+            for q in (self.train, self.holdout):
+                kept = [x for x in q if x.policy_version >= oldest]
+                q.clear()
+                q.extend(kept)
+        (self.holdout if is_holdout(s, self.holdout_fraction) else self.train).append(s)
+        self._weights = None
+        return "holdout" if self.holdout and self.holdout[-1] is s else "train"
+
+    def weights(self) -> np.ndarray:
+        """Reward weights of the training samples, normalized over the whole buffer."""
+        if self._weights is None or len(self._weights) != len(self.train):
+            self._weights = reward_weights([s.reward for s in self.train], [s.group_id for s in self.train],
+                                           self.mode, self.w_min, self.w_max)
+        return self._weights
+
+    def batch(self, n: int, rng: random.Random) -> tuple[list[Sample], np.ndarray]:
+        if not self.train:
+            return [], np.zeros(0)
+        idx = [rng.randrange(len(self.train)) for _ in range(n)]
+        w = self.weights()
+        return [self.train[i] for i in idx], w[idx]
+
+    def policy_version(self) -> int:
+        return self.versions[-1] if self.versions else 0
+
+
+@dataclass
+class SampleReader:
+    """Reads the cluster's sample stream into a buffer; counts and drops bad entries."""
+
+    redis: Any
+    cluster: str
+    buffer: SampleBuffer
+    vocab_size: int
+    max_seq_len: int
+    last_id: Any = "0"
+    dropped: Counter = field(default_factory=Counter)
+    added: int = 0
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] += 1
+        try:
+            self.redis.hincrby(state.key(self.cluster, "dropped"), DROP_PREFIX + reason, 1)
+        except Exception as e:  # counting is best-effort; the drop itself already happened
+            log.debug("could not count dropped sample: %s", e)
+
+    def offer(self, s: Sample) -> str:
+        reason = validate_sample(s, self.vocab_size, self.max_seq_len)
+        if reason:
+            self.drop(reason)
+            return reason
+        where = self.buffer.add(s)
+        if where == "stale":
+            self.drop("stale_policy_version")
+        else:
+            self.added += 1
+        return where
+
+    def poll(self, count: int = 1000) -> int:
+        """Read up to `count` new stream entries; returns how many were added to the buffer."""
+        before = self.added
+        entries, self.last_id = state.read_stream(
+            self.redis, state.key(self.cluster, "samples"), Sample, after=self.last_id, count=count,
+            on_bad=lambda _id, _err: self.drop("malformed"))
+        for _, s in entries:
+            self.offer(s)
+        return self.added - before
+
+
+def fill_buffer(buffer: SampleBuffer, samples: Iterable[Sample], vocab_size: int, max_seq_len: int) -> Counter:
+    """Validate and add in-process samples (CLI / tests); returns drops by reason."""
+    dropped: Counter = Counter()
+    for s in samples:
+        reason = validate_sample(s, vocab_size, max_seq_len)
+        if reason:
+            dropped[reason] += 1
+        elif buffer.add(s) == "stale":
+            dropped["stale_policy_version"] += 1
+    return dropped

@@ -1,0 +1,238 @@
+"""A preemptible training session: load the latest checkpoint, train on the buffer until told to stop,
+save atomically, free memory.
+
+Stopping. `should_continue()` (the scheduler's lease renewal) is called once per step; `request_stop()`
+(thread-safe: a signal handler, another thread, the scheduler's revoke watcher) is also checked between
+the phases of a step (after the teacher, between unroll steps, after backward). Either way the step in
+flight is abandoned without an optimizer update, the state as of the last whole step is saved
+(drafter + optimizer + counters, see checkpoint.py) and the session returns. The stop latency (request →
+checkpoint whole and memory freed) is recorded.
+
+Backends: `torch` (AdamW) here; `deepspeed` (ZeRO-2, optimizer offload to CPU) in deepspeed_backend.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tailspec.config import TrainerConfig
+from tailspec.drafter_trainer.checkpoint import load_latest, save_checkpoint
+from tailspec.drafter_trainer.loss import StopRequested, ttt_loss
+from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter, vocab_maps_from_counts
+from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
+from tailspec.drafter_trainer.teacher import Teacher, collate
+
+log = logging.getLogger(__name__)
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, params: list[torch.nn.Parameter], cfg: TrainerConfig):
+        self.params = params
+        self.cfg = cfg
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+
+    def step(self, loss: torch.Tensor, check: Callable[[], None]) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        check()
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.optimizer.step()
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.optimizer.load_state_dict(sd)
+
+    def close(self) -> None:
+        self.optimizer.state.clear()
+
+
+def make_backend(params: list[torch.nn.Parameter], drafter: Eagle3Drafter, cfg: TrainerConfig):
+    if cfg.backend == "torch":
+        return TorchBackend(params, cfg)
+    if cfg.backend == "deepspeed":
+        from tailspec.drafter_trainer.deepspeed_backend import DeepSpeedBackend
+
+        return DeepSpeedBackend(drafter, params, cfg)
+    raise ValueError(f"trainer.backend {cfg.backend!r} is not one of torch, deepspeed")
+
+
+def token_counts(buffer: SampleBuffer, vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for s in buffer.train:
+        counts += torch.bincount(torch.tensor(s.response_ids), minlength=vocab_size).double()
+    return counts
+
+
+def new_drafter(teacher: Teacher, cfg: TrainerConfig, buffer: SampleBuffer) -> Eagle3Drafter:
+    dcfg = Eagle3Config.from_target(teacher.config, draft_vocab_size=cfg.draft_vocab_size,
+                                    aux_layer_ids=teacher.aux_layer_ids)
+    torch.manual_seed(cfg.seed)
+    drafter = Eagle3Drafter(dcfg, teacher.embedding())
+    if dcfg.draft_vocab_size < dcfg.vocab_size:
+        drafter.set_vocab_maps(*vocab_maps_from_counts(token_counts(buffer, dcfg.vocab_size), dcfg.draft_vocab_size))
+    return drafter.to(teacher.device)
+
+
+@dataclass
+class SessionResult:
+    session_id: str
+    steps: int  # optimizer steps in this session
+    total_steps: int  # including earlier sessions (resumed from the checkpoint)
+    tokens: int
+    losses: list[float]
+    stop_reason: str
+    stop_latency_s: float | None
+    checkpoint: Path | None
+    seconds: float
+    train_seconds: float  # time inside whole steps (teacher + drafter + optimizer)
+    step_accuracy: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.train_seconds if self.train_seconds > 0 else 0.0
+
+
+class TrainingSession:
+    def __init__(self, cfg: TrainerConfig, teacher: Teacher, buffer: SampleBuffer, *,
+                 checkpoint_dir: str | Path | None = None,
+                 should_continue: Callable[[], bool] | None = None,
+                 on_step: Callable[[int, float, int], object] | None = None,
+                 reader: SampleReader | None = None, checkpoint_every_steps: int | None = None,
+                 poll_every_steps: int = 10, report_every_s: float = 0.25, session_id: str | None = None):
+        self.cfg = cfg
+        self.teacher = teacher
+        self.buffer = buffer
+        self.reader = reader
+        self.checkpoint_dir = Path(checkpoint_dir or cfg.checkpoint_dir)
+        self.should_continue = should_continue or (lambda: True)
+        self.on_step = on_step
+        self.checkpoint_every_steps = checkpoint_every_steps
+        self.poll_every_steps = poll_every_steps
+        self.report_every_s = report_every_s
+        self.session_id = session_id or uuid.uuid4().hex[:12]
+        self._stop = threading.Event()
+        self._stop_reason: str | None = None
+        self._stop_at: float | None = None
+
+        ck = load_latest(self.checkpoint_dir, teacher.embedding(), map_location=str(teacher.device))
+        if ck is not None:
+            self.drafter = ck.drafter
+            self.drafter.check_fits(teacher.config)
+            teacher.aux_layer_ids = self.drafter.config.aux_layer_ids
+            self.step = ck.step
+            self.tokens_total = int(ck.trainer_state.get("tokens", 0))
+            self.resumed_from: Path | None = ck.path
+        else:
+            if reader is not None and not buffer.train:
+                reader.poll()
+            self.drafter = new_drafter(teacher, cfg, buffer)
+            self.step, self.tokens_total, self.resumed_from = 0, 0, None
+        self.drafter.train()
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.backend = make_backend(self.params, self.drafter, cfg)
+        if ck is not None and ck.optimizer_state is not None and ck.trainer_state.get("backend", "torch") == self.backend.name:
+            self.backend.load_state_dict(ck.optimizer_state)
+
+    # -- stopping ------------------------------------------------------------------------------------
+    def request_stop(self, reason: str = "requested") -> None:
+        """Thread-safe; the session leaves at the next check point inside the current step."""
+        if not self._stop.is_set():
+            self._stop_reason, self._stop_at = reason, time.monotonic()
+            self._stop.set()
+
+    def _check(self) -> None:
+        if self._stop.is_set():
+            raise StopRequested(self._stop_reason)
+
+    # -- training ------------------------------------------------------------------------------------
+    def train_step(self) -> tuple[float, int, list[float]] | None:
+        """One optimizer step on a batch from the buffer → (loss, tokens, per-step accuracy); None if empty."""
+        rng = random.Random(self.cfg.seed * 1_000_003 + self.step)
+        samples, w = self.buffer.batch(self.cfg.batch_size, rng)
+        if not samples:
+            return None
+        batch = collate(samples, w).to(self.teacher.device)
+        out = self.teacher(batch)
+        self._check()
+        res = ttt_loss(self.drafter, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
+                       batch.weights, self.cfg.ttt_length, self.cfg.step_decay, check=self._check)
+        self._check()
+        self.backend.step(res.loss, self._check)
+        self.step += 1
+        self.tokens_total += batch.tokens
+        return float(res.loss.detach()), batch.tokens, res.step_accuracy
+
+    def save(self) -> Path:
+        state = {"step": self.step, "tokens": self.tokens_total, "backend": self.backend.name,
+                 "session_id": self.session_id, "policy_version": self.teacher.policy_version,
+                 "saved_at": time.time()}
+        return save_checkpoint(self.checkpoint_dir, self.drafter, self.backend.state_dict(), state)
+
+    def run(self, max_steps: int | None = None, max_seconds: float | None = None) -> SessionResult:
+        t0 = time.monotonic()
+        losses: list[float] = []
+        acc: list[float] = []
+        steps = tokens = 0
+        train_s = 0.0
+        last_report = 0.0
+        reason = "max_steps"
+        try:
+            while True:
+                if max_steps is not None and steps >= max_steps:
+                    break
+                if max_seconds is not None and time.monotonic() - t0 >= max_seconds:
+                    reason = "max_seconds"
+                    break
+                if not self.should_continue():
+                    self.request_stop("should_continue")
+                self._check()
+                if self.reader is not None and (steps % self.poll_every_steps == 0 or not self.buffer.train):
+                    try:
+                        self.reader.poll()
+                    except Exception as e:  # Redis hiccup: train on what the buffer has
+                        log.warning("sample stream poll failed: %s", e)
+                ts = time.monotonic()
+                got = self.train_step()
+                if got is None:
+                    time.sleep(0.02)  # nothing to train on yet; keep checking the stop conditions
+                    continue
+                train_s += time.monotonic() - ts
+                loss, n, acc = got
+                losses.append(loss)
+                steps += 1
+                tokens += n
+                if self.on_step is not None and (time.monotonic() - last_report >= self.report_every_s):
+                    last_report = time.monotonic()
+                    self.on_step(self.step, loss, self.tokens_total)
+                if self.checkpoint_every_steps and self.step % self.checkpoint_every_steps == 0:
+                    self.save()
+        except StopRequested:
+            reason = self._stop_reason or "requested"
+        # Whatever ended the loop, the last whole step is saved before returning.
+        self.drafter.zero_grad(set_to_none=True)
+        path = self.save()
+        if self.on_step is not None and losses:
+            self.on_step(self.step, losses[-1], self.tokens_total)
+        latency = time.monotonic() - self._stop_at if self._stop_at is not None else None
+        return SessionResult(self.session_id, steps, self.step, tokens, losses, reason, latency, path,
+                             time.monotonic() - t0, train_s, acc)
+
+    def close(self) -> None:
+        """Free what the session holds (optimizer state, gradients, accelerator cache)."""
+        self.backend.close()
+        self.drafter.zero_grad(set_to_none=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

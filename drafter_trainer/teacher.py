@@ -1,0 +1,97 @@
+"""The teacher: the current policy's forward (no grad) over prompt + response → aux hidden states + logits.
+
+In-process (`Teacher(model, ...)`, e.g. sharing the engine's model object when co-located) or loaded from
+a policy directory (`Teacher.from_dir`, the RL framework's latest weights). The aux states are taken with
+`model.capture_aux`, the same hooks the engine uses at inference, so training and drafting read the same
+tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from tailspec.drafter_trainer.model import capture_aux
+from tailspec.state import Sample
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [B, T] right-padded with 0 (a real id; masked out by lengths)
+    lengths: torch.Tensor  # [B] prompt + response length
+    prompt_lens: torch.Tensor  # [B]
+    weights: torch.Tensor  # [B] per-sample reward weights
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def to(self, device: Any) -> "Batch":
+        return Batch(self.ids.to(device), self.lengths.to(device), self.prompt_lens.to(device), self.weights.to(device))
+
+
+def collate(samples: Sequence[Sample], weights: Sequence[float] | None = None) -> Batch:
+    if not samples:
+        raise ValueError("cannot collate an empty batch")
+    seqs = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
+    width = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+    w = torch.ones(len(samples)) if weights is None else torch.as_tensor(list(weights), dtype=torch.float32)
+    return Batch(ids, torch.tensor([len(x) for x in seqs]), torch.tensor([len(s.prompt_ids) for s in samples]), w)
+
+
+@dataclass
+class TeacherOutput:
+    aux: torch.Tensor  # [B, T, 3H]
+    logits: torch.Tensor  # [B, T, V] float32
+
+
+class Teacher:
+    def __init__(self, model: nn.Module, aux_layer_ids: Sequence[int], policy_version: int = 0,
+                 path: str | None = None):
+        self.model = model
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.policy_version = policy_version
+        self.path = path
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def embedding(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    @classmethod
+    def from_dir(cls, path: str | Path, aux_layer_ids: Sequence[int] | None = None, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, policy_version: int = 0) -> "Teacher":
+        from transformers import AutoModelForCausalLM
+
+        from tailspec.drafter_trainer.model import default_aux_layer_ids
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a policy directory (no config.json)")
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        ids = aux_layer_ids or default_aux_layer_ids(model.config.num_hidden_layers)
+        return cls(model, ids, policy_version, str(path))
+
+    @torch.no_grad()
+    def __call__(self, batch: Batch) -> TeacherOutput:
+        ids = batch.ids.to(self.device)
+        t = ids.shape[1]
+        mask = (torch.arange(t, device=ids.device)[None, :] < batch.lengths.to(ids.device)[:, None]).long()
+        with capture_aux(self.model, self.aux_layer_ids) as got:
+            out = self.model(input_ids=ids, attention_mask=mask, use_cache=False)
+        return TeacherOutput(aux=got[-1], logits=out.logits.float())
