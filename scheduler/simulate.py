@@ -167,3 +167,39 @@ def run_simulated_rollout(
         if own_client:
             c.close()
     return SimResult(workers=workers, steps=records, node=node, worker_gpus=gpus)
+
+
+def run_simulated_cluster(
+    redis_url: str,
+    workers: int = 4,
+    steps: int = 2,
+    *,
+    cluster: str = "default",
+    node: str = "node0",
+    session_entry: str = "tailspec.scheduler.demo_session:busy_session",
+    settle_s: float = 1.5,
+    **rollout_kw,
+) -> SimResult:
+    """The whole single-node picture in one call: a scheduler (monitor + loop + session processes, simulated
+    telemetry) in a background thread, driven by `run_simulated_rollout`; every key the dashboards read
+    (telemetry + history, gpu_status + history, lease, session records, counters, events) gets filled.
+    Returns the rollout's ground truth once the last revocations are done (after `settle_s`)."""
+    from tailspec.scheduler.service import run_local
+
+    from tailspec.config import TailspecConfig
+
+    cfg = TailspecConfig()
+    cfg.cluster.name, cfg.cluster.node, cfg.cluster.redis_url = cluster, node, redis_url
+    cfg.scheduler.telemetry = "simulated"
+    cfg.scheduler.simulated_gpus = workers
+    cfg.scheduler.session_entry = session_entry
+    stop = threading.Event()
+    th = threading.Thread(target=run_local, args=(cfg, stop), name="tailspec-scheduler", daemon=True)
+    th.start()
+    try:
+        result = run_simulated_rollout(redis_url, workers, steps, cluster=cluster, node=node, **rollout_kw)
+        time.sleep(settle_s)
+    finally:
+        stop.set()
+        th.join(15)
+    return result

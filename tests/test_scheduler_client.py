@@ -149,3 +149,27 @@ def test_simulated_rollout_ground_truth(redis_url, redis_client):
     assert p.gpus == [2] and p.active == 0 and p.phase == "train"
     with pytest.raises(ValueError, match="lengths"):
         run_simulated_rollout(redis_url, lengths=[0], cluster="t")
+
+
+def test_simulated_cluster_fills_the_dashboard_keys(redis_url, redis_client):
+    from tailspec.scheduler.simulate import run_simulated_cluster
+
+    res = run_simulated_cluster(
+        redis_url,
+        workers=2,
+        steps=1,
+        cluster="t",
+        requests_per_worker=1,
+        lengths=[20, 150],
+        token_time_s=0.02,
+        train_s=0.2,
+        settle_s=1.2,
+    )
+    assert res.idle_gpu_seconds > 2.0  # worker 0 idles ~2.6 s while worker 1 runs its tail
+    counters = {k.decode(): float(v) for k, v in redis_client.hgetall(state.key("t", "counters")).items()}
+    assert counters["sessions_started"] >= 1 and counters["lent_gpu_seconds"] > 0
+    assert counters["sessions_stopped"] == counters["sessions_started"]
+    for name in ("telemetry_history", "status_history", "events"):
+        assert redis_client.xlen(state.key("t", name)) > 0
+    assert redis_client.get(state.key("t", "gpu_status", node="node0", gpu=0)) is not None
+    assert redis_client.scard(state.key("t", "sessions")) >= 1
