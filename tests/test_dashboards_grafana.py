@@ -92,5 +92,21 @@ def test_every_queried_metric_exists_in_metrics(scraped):
     assert set(METRICS) <= families, set(METRICS) - families
 
 
+def test_shipped_json_is_the_generated_one():
+    from tailspec.dashboards.grafana_json import render
+
+    shipped = (resources.files("tailspec.dashboards") / "grafana" / "tailspec.json").read_text()
+    assert shipped == render(), "regenerate: python -m tailspec.dashboards.grafana_json > dashboards/grafana/tailspec.json"
+
+
+def test_panels_do_not_overlap():
+    cells = set()
+    for p in all_panels(dashboard()):
+        g = p["gridPos"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not (cells & mine), p["title"]
+        cells |= mine
+
+
 def test_the_check_catches_a_missing_metric(scraped):
     assert "tailspec_gpu_utilization_percent" not in scraped  # a wrong name would fail the test above
