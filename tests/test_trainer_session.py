@@ -1,0 +1,207 @@
+"""Sessions: train, checkpoint, resume; stop within the deadline at every point of a step; drafter versions."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from tailspec import state
+from tailspec.config import TrainerConfig
+from tailspec.drafter_trainer.checkpoint import list_checkpoints, load_latest
+from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
+from tailspec.drafter_trainer.session import TrainingSession
+from tailspec.drafter_trainer.teacher import Teacher
+from tailspec.drafter_trainer.versions import VersionStore
+from tailspec.state import DrafterVersion, Sample
+from tests.test_trainer_model import make_target
+
+torch.set_num_threads(1)
+DEADLINE_S = 1.0
+
+
+def synthetic_samples(n: int, seed: int = 0, version: int = 0) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        start = rng.randrange(4, 21)
+        resp = [(start + j * rng.choice((1, 2))) % 17 + 4 for j in range(rng.randrange(8, 20))]
+        out.append(Sample(prompt_ids=[1, rng.randrange(4, 21), rng.randrange(4, 21)], response_ids=resp,
+                          reward=float(rng.random() < 0.5), policy_version=version, group_id=str(i // 4)))
+    return out
+
+
+@pytest.fixture
+def teacher():
+    target = make_target(layers=4)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return Teacher(target, (1, 2, 3))
+
+
+def make_buffer(n=64, holdout=0.0) -> SampleBuffer:
+    buf = SampleBuffer(capacity=1000, holdout_fraction=holdout)
+    for s in synthetic_samples(n):
+        buf.add(s)
+    return buf
+
+
+def cfg(tmp_path, **kw) -> TrainerConfig:
+    base = dict(batch_size=4, lr=1e-3, checkpoint_dir=str(tmp_path / "ck"), draft_vocab_size=16)
+    return TrainerConfig(**{**base, **kw})
+
+
+def params(d) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in d.state_dict().items()}
+
+
+def test_train_checkpoint_resume_is_the_same_as_uninterrupted(tmp_path, teacher):
+    buf = make_buffer()
+    a = TrainingSession(cfg(tmp_path / "a"), teacher, buf)
+    r1 = a.run(max_steps=3)
+    assert r1.steps == 3 and r1.checkpoint is not None and r1.stop_reason == "max_steps"
+    b = TrainingSession(cfg(tmp_path / "a"), teacher, buf)  # resumes from the checkpoint
+    assert b.step == 3 and b.resumed_from == r1.checkpoint
+    b.run(max_steps=2)
+    ref = TrainingSession(cfg(tmp_path / "ref"), teacher, buf)
+    ref.run(max_steps=5)
+    # Same data order (seeded per step) and the optimizer state restored → bitwise the same weights.
+    pa, pr = params(b.drafter), params(ref.drafter)
+    for k in pr:
+        assert torch.equal(pa[k], pr[k]), k
+    assert len(list_checkpoints(tmp_path / "a" / "ck")) <= 2
+    assert load_latest(tmp_path / "a" / "ck").step == 5
+
+
+def count_checks(session: TrainingSession) -> int:
+    n = 0
+    orig = session._check
+
+    def counting():
+        nonlocal n
+        n += 1
+        orig()
+
+    session._check = counting
+    session.train_step()
+    session._check = orig
+    return n
+
+
+def test_stop_is_honoured_at_every_check_point(tmp_path, teacher):
+    buf = make_buffer()
+    probe = TrainingSession(cfg(tmp_path / "probe", ttt_length=3), teacher, buf)
+    per_step = count_checks(probe)
+    assert per_step >= 3 + 3  # after teacher, each unroll step, after loss, after backward
+    # Reference weights after 1 and 2 whole steps.
+    refs = {}
+    for n in (1, 2):
+        ref = TrainingSession(cfg(tmp_path / f"ref{n}", ttt_length=3), teacher, buf)
+        ref.run(max_steps=n)
+        refs[n] = params(ref.drafter)
+    # run() checks once at the top of each iteration, then per_step times inside the step: stop at every
+    # check point of the 2nd iteration (→ 1 whole step) and at the top of the 3rd (→ 2 whole steps).
+    for at in range(per_step + 2, 2 * per_step + 4):
+        s = TrainingSession(cfg(tmp_path / f"s{at}", ttt_length=3), teacher, buf)
+        calls = 0
+        orig = s._check
+
+        def check():
+            nonlocal calls
+            calls += 1
+            if calls == at:
+                s.request_stop("test")
+            orig()
+
+        s._check = check
+        res = s.run(max_steps=5)
+        assert res.stop_reason == "test", at
+        assert res.stop_latency_s is not None and res.stop_latency_s < DEADLINE_S
+        # The interrupted step left no trace: the saved weights are those of the whole steps.
+        done = res.total_steps
+        assert done == (2 if at == 2 * per_step + 3 else 1), at
+        ck = load_latest(tmp_path / f"s{at}" / "ck")
+        assert ck.step == done
+        for k, v in refs[done].items():
+            assert torch.equal(ck.drafter.state_dict()[k], v), (at, k)
+
+
+def test_stop_from_another_thread_within_deadline(tmp_path, teacher):
+    buf = make_buffer()
+    rng = random.Random(1)
+    latencies = []
+    for i in range(8):
+        s = TrainingSession(cfg(tmp_path / f"t{i}"), teacher, buf)
+        timer = threading.Timer(rng.uniform(0.0, 0.3), s.request_stop, args=("revoked",))
+        timer.start()
+        res = s.run(max_seconds=30)
+        timer.join()
+        assert res.stop_reason == "revoked"
+        latencies.append(res.stop_latency_s)
+        s.close()
+    assert max(latencies) < DEADLINE_S, latencies
+
+
+def test_should_continue_false_stops_the_session(tmp_path, teacher):
+    calls = 0
+
+    def should_continue():
+        nonlocal calls
+        calls += 1
+        return calls <= 2
+
+    reports = []
+    s = TrainingSession(cfg(tmp_path), teacher, make_buffer(), should_continue=should_continue,
+                        on_step=lambda step, loss, tokens: reports.append((step, loss, tokens)), report_every_s=0)
+    res = s.run(max_steps=100)
+    assert res.stop_reason == "should_continue" and res.steps == 2
+    assert [r[0] for r in reports][-1] == 2 and all(r[1] > 0 and r[2] > 0 for r in reports)
+    assert res.stop_latency_s < DEADLINE_S
+
+
+def test_session_reads_the_stream_and_waits_for_samples(tmp_path, teacher, redis_client):
+    buf = SampleBuffer(capacity=1000, holdout_fraction=0.0)
+    reader = SampleReader(redis_client, "c", buf, vocab_size=21, max_seq_len=64)
+    key = state.key("c", "samples")
+
+    def feed():
+        time.sleep(0.3)
+        for smp in synthetic_samples(20):
+            state.append(redis_client, key, smp)
+        redis_client.xadd(key, {"data": b"garbage"})
+
+    threading.Thread(target=feed).start()
+    s = TrainingSession(cfg(tmp_path), teacher, buf, reader=reader, poll_every_steps=1)
+    res = s.run(max_steps=3)  # the buffer is empty at first: the session waits instead of failing
+    assert res.steps == 3 and len(buf) == 20
+    assert redis_client.hget(state.key("c", "dropped"), "trainer_malformed") == b"1"
+
+
+def test_versions_promote_only_better_candidates(tmp_path, teacher, redis_client):
+    buf = make_buffer(200, holdout=0.2)
+    holdout = list(buf.holdout)
+    store = VersionStore(tmp_path / "versions", redis_client, "c")
+    s = TrainingSession(cfg(tmp_path, lr=3e-3), teacher, buf)
+    untrained = s.drafter
+    v1 = store.propose(untrained, teacher, holdout, k=3, session_id="s0")
+    assert v1.promoted and v1.baseline_acceptance_length is None  # nothing to beat yet
+    s.run(max_steps=40)
+    v2 = store.propose(s.drafter, teacher, holdout, k=3, session_id=s.session_id)
+    assert v2.acceptance_length > v1.acceptance_length
+    assert v2.promoted and v2.baseline_acceptance_length == pytest.approx(v1.acceptance_length)
+    # A worse candidate (the untrained one again) is recorded but not promoted.
+    v3 = store.propose(untrained, teacher, holdout, k=3)
+    assert not v3.promoted
+    assert store.current().version == v2.version
+    assert [v.version for v in store.history()] == [1, 2, 3]
+    raw = redis_client.get(state.key("c", "drafter_current"))
+    assert state.decode(DrafterVersion, raw).version == 2
+    loaded, info = store.load(2, teacher.embedding())
+    assert info.version == 2 and torch.equal(loaded.fc.weight, s.drafter.fc.weight)
+    # Without Redis the same records live in the directory.
+    local = VersionStore(tmp_path / "local")
+    local.propose(untrained, teacher, holdout, k=3)
+    assert local.current().version == 1 and len(local.history()) == 1
