@@ -89,6 +89,7 @@ def _figures_of_other_components(r) -> None:
                   mix={"0": 10, "2": 20 + 5 * step, "4": 40}, baseline_tps=1_100.0, drafter_version=step // 2)
 
 
+@pytest.mark.slow
 def test_page_matches_api_during_a_simulated_run(redis_client, redis_url, page_factory, test_output_dir):
     from tailspec.scheduler.simulate import run_simulated_rollout
 
