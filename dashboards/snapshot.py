@@ -101,7 +101,7 @@ class Reader:
             out.append(GpuView(
                 id=f"{node}:{gpu}", node=node, gpu=gpu,
                 state=st.state if st else GpuState.UNKNOWN,
-                state_since=st.since if st else None,
+                state_since=st.since if st and st.since > 0 else None,  # 0 = never set
                 worker=st.worker if st else None,
                 session_id=st.session_id if st else None,
                 lease_token=st.lease_token if st else None,
@@ -239,11 +239,12 @@ StatusRow = tuple[float, str, int, GpuState]  # since, node, gpu, state
 TelemetryRow = tuple[float, str, int, float, int, bool]  # ts, node, gpu, util, mem_used, simulated
 
 
-def _status_row(s: GpuStatus) -> StatusRow:
-    return (s.since, s.node, s.gpu, s.state)
+def _status_row(s: GpuStatus, entry_s: float) -> StatusRow:
+    # A transition without a time (since=0) is dated by its stream entry (when it was published).
+    return (s.since if s.since > 0 else entry_s, s.node, s.gpu, s.state)
 
 
-def _telemetry_row(t: GpuTelemetry) -> TelemetryRow:
+def _telemetry_row(t: GpuTelemetry, entry_s: float) -> TelemetryRow:
     return (t.ts, t.node, t.gpu, t.util, t.mem_used, t.simulated)
 
 
@@ -265,7 +266,8 @@ class StreamCache:
         for entry_id, fields in entries:
             p = rd._decode(self.model, fields.get(b"data"), where=f"{key} {entry_id!r}")
             if p is not None:
-                out.append((int(entry_id.split(b"-")[0]), self.project(p)))
+                ms = int(entry_id.split(b"-")[0])
+                out.append((ms, self.project(p, ms / 1000.0)))
         return out
 
     def read(self, rd: Reader, start_ms: int) -> list[tuple]:
@@ -333,7 +335,7 @@ def read_timeline(r: Any, cluster: str, window_s: float = 300.0, max_points: int
     if cache is not None:
         status_rows: list[StatusRow] = cache.status.read(rd, lookback_ms)
     else:
-        status_rows = [_status_row(p) for _, p in rd._stream("status_history", GpuStatus, start_ms=lookback_ms)]
+        status_rows = [_status_row(p, t) for t, p in rd._stream("status_history", GpuStatus, start_ms=lookback_ms)]
     transitions: dict[tuple[str, int], list[StatusRow]] = {}
     for row in status_rows:
         transitions.setdefault((row[1], row[2]), []).append(row)
@@ -361,7 +363,8 @@ def read_timeline(r: Any, cluster: str, window_s: float = 300.0, max_points: int
     if cache is not None:
         tel_rows: list[TelemetryRow] = cache.telemetry.read(rd, start_ms)
     else:
-        tel_rows = [_telemetry_row(p) for _, p in rd._stream("telemetry_history", GpuTelemetry, start_ms=start_ms)]
+        tel_rows = [_telemetry_row(p, t) for t, p in rd._stream("telemetry_history", GpuTelemetry,
+                                                                start_ms=start_ms)]
     cols: dict[tuple[str, int], tuple[list[float], list[float], list[int], list[bool]]] = {}
     for ts, node, gpu, util, mem, sim in tel_rows:
         if ts < start:

@@ -127,7 +127,7 @@ def test_empty_cluster_reads_cleanly(redis_client):
 def _direct(redis_client, start_ms: int) -> list[tuple]:
     """Reference: the telemetry rows of a plain XRANGE from start_ms, decoded."""
     rd = Reader(redis_client, "t")
-    return [_telemetry_row(p) for _, p in rd._stream("telemetry_history", GpuTelemetry, start_ms=start_ms)]
+    return [_telemetry_row(p, t) for t, p in rd._stream("telemetry_history", GpuTelemetry, start_ms=start_ms)]
 
 
 def test_incremental_history_cache_matches_a_full_read(redis_client):
@@ -178,3 +178,19 @@ def test_cached_timeline_equals_uncached(redis_client):
         assert [[(s.state, round(s.start, 3)) for s in lane.segments] for lane in a.gpus] == \
             [[(s.state, round(s.start, 3)) for s in lane.segments] for lane in b.gpus]
         assert [(s.id, s.ts, s.util) for s in a.telemetry] == [(s.id, s.ts, s.util) for s in b.telemetry]
+
+
+def test_a_transition_without_a_time_is_dated_by_its_stream_entry(redis_client):
+    w = StateWriter(redis_client)
+    w.telemetry(0, 1.0, GiB)
+    t0 = time.time()
+    S.put(redis_client, S.key("t", "gpu_status", node="node0", gpu=0),
+          S.GpuStatus(node="node0", gpu=0, state=GpuState.UNKNOWN, since=0.0))
+    S.append(redis_client, S.key("t", "status_history"), S.GpuStatus(node="node0", gpu=0, state=GpuState.UNKNOWN,
+                                                                       since=0.0))
+    view, _ = read_state(redis_client, "t")
+    assert view.gpus[0].state_since is None  # not "56 years ago"
+    for cache in (None, HistoryCache()):
+        tl = read_timeline(redis_client, "t", window_s=600, cache=cache)
+        (seg,) = tl.gpus[0].segments
+        assert seg.state == GpuState.UNKNOWN and abs(seg.start - t0) < 1.0  # not the window start
