@@ -139,7 +139,7 @@ def load_export(path: str | Path, target_embedding: nn.Module | None = None) -> 
     dcfg = Eagle3Config.from_dict(config["tailspec"]["drafter_config"])
     tensors = load_file(str(w_file))
     emb = tensors.pop("embed_tokens.weight", None)
-    drafter = Eagle3Drafter(dcfg).to(next(iter(tensors.values())).dtype)
+    drafter = Eagle3Drafter(dcfg).to(tensors["fc.weight"].dtype)
     if emb is not None:
         e = nn.Embedding(emb.shape[0], emb.shape[1], _weight=emb)
         e.requires_grad_(False)
