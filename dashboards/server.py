@@ -175,6 +175,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "tailspec-dashboard"
     sys_version = ""
     protocol_version = "HTTP/1.1"
+    timeout = 30  # seconds a client may idle on a connection (a stalled client frees its thread)
 
     def _send(self, resp: Response, head_only: bool = False) -> None:
         self.send_response(resp.status)
@@ -210,7 +211,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _method_not_allowed(self) -> None:
         # Drain a request body so the connection stays usable, then refuse.
-        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
         if 0 < length <= 1 << 20:
             self.rfile.read(length)
         else:

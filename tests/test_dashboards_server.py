@@ -170,3 +170,16 @@ def test_keep_alive_connection_serves_several_requests(dash):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(f"{dash.url}/nope", timeout=10)
     assert e.value.code == 404
+
+
+def test_malformed_requests_do_not_hurt_the_server(dash):
+    for raw in (b"POST /api/state HTTP/1.1\r\nHost: localhost\r\nContent-Length: nope\r\n\r\n",
+                b"PUT /api/state HTTP/1.1\r\nHost: localhost\r\nContent-Length: -4\r\n\r\n",
+                b"GARBAGE\r\n\r\n", b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", dash.port), timeout=10) as s:
+            s.sendall(raw)
+            reply = s.recv(400)
+        # an error status (a request line without a version gets the stdlib's HTTP/0.9-style error page)
+        assert reply.startswith((b"HTTP/1.1 4", b"HTTP/1.0 4")) or b"Error code: 400" in reply, reply[:80]
+    status, _ = get_json(dash, "/api/schema")
+    assert status == 200
