@@ -131,7 +131,7 @@
         {label: "version"},
         {label: "promoted", stroke: "#59a14f", width: 2, spanGaps: true, points: {show: true, size: 7}},
         {label: "rejected", stroke: "#e15759", width: 0, points: {show: true, size: 7}},
-        {label: "replaced version (same samples)", stroke: "#bab0ac", width: 1, dash: [4, 4], spanGaps: true,
+        {label: "version then current (same samples)", stroke: "#bab0ac", width: 1, dash: [4, 4], spanGaps: true,
          points: {show: false}},
       ],
     }), data, "versions", "no drafter versions yet");
