@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test install install-test redis clean bench vllm-env test-vllm
+.PHONY: demo test install install-test redis browser clean bench vllm-env test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,10 +34,18 @@ redis:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 	@command -v redis-server >/dev/null 2>&1 || { echo "redis-server is required"; exit 1; }
 
+# Debian's chromium for the dashboard's browser test (never a browser download: none is reachable).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing chromium (Debian package) for the dashboard browser test"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "chromium could not be installed: the dashboard browser test will skip"
+
 demo: install redis
 	$(BIN)/tailspec demo
 
-test: install-test redis
+test: install-test redis browser
 	$(BIN)/python -m pytest -q
 
 bench: install redis
