@@ -120,7 +120,9 @@ def test_slow_redis_never_stalls_the_caller(redis_url, redis_client):
             c.report_progress("w0", [0], active=2, finished=0)
             worst = max(worst, time.perf_counter() - t0)
             time.sleep(0.01)
-        assert worst < 0.05
+        # A call that waited on Redis would take at least the 0.3 s socket timeout; OS scheduling noise
+        # on a loaded machine stays well below half of it.
+        assert worst < 0.15, f"report_progress took {worst * 1000:.1f} ms while Redis was paused"
     finally:
         redis_client.execute_command("CLIENT", "UNPAUSE")
         c.close()
@@ -158,7 +160,7 @@ def test_simulated_cluster_fills_the_dashboard_keys(redis_url, redis_client):
         redis_url,
         workers=2,
         steps=1,
-        cluster="t",
+        cluster="t-simcluster",
         requests_per_worker=1,
         lengths=[20, 150],
         token_time_s=0.02,
@@ -166,10 +168,12 @@ def test_simulated_cluster_fills_the_dashboard_keys(redis_url, redis_client):
         settle_s=1.2,
     )
     assert res.idle_gpu_seconds > 2.0  # worker 0 idles ~2.6 s while worker 1 runs its tail
-    counters = {k.decode(): float(v) for k, v in redis_client.hgetall(state.key("t", "counters")).items()}
+    counters = {
+        k.decode(): float(v) for k, v in redis_client.hgetall(state.key("t-simcluster", "counters")).items()
+    }
     assert counters["sessions_started"] >= 1 and counters["lent_gpu_seconds"] > 0
     assert counters["sessions_stopped"] == counters["sessions_started"]
     for name in ("telemetry_history", "status_history", "events"):
-        assert redis_client.xlen(state.key("t", name)) > 0
-    assert redis_client.get(state.key("t", "gpu_status", node="node0", gpu=0)) is not None
-    assert redis_client.scard(state.key("t", "sessions")) >= 1
+        assert redis_client.xlen(state.key("t-simcluster", name)) > 0
+    assert redis_client.get(state.key("t-simcluster", "gpu_status", node="node0", gpu=0)) is not None
+    assert redis_client.scard(state.key("t-simcluster", "sessions")) >= 1

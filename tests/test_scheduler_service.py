@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import pytest
 import redis
 from tailspec.scheduler.client import TailspecClient
 
@@ -19,11 +20,19 @@ from tailspec.config import TailspecConfig
 from tailspec.state import Event, GpuState, GpuStatus, SessionInfo
 
 ENTRY = "tailspec.scheduler.demo_session:busy_session"
+CL = "t"  # this test's cluster name; unique per test so a straggling thread of another test cannot interfere
 
 
-def make_cfg(url: str, cluster: str = "t", ttl: float = 2.0, gpus: int = 3) -> TailspecConfig:
+@pytest.fixture(autouse=True)
+def _unique_cluster(request):
+    global CL
+    CL = "t-" + "".join(ch for ch in request.node.name if ch.isalnum())[-40:]
+    yield
+
+
+def make_cfg(url: str, cluster: str | None = None, ttl: float = 2.0, gpus: int = 3) -> TailspecConfig:
     cfg = TailspecConfig()
-    cfg.cluster.name = cluster
+    cfg.cluster.name = cluster or CL
     cfg.cluster.redis_url = url
     cfg.scheduler.telemetry = "simulated"
     cfg.scheduler.simulated_gpus = gpus
@@ -43,8 +52,9 @@ def wait_for(pred, timeout: float, what: str, period: float = 0.02):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def sessions(r, cluster="t") -> dict[str, SessionInfo]:
+def sessions(r, cluster=None) -> dict[str, SessionInfo]:
     out = {}
+    cluster = cluster or CL
     for sid in r.smembers(state.key(cluster, "sessions")):
         info = state.get(r, state.key(cluster, "session", session_id=sid.decode()), SessionInfo)
         if info is not None:
@@ -52,7 +62,7 @@ def sessions(r, cluster="t") -> dict[str, SessionInfo]:
     return out
 
 
-def running_sessions(r, n: int, cluster="t") -> dict[str, SessionInfo]:
+def running_sessions(r, n: int, cluster=None) -> dict[str, SessionInfo]:
     s = {k: v for k, v in sessions(r, cluster).items() if v.status == "running" and v.step >= 2}
     return s if len(s) >= n else {}
 
@@ -72,17 +82,17 @@ def test_local_scheduler_lends_drained_gpus_and_reclaims_them_at_phase_end(redis
     stop = threading.Event()
     th = threading.Thread(target=run_local, args=(cfg, stop), daemon=True)
     th.start()
-    c = TailspecClient(redis_url, cluster="t", node=cfg.cluster.node)
+    c = TailspecClient(redis_url, cluster=CL, node=cfg.cluster.node)
     try:
         lend_two_gpus(c)
         live = wait_for(lambda: running_sessions(redis_client, 2), 30, "two running sessions")
         assert sorted(s.gpu for s in live.values()) == [0, 2]  # never GPU 1: its worker generates
-        st1 = state.get(redis_client, state.key("t", "gpu_status", node="node0", gpu=1), GpuStatus)
+        st1 = state.get(redis_client, state.key(CL, "gpu_status", node="node0", gpu=1), GpuStatus)
         assert st1.state == GpuState.GENERATING
         for s in live.values():
-            st = state.get(redis_client, state.key("t", "gpu_status", node="node0", gpu=s.gpu), GpuStatus)
+            st = state.get(redis_client, state.key(CL, "gpu_status", node="node0", gpu=s.gpu), GpuStatus)
             assert st.state == GpuState.LENT and st.session_id == s.session_id
-            lease = state.get(redis_client, state.key("t", "lease", node="node0", gpu=s.gpu), state.Lease)
+            lease = state.get(redis_client, state.key(CL, "lease", node="node0", gpu=s.gpu), state.Lease)
             assert lease.token == s.lease_token
         # the phase ends: every session stops (by its own lease check) well within the deadline
         t_end = time.time()
@@ -100,29 +110,27 @@ def test_local_scheduler_lends_drained_gpus_and_reclaims_them_at_phase_end(redis
             assert s.stop_reason == "revoked"
             assert s.stopped_at - t_end < cfg.scheduler.stop_deadline_s + 0.5
         assert done
-        wait_for(
-            lambda: redis_client.keys(state.key("t", "lease", node="*", gpu="*")) == [], 5, "leases gone"
-        )
-        counters = {k.decode(): float(v) for k, v in redis_client.hgetall(state.key("t", "counters")).items()}
+        wait_for(lambda: redis_client.keys(state.key(CL, "lease", node="*", gpu="*")) == [], 5, "leases gone")
+        counters = {k.decode(): float(v) for k, v in redis_client.hgetall(state.key(CL, "counters")).items()}
         assert counters["sessions_started"] == 2 and counters["sessions_preempted"] == 2
         wait_for(
-            lambda: float(redis_client.hget(state.key("t", "counters"), "sessions_stopped") or 0) == 2,
+            lambda: float(redis_client.hget(state.key(CL, "counters"), "sessions_stopped") or 0) == 2,
             5,
             "sessions_stopped counter",
         )
         assert 0 < counters["lent_gpu_seconds"] <= counters["idle_gpu_seconds"]
         # the dashboards' timeline: GPU 0 went drained → lent → reclaiming
-        hist, _ = state.read_stream(redis_client, state.key("t", "status_history"), GpuStatus)
+        hist, _ = state.read_stream(redis_client, state.key(CL, "status_history"), GpuStatus)
         seq = [s.state for _, s in hist if s.gpu == 0]
         i = seq.index(GpuState.DRAINED)
         assert seq[i : i + 3] == [GpuState.DRAINED, GpuState.LENT, GpuState.RECLAIMING]
-        events, _ = state.read_stream(redis_client, state.key("t", "events"), Event)
+        events, _ = state.read_stream(redis_client, state.key(CL, "events"), Event)
         kinds = [e.kind for _, e in events]
         for k in ("gpu_idle", "lease_granted", "session_started", "lease_revoked", "session_stopped"):
             assert k in kinds
-        tel = state.get(redis_client, state.key("t", "telemetry", node="node0", gpu=1), state.GpuTelemetry)
+        tel = state.get(redis_client, state.key(CL, "telemetry", node="node0", gpu=1), state.GpuTelemetry)
         assert tel.simulated and tel.util > 50  # GPU 1 generating
-        assert redis_client.xlen(state.key("t", "telemetry_history")) > 0
+        assert redis_client.xlen(state.key(CL, "telemetry_history")) > 0
     finally:
         c.close()
         stop.set()
@@ -163,7 +171,7 @@ def test_sigkill_scheduler_sessions_stop_within_one_ttl(redis_url, redis_client,
         "--session-logs",
         str(tmp_path),
         "--set",
-        "cluster.name=t",
+        f"cluster.name={CL}",
         "--set",
         "scheduler.telemetry=simulated",
         "--set",
@@ -176,9 +184,9 @@ def test_sigkill_scheduler_sessions_stop_within_one_ttl(redis_url, redis_client,
         "scheduler.session_startup_s=0",
     ]
     sched = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    c = TailspecClient(redis_url, cluster="t", node="node0")
+    c = TailspecClient(redis_url, cluster=CL, node="node0")
     try:
-        wait_for(lambda: redis_client.get(state.key("t", "scheduler_heartbeat")), 30, "scheduler heartbeat")
+        wait_for(lambda: redis_client.get(state.key(CL, "scheduler_heartbeat")), 30, "scheduler heartbeat")
         lend_two_gpus(c)
         live = wait_for(lambda: running_sessions(redis_client, 2), 30, "two running sessions")
         pids = _children(sched.pid)
@@ -189,7 +197,7 @@ def test_sigkill_scheduler_sessions_stop_within_one_ttl(redis_url, redis_client,
         wait_for(lambda: not any(_alive(p) for p in pids), 3 * ttl, "sessions to exit")
         t_gone = time.time()
         for sid in live:
-            info = state.get(redis_client, state.key("t", "session", session_id=sid), SessionInfo)
+            info = state.get(redis_client, state.key(CL, "session", session_id=sid), SessionInfo)
             assert info.status == "stopped" and info.stop_reason == "scheduler heartbeat lost"
             assert info.stopped_at - t_kill <= ttl, (
                 f"{sid} stopped {info.stopped_at - t_kill:.2f}s after SIGKILL"
@@ -215,7 +223,7 @@ def test_redis_stop_sessions_stop_within_one_ttl_and_client_stays_fast(tmp_path)
     stop = threading.Event()
     th = threading.Thread(target=run_local, args=(cfg, stop), kwargs={"log_dir": str(tmp_path)}, daemon=True)
     th.start()
-    c = TailspecClient(server.url, cluster="t", node="node0", timeout_s=0.5)
+    c = TailspecClient(server.url, cluster=CL, node="node0", timeout_s=0.5)
     try:
         lend_two_gpus(c)
         wait_for(lambda: running_sessions(r, 2), 30, "two running sessions")
@@ -238,7 +246,8 @@ def test_redis_stop_sessions_stop_within_one_ttl_and_client_stays_fast(tmp_path)
             c.current_drafter()
             worst = max(worst, time.perf_counter() - t0)
             time.sleep(0.002)
-        assert worst < 0.05, f"a client call took {worst * 1000:.1f} ms with Redis down"
+        # waiting on Redis would cost at least the 0.5 s socket timeout; scheduling noise stays far below
+        assert worst < 0.25, f"a client call took {worst * 1000:.1f} ms with Redis down"
         wait_for(lambda: not any(_alive(p) for p in pids), 3 * ttl, "sessions to exit")
         gone = time.time() - t_stop
         assert gone <= ttl + 0.25, f"sessions took {gone:.2f}s to stop after Redis went away (ttl {ttl}s)"
@@ -267,7 +276,7 @@ def test_scheduler_restart_revokes_leases_of_its_previous_incarnation(redis_url,
     from tailspec.scheduler.leases import Leases
     from tailspec.scheduler.service import Scheduler
 
-    ls = Leases(redis_client, "t")
+    ls = Leases(redis_client, CL)
     old = ls.acquire("node0", 1, "scheduler@old", ttl_s=30)
     s = Scheduler(make_cfg(redis_url), redis_client, LocalDispatcher(ENTRY))
     assert s.recover() == 1
@@ -280,15 +289,15 @@ def test_bad_payloads_are_skipped_not_fatal(redis_url, redis_client):
     from tailspec.scheduler.service import Scheduler
 
     s = Scheduler(make_cfg(redis_url), redis_client, LocalDispatcher(ENTRY))
-    redis_client.set(state.key("t", "phase"), b"\x80\x04pickle")
-    redis_client.sadd(state.key("t", "workers"), "w0", "w1")
-    redis_client.set(state.key("t", "progress", worker="w0"), b'{"worker": "w0"}')
-    redis_client.sadd(state.key("t", "gpus"), "node0:0", "garbage")
-    redis_client.set(state.key("t", "telemetry", node="node0", gpu=0), b"not json")
+    redis_client.set(state.key(CL, "phase"), b"\x80\x04pickle")
+    redis_client.sadd(state.key(CL, "workers"), "w0", "w1")
+    redis_client.set(state.key(CL, "progress", worker="w0"), b'{"worker": "w0"}')
+    redis_client.sadd(state.key(CL, "gpus"), "node0:0", "garbage")
+    redis_client.set(state.key(CL, "telemetry", node="node0", gpu=0), b"not json")
     s.tick()
     s.tick()
     assert s.bad_payloads >= 6
-    assert redis_client.get(state.key("t", "scheduler_heartbeat")) is not None
+    assert redis_client.get(state.key(CL, "scheduler_heartbeat")) is not None
 
 
 def test_failing_session_entry_is_recorded_and_not_restarted_in_a_loop(redis_url, redis_client):
@@ -299,7 +308,7 @@ def test_failing_session_entry_is_recorded_and_not_restarted_in_a_loop(redis_url
     stop = threading.Event()
     th = threading.Thread(target=run_local, args=(cfg, stop), daemon=True)
     th.start()
-    c = TailspecClient(redis_url, cluster="t", node="node0")
+    c = TailspecClient(redis_url, cluster=CL, node="node0")
     try:
         c.set_phase("rollout", step=1)
         c.report_progress("w0", [0], active=0, finished=8, step=1)
@@ -310,7 +319,7 @@ def test_failing_session_entry_is_recorded_and_not_restarted_in_a_loop(redis_url
         assert "has no function 'no_such_session'" in first[0].stop_reason
         time.sleep(min(3.0, FAILED_BACKOFF_S - 1))
         assert len(sessions(redis_client)) == 1  # backed off instead of relaunching every tick
-        events, _ = state.read_stream(redis_client, state.key("t", "events"), Event)
+        events, _ = state.read_stream(redis_client, state.key(CL, "events"), Event)
         assert any(e.kind == "session_failed" for _, e in events)
     finally:
         c.close()

@@ -19,7 +19,7 @@ def test_top_shows_states_leases_and_sessions_labelled_simulated(redis_url, redi
     from tailspec.scheduler.service import run_local
 
     cfg = TailspecConfig()
-    cfg.cluster.name = "t"
+    cfg.cluster.name = "t-top"
     cfg.scheduler.telemetry = "simulated"
     cfg.scheduler.simulated_gpus = 2
     cfg.scheduler.session_entry = "tailspec.scheduler.demo_session:busy_session"
@@ -27,7 +27,7 @@ def test_top_shows_states_leases_and_sessions_labelled_simulated(redis_url, redi
     stop = threading.Event()
     th = threading.Thread(target=run_local, args=(cfg, stop), kwargs={"redis_url": redis_url}, daemon=True)
     th.start()
-    c = TailspecClient(redis_url, cluster="t")
+    c = TailspecClient(redis_url, cluster="t-top")
     try:
         c.set_phase("rollout", step=2, policy_version=2)
         c.report_progress("w0", [0], active=0, finished=4, step=2)
@@ -35,7 +35,7 @@ def test_top_shows_states_leases_and_sessions_labelled_simulated(redis_url, redi
         deadline = time.time() + 30
         snap = None
         while time.time() < deadline:
-            snap = gather(redis_client, "t")
+            snap = gather(redis_client, "t-top")
             rows = {r.gpu: r for r in snap.rows}
             if len(rows) == 2 and rows[0].state == "lent" and (rows[0].session_step or 0) > 0:
                 break
@@ -43,11 +43,11 @@ def test_top_shows_states_leases_and_sessions_labelled_simulated(redis_url, redi
         rows = {r.gpu: r for r in snap.rows}
         assert rows[0].state == "lent" and rows[0].lease_token is not None and rows[0].session_step > 0
         assert rows[1].state == "generating" and rows[1].worker == "w1" and rows[1].util > 50
-        text = render_text(snap, "t")
+        text = render_text(snap, "t-top")
         assert "SIMULATED telemetry" in text and " sim" in text
         assert "phase rollout step 2 policy v2" in text
         assert f"t{rows[0].lease_token}" in text and rows[0].session_id in text
-        render_rich(snap, "t")  # builds without error
+        render_rich(snap, "t-top")  # builds without error
         out = subprocess.run(
             [
                 sys.executable,
@@ -58,7 +58,7 @@ def test_top_shows_states_leases_and_sessions_labelled_simulated(redis_url, redi
                 "--redis",
                 redis_url,
                 "--set",
-                "cluster.name=t",
+                "cluster.name=t-top",
             ],
             capture_output=True,
             text=True,
