@@ -72,6 +72,15 @@ class SessionContext:
             raise ValueError(f"session context has unknown fields: {sorted(unknown)}")
         return cls(**data)
 
+    def phase(self):
+        """The cluster's current PhaseInfo (policy version and policy_path for the teacher), or None."""
+        from tailspec.state import PhaseInfo
+
+        try:
+            return state.get(self.redis, state.key(self.cluster, "phase"), PhaseInfo)
+        except Exception:
+            return None
+
     def tailspec_config(self):
         """The full TailspecConfig the scheduler ran with."""
         from tailspec.config import TailspecConfig

@@ -149,6 +149,29 @@ def test_session_context_round_trip_and_should_continue(redis_client, redis_url)
     with pytest.raises(ValueError, match="not valid JSON"):
         SessionContext.from_json("\x80pickle")
     assert ctx2.should_continue()
+    assert ctx2.phase() is None
+    state.put(
+        redis_client,
+        state.key("t", "phase"),
+        state.PhaseInfo(phase="rollout", step=2, started_at=0, policy_version=2, policy_path="/p/2"),
+    )
+    assert ctx2.phase().policy_path == "/p/2"
+    from tailspec.config import TailspecConfig
+
+    cfg = TailspecConfig()
+    cfg.scheduler.lease_ttl_s = 7.0
+    ctx3 = SessionContext.from_json(
+        SessionContext(
+            session_id="s",
+            node="n0",
+            gpu=0,
+            lease_token=1,
+            redis_url=redis_url,
+            cluster="t",
+            config=cfg.model_dump(mode="json"),
+        ).to_json()
+    )
+    assert ctx3.tailspec_config() == cfg
     assert ctx2.report(3, loss=0.5, tokens=10)
     info = state.get(redis_client, state.key("t", "session", session_id="s1"), state.SessionInfo)
     assert info.step == 3 and info.status == "running"
