@@ -62,6 +62,12 @@ def _run(args: argparse.Namespace) -> int:
     from tailspec.scheduler.telemetry import TelemetryError
 
     cfg = _cfg(args)
+    if cfg.scheduler.mode == "ray":
+        print(
+            "tailspec: scheduler.mode is 'ray': start it inside the Ray cluster with `tailspec attach`",
+            file=sys.stderr,
+        )
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
