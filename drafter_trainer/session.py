@@ -157,6 +157,12 @@ class TrainingSession:
         if self._stop.is_set():
             raise StopRequested(self._stop_reason)
 
+    def check_continue(self) -> None:
+        """Ask `should_continue()` too (for work outside steps, e.g. validation); raises StopRequested."""
+        if not self.should_continue():
+            self.request_stop("should_continue")
+        self._check()
+
     # -- training ------------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, int, list[float]] | None:
         """One optimizer step on a batch from the buffer → (loss, tokens, per-step accuracy); None if empty."""

@@ -16,7 +16,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -38,13 +38,16 @@ class Validation:
 
 @torch.no_grad()
 def validate(drafter: Eagle3Drafter, teacher: Teacher, samples: Sequence[Sample], k: int = 4,
-             batch_size: int = 32, temperature: float = 1.0) -> Validation:
-    """Expected acceptance length at chain length k on `samples` (see loss.acceptance_rates)."""
+             batch_size: int = 32, temperature: float = 1.0, check: Callable[[], None] | None = None) -> Validation:
+    """Expected acceptance length at chain length k on `samples` (see loss.acceptance_rates). `check` is
+    called between batches (a session's stop check: it raises to abandon the validation)."""
     was_training = drafter.training
     drafter.eval()
     total_e, total_a, n = 0.0, torch.zeros(k, dtype=torch.float64), 0
     try:
         for s in range(0, len(samples), batch_size):
+            if check is not None:
+                check()
             batch = collate(samples[s : s + batch_size]).to(teacher.device)
             out = teacher(batch)
             alpha, valid = acceptance_rates(drafter, out.aux, out.logits, batch.ids, batch.lengths,
@@ -112,15 +115,16 @@ class VersionStore:
         return Eagle3Drafter.load(info.path, target_embedding), info
 
     def propose(self, candidate: Eagle3Drafter, teacher: Teacher, holdout: Sequence[Sample], k: int = 4,
-                session_id: str | None = None, note: str | None = None) -> DrafterVersion:
+                session_id: str | None = None, note: str | None = None,
+                check: Callable[[], None] | None = None) -> DrafterVersion:
         """Validate the candidate against the current version on `holdout`; save, record, promote if better."""
-        cand = validate(candidate, teacher, holdout, k)
+        cand = validate(candidate, teacher, holdout, k, check=check)
         cur_info = self.current()
         baseline = None
         if cur_info is not None:
             try:
                 cur, _ = self.load(cur_info.version, teacher.embedding())
-                baseline = validate(cur.to(teacher.device), teacher, holdout, k).acceptance_length
+                baseline = validate(cur.to(teacher.device), teacher, holdout, k, check=check).acceptance_length
             except (FileNotFoundError, ValueError) as e:  # current version unreadable: the candidate may replace it
                 note = f"{note or ''} current version unreadable: {e}".strip()
         promoted = baseline is None or cand.acceptance_length > baseline

@@ -70,6 +70,10 @@ class TrainerConfig(_Section):
     checkpoint_dir: str = "runs/drafter"
     validation_k: int = Field(4, ge=1, le=16)
     seed: int = 0
+    holdout_fraction: float = Field(0.1, ge=0, lt=1, description="share of samples held out for validation")
+    validation_samples: int = Field(64, ge=1, description="held-out samples a candidate is validated on")
+    validate_every_s: float = Field(30.0, gt=0, description="a long session proposes a candidate this often")
+    checkpoint_every_steps: int = Field(0, ge=0, description="0 = save only when the session stops")
 
     @model_validator(mode="after")
     def _weights_ordered(self) -> "TrainerConfig":

@@ -7,4 +7,5 @@ BENCHES: dict[str, str] = {
     "scheduler": "tailspec.bench.scheduler",
     "dashboard": "tailspec.bench.dashboard",
     "vllm": "tailspec.bench.vllm",
+    "trainer": "tailspec.bench.trainer",
 }

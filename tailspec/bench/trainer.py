@@ -1,0 +1,163 @@
+"""Drafter trainer: acceptance before/after a training budget, throughput, stop latency, checkpoint time.
+
+On the task policy (default `tiny`) and samples it generates at temperature 1 (cached next to the policy):
+- `acceptance_before` / `acceptance_after`: expected acceptance length at k (default 4) on held-out samples,
+  untrained drafter vs. after `--steps` optimizer steps (batch `trainer.batch_size`, TTT `trainer.ttt_length`);
+- `train_tokens_per_s`: prompt+response tokens per second through teacher + drafter + optimizer;
+- `stop_latency_p50_s` / `_p99_s`: stop request at a random moment → checkpoint whole, over `--stops` sessions;
+- `checkpoint_save_s`: median time of one atomic checkpoint (drafter + optimizer);
+- `reward_weighted_vs_uniform`: acceptance on the high-reward held-out samples of a drafter trained with
+  reward weights vs. one trained with uniform weights, same data, seed and budget (`--compare-steps`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tailspec.state import Sample
+
+
+def policy_samples(preset: str, n: int, seed: int = 0, temperature: float = 1.0) -> tuple[Path, list[Sample]]:
+    """(policy dir, n rollout samples of the task policy), cached as JSON beside the policy."""
+    from tailspec.tasks.policy import generate_responses, get_policy, load_policy
+    from tailspec.tasks.runsum import grade, sample_problems
+    from tailspec.tasks.tokenizer import decode_response, encode_prompt
+
+    path = get_policy(preset, progress=False)
+    cache = path.parent.parent / "samples" / f"{path.name}-n{n}-s{seed}-t{temperature}.json"
+    if cache.is_file():
+        return path, [Sample.model_validate(x) for x in json.loads(cache.read_text())]
+    model, tok = load_policy(path)
+    problems = sample_problems(n, seed=10_000 + seed)
+    prompts = [encode_prompt(tok, p.prompt) for p in problems]
+    max_new = max(len(p.gold) for p in problems) + 16
+    responses = generate_responses(model, tok, prompts, max_new, temperature=temperature, seed=seed)
+    samples = [
+        Sample(prompt_ids=pr, response_ids=r, reward=grade(p, decode_response(tok, r)).reward, policy_version=0,
+               group_id=f"{seed}-{i // 4}", ts=0.0)
+        for i, (p, pr, r) in enumerate(zip(problems, prompts, responses))
+    ]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps([s.model_dump(mode="json") for s in samples]))
+    os.replace(tmp, cache)
+    return path, samples
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", help="task policy preset (default tiny)")
+    p.add_argument("--samples", type=int, default=800, help="rollout samples to generate (train + held out)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps of the main training run")
+    p.add_argument("--compare-steps", type=int, default=100, help="steps of each reward/uniform run (0 = skip)")
+    p.add_argument("--stops", type=int, default=20, help="sessions stopped at random moments")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+
+
+def _trainer_cfg(args, ckdir: str, **kw):
+    from tailspec.cli import config_from_args
+
+    cfg = config_from_args(args).trainer
+    return cfg.model_copy(update={"checkpoint_dir": ckdir, **kw})
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tailspec.drafter_trainer.samples import SampleBuffer
+    from tailspec.drafter_trainer.session import TrainingSession
+    from tailspec.drafter_trainer.teacher import Teacher
+    from tailspec.drafter_trainer.versions import validate
+
+    torch.set_num_threads(args.threads)
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    t0 = time.time()
+    path, samples = policy_samples(args.preset, args.samples, seed=0)
+    log(f"policy {path.name}: {len(samples)} samples in {time.time() - t0:.1f}s, "
+        f"mean reward {np.mean([s.reward for s in samples]):.3f}, "
+        f"mean response {np.mean([len(s.response_ids) for s in samples]):.1f} tokens")
+    teacher = Teacher.from_dir(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        def buffer(mode: str) -> SampleBuffer:
+            buf = SampleBuffer(capacity=100_000, holdout_fraction=0.15, mode=mode)
+            for s in samples:
+                buf.add(s)
+            return buf
+
+        buf = buffer("reward")
+        holdout = list(buf.holdout)
+        cfg = _trainer_cfg(args, f"{tmp}/main", weighting="reward")
+        sess = TrainingSession(cfg, teacher, buf)
+        before = validate(sess.drafter, teacher, holdout, args.k)
+        log(f"held out {len(holdout)} samples, {before.anchors} anchors; before: E={before.acceptance_length:.3f}")
+        done, train_s, tokens = 0, 0.0, 0
+        while done < args.steps:
+            res = sess.run(max_steps=min(50, args.steps - done))
+            done += res.steps
+            train_s += res.train_seconds
+            tokens += res.tokens
+            mid = validate(sess.drafter, teacher, holdout, args.k)
+            log(f"step {sess.step}: loss {res.losses[-1]:.3f} acc/step {[round(a, 2) for a in res.step_accuracy]} "
+                f"E={mid.acceptance_length:.3f} alpha={[round(a, 3) for a in mid.alpha]} "
+                f"{tokens / max(train_s, 1e-9):.0f} tok/s")
+        after = mid
+        saves = []
+        for _ in range(5):
+            ts = time.perf_counter()
+            sess.save()
+            saves.append(time.perf_counter() - ts)
+        sess.close()
+
+        rng = random.Random(0)
+        latencies = []
+        for i in range(args.stops):
+            s = TrainingSession(_trainer_cfg(args, f"{tmp}/stop{i}"), teacher, buf)
+            timer = threading.Timer(rng.uniform(0.05, 1.5), s.request_stop, args=("bench",))
+            timer.start()
+            r = s.run(max_seconds=60)
+            timer.join()
+            latencies.append(r.stop_latency_s)
+            s.close()
+        log(f"stop latency over {len(latencies)} sessions: max {max(latencies):.3f}s")
+
+        compare = None
+        if args.compare_steps > 0:
+            high = [s for s in holdout if s.reward >= 1.0] or holdout
+            compare = {"high_reward_holdout_samples": len(high), "steps": args.compare_steps}
+            for mode in ("reward", "uniform"):
+                s = TrainingSession(_trainer_cfg(args, f"{tmp}/cmp-{mode}", weighting=mode), teacher, buffer(mode))
+                s.run(max_steps=args.compare_steps)
+                compare[mode] = validate(s.drafter, teacher, high, args.k).acceptance_length
+                s.close()
+            log(f"reward-weighted vs uniform on {len(high)} high-reward held-out samples: {compare}")
+
+    lat = np.array(latencies)
+    return {
+        "bench": "trainer",
+        "policy": path.name,
+        "k": args.k,
+        "steps": args.steps,
+        "batch_size": cfg.batch_size,
+        "ttt_length": cfg.ttt_length,
+        "train_seconds": round(train_s, 2),
+        "train_tokens_per_s": round(tokens / max(train_s, 1e-9), 1),
+        "acceptance_before": round(before.acceptance_length, 4),
+        "acceptance_after": round(after.acceptance_length, 4),
+        "alpha_after": [round(a, 4) for a in after.alpha],
+        "stop_latency_p50_s": round(float(np.percentile(lat, 50)), 4),
+        "stop_latency_p99_s": round(float(np.percentile(lat, 99)), 4),
+        "checkpoint_save_s": round(statistics.median(saves), 4),
+        "reward_weighted_vs_uniform": compare,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "wall_s": round(time.time() - t0, 1),
+    }

@@ -1,0 +1,144 @@
+"""Trunk glue: the entry the scheduler starts on a lent GPU (`scheduler.session_entry`, default
+`tailspec.sessions:run_session`).
+
+`run_session(ctx)` builds a drafter-training session from the cluster state: the teacher is the latest
+policy (`phase.policy_path`), samples come from the cluster's sample stream, checkpoints and versions live
+under `trainer.checkpoint_dir`. It trains while `ctx.should_continue()` (the lease renewal) holds, reports
+progress through `ctx.report(step, loss, tokens)`, and proposes candidates to the version store:
+- first, the previous session's final checkpoint if it was never validated (a session that was revoked
+  had no time left to validate; validation needs the GPU, so it runs while a lease is held);
+- then every `trainer.validate_every_s` of training.
+Validation is itself interruptible by the stop check, so the stop deadline holds throughout.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from tailspec import state
+from tailspec.config import TailspecConfig
+from tailspec.drafter_trainer.checkpoint import write_text_atomic
+from tailspec.drafter_trainer.loss import StopRequested
+from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
+from tailspec.drafter_trainer.session import SessionResult, TrainingSession
+from tailspec.drafter_trainer.teacher import Teacher
+from tailspec.drafter_trainer.versions import VersionStore
+from tailspec.state import DrafterVersion, PhaseInfo
+
+log = logging.getLogger(__name__)
+PROPOSED = "PROPOSED_STEP"
+
+
+def device_and_dtype() -> tuple[str, torch.dtype]:
+    if torch.cuda.is_available():
+        return "cuda", torch.bfloat16
+    return "cpu", torch.float32
+
+
+class Trainer:
+    """A session plus what it needs around it (reader, version store); shared by run_session and the CLI."""
+
+    def __init__(self, cfg: TailspecConfig, teacher: Teacher, buffer: SampleBuffer, *, redis: Any = None,
+                 should_continue: Callable[[], bool] | None = None,
+                 on_step: Callable[[int, float, int], object] | None = None, session_id: str | None = None):
+        tc = cfg.trainer
+        self.cfg = cfg
+        self.teacher = teacher
+        self.buffer = buffer
+        self.reader = None
+        if redis is not None:
+            self.reader = SampleReader(redis, cfg.cluster.name, buffer, teacher.config.vocab_size, tc.max_seq_len)
+            self.reader.poll()
+        self.root = Path(tc.checkpoint_dir)
+        self.store = VersionStore(self.root / "versions", redis, cfg.cluster.name)
+        self.session = TrainingSession(
+            tc, teacher, buffer, checkpoint_dir=self.root / "checkpoints", should_continue=should_continue,
+            on_step=on_step, reader=self.reader, checkpoint_every_steps=tc.checkpoint_every_steps or None,
+            session_id=session_id)
+
+    def proposed_step(self) -> int:
+        f = self.root / PROPOSED
+        try:
+            return int(f.read_text())
+        except (OSError, ValueError):
+            return -1
+
+    def propose(self) -> DrafterVersion | None:
+        """Validate the session's current drafter as a candidate (if not done for this step yet)."""
+        s = self.session
+        holdout = list(self.buffer.holdout)[-self.cfg.trainer.validation_samples:]
+        if s.step <= self.proposed_step() or s.step == 0 or not holdout:
+            return None
+        try:
+            info = self.store.propose(s.drafter, self.teacher, holdout, self.cfg.trainer.validation_k,
+                                      session_id=s.session_id, note=f"step {s.step}", check=s.check_continue)
+        except StopRequested:
+            return None
+        except ValueError as e:  # e.g. no held-out sample long enough yet
+            log.info("candidate not validated: %s", e)
+            return None
+        write_text_atomic(self.root / PROPOSED, str(s.step))
+        return info
+
+    def run(self, max_seconds: float | None = None, max_steps: int | None = None) -> SessionResult:
+        every = self.cfg.trainer.validate_every_s
+        self.propose()  # the previous session's last state, if it was never validated
+        total: SessionResult | None = None
+        while True:
+            chunk = every if max_seconds is None else min(every, max(0.0, max_seconds - (total.seconds if total else 0)))
+            left = None if max_steps is None else max_steps - (total.steps if total else 0)
+            res = self.session.run(max_steps=left, max_seconds=chunk)
+            total = res if total is None else _merge(total, res)
+            if res.stop_reason != "max_seconds" or (max_seconds is not None and total.seconds >= max_seconds):
+                break
+            self.propose()
+        return total
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def _merge(a: SessionResult, b: SessionResult) -> SessionResult:
+    return SessionResult(b.session_id, a.steps + b.steps, b.total_steps, a.tokens + b.tokens, a.losses + b.losses,
+                         b.stop_reason, b.stop_latency_s, b.checkpoint, a.seconds + b.seconds,
+                         a.train_seconds + b.train_seconds, b.step_accuracy)
+
+
+def make_buffer(cfg: TailspecConfig) -> SampleBuffer:
+    tc = cfg.trainer
+    return SampleBuffer(capacity=tc.buffer_size, keep_policy_versions=tc.keep_policy_versions,
+                        holdout_fraction=tc.holdout_fraction, mode=tc.weighting, w_min=tc.weight_min, w_max=tc.weight_max)
+
+
+def run_session(ctx: Any) -> dict:
+    """Scheduler entry: train on the lent GPU until `ctx.should_continue()` turns False."""
+    cfg: TailspecConfig = ctx.tailspec_config()
+    r = ctx.redis
+    phase = state.get(r, state.key(cfg.cluster.name, "phase"), PhaseInfo)
+    if phase is None or not phase.policy_path:
+        raise ValueError("no policy to distil from: the cluster's phase record has no policy_path "
+                         "(the RL framework reports it with the phase)")
+    # Start-up (loading the teacher, reading the stream) can outlast a lease TTL: renew between its phases
+    # and leave early if the GPU was taken back meanwhile.
+    if not ctx.should_continue():
+        return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": "should_continue", "stop_latency_s": 0.0}
+    device, dtype = device_and_dtype()
+    teacher = Teacher.from_dir(phase.policy_path, device=device, dtype=dtype, policy_version=phase.policy_version)
+    if not ctx.should_continue():
+        return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": "should_continue", "stop_latency_s": 0.0}
+    trainer = Trainer(cfg, teacher, make_buffer(cfg), redis=r, should_continue=ctx.should_continue,
+                      on_step=lambda step, loss, tokens: ctx.report(step, loss, tokens),
+                      session_id=ctx.session_id)
+    try:
+        res = trainer.run()
+    finally:
+        trainer.close()
+        del teacher, trainer
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return {"steps": res.steps, "total_steps": res.total_steps, "tokens": res.tokens,
+            "stop_reason": res.stop_reason, "stop_latency_s": res.stop_latency_s}

@@ -1,0 +1,95 @@
+"""`tailspec.sessions.run_session` under a real lease: trains from the cluster's samples, reports, stops on
+revoke within the deadline, checkpoints, and proposes candidates to the version store."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tailspec import state
+from tailspec.config import TailspecConfig
+from tailspec.scheduler.leases import Leases
+from tailspec.scheduler.session import SessionContext
+from tailspec.sessions import run_session
+from tailspec.state import DrafterVersion, PhaseInfo, SessionInfo
+
+torch.set_num_threads(1)
+# Long enough to cover loading the teacher on a busy 2-core machine (start-up renews between phases).
+TTL_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def micro_samples():
+    from tests.trainer_data import policy_samples
+
+    return policy_samples("micro", n=96, seed=3)
+
+
+def test_run_session_trains_until_revoked(redis_client, redis_url, tmp_path, micro_samples):
+    path, samples = micro_samples
+    cluster = "rs"
+    cfg = TailspecConfig.model_validate({
+        "cluster": {"name": cluster, "redis_url": redis_url},
+        "trainer": {"checkpoint_dir": str(tmp_path / "drafter"), "batch_size": 8, "lr": 3e-3,
+                    "validate_every_s": 1.0, "validation_samples": 16, "holdout_fraction": 0.2},
+    })
+    state.put(redis_client, state.key(cluster, "phase"),
+              PhaseInfo(phase="rollout", step=1, started_at=time.time(), policy_version=1, policy_path=str(path)))
+    for s in samples:
+        state.append(redis_client, state.key(cluster, "samples"), s)
+    leases = Leases(redis_client, cluster)
+
+    def one_session(sid: str, min_steps: int, extra_s: float) -> tuple[dict, float]:
+        lease = leases.acquire("n0", 0, sid, ttl_s=TTL_S)
+        assert lease is not None
+        ctx = SessionContext(session_id=sid, node="n0", gpu=0, lease_token=lease.token, redis_url=redis_url,
+                             cluster=cluster, config=cfg.model_dump(mode="json"), lease_ttl_s=TTL_S,
+                             require_heartbeat=False)
+        revoked_at = []
+
+        def revoke():
+            # Revoke once the session has trained a while (start-up time varies on a busy machine).
+            key = state.key(cluster, "session", session_id=sid)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                info = state.get(redis_client, key, SessionInfo)
+                if info is not None and info.step >= min_steps:
+                    break
+                time.sleep(0.05)
+            time.sleep(extra_s)
+            revoked_at.append(time.monotonic())
+            leases.revoke("n0", 0, lease.token)
+
+        t = threading.Thread(target=revoke)
+        t.start()
+        out = run_session(ctx)
+        done = time.monotonic()
+        t.join()
+        return out, done - revoked_at[0]
+
+    out, latency = one_session("s1", 5, 1.5)
+    assert out["steps"] > 0 and out["stop_reason"] == "should_continue"
+    assert latency < 1.0, latency  # revoke → checkpoint saved and run_session returned
+    info = state.get(redis_client, state.key(cluster, "session", session_id="s1"), SessionInfo)
+    assert info is not None and info.step > 0 and info.loss is not None and info.tokens > 0
+    assert (tmp_path / "drafter" / "checkpoints" / "LATEST").is_file()
+    # A second session resumes where the first stopped, and validates that state first.
+    out2, _ = one_session("s2", 1, 0.2)
+    assert out2["total_steps"] >= out["total_steps"] + out2["steps"]
+    history = [state.decode(DrafterVersion, x) for x in
+               redis_client.lrange(state.key(cluster, "drafter_versions"), 0, -1)]
+    assert history and history[0].promoted
+    current = state.get(redis_client, state.key(cluster, "drafter_current"), DrafterVersion)
+    assert current is not None and current.acceptance_length > 1.0
+
+
+def test_run_session_without_policy_says_so(redis_client, redis_url, tmp_path):
+    cfg = TailspecConfig.model_validate({"cluster": {"name": "np", "redis_url": redis_url},
+                                         "trainer": {"checkpoint_dir": str(tmp_path)}})
+    ctx = SessionContext(session_id="x", node="n0", gpu=0, lease_token=1, redis_url=redis_url, cluster="np",
+                         config=cfg.model_dump(mode="json"), require_heartbeat=False)
+    with pytest.raises(ValueError, match="policy_path"):
+        run_session(ctx)

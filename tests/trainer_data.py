@@ -1,0 +1,13 @@
+"""Test data for the trainer tests: rollout samples of a cached task policy (see tailspec.bench.trainer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tailspec.state import Sample
+
+
+def policy_samples(preset: str, n: int, seed: int = 0) -> tuple[Path, list[Sample]]:
+    from tailspec.bench.trainer import policy_samples as make
+
+    return make(preset, n, seed)
