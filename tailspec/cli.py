@@ -19,6 +19,8 @@ COMMAND_MODULES = [
     "tailspec.commands.bench",
     "tailspec.commands.dashboard",
     "tailspec.commands.scheduler",
+    "tailspec.commands.train",
+    "tailspec.commands.export",
 ]
 
 

@@ -29,26 +29,33 @@ import torch
 from tailspec.state import Sample
 
 
-def policy_samples(preset: str, n: int, seed: int = 0, temperature: float = 1.0) -> tuple[Path, list[Sample]]:
-    """(policy dir, n rollout samples of the task policy), cached as JSON beside the policy."""
-    from tailspec.tasks.policy import generate_responses, get_policy, load_policy
+def generate_task_samples(policy_dir: str | Path, n: int, seed: int = 0, temperature: float = 1.0) -> list[Sample]:
+    """n rollout samples of a policy on the built-in task (prompts, sampled responses, exact rewards)."""
+    from tailspec.tasks.policy import generate_responses, load_policy
     from tailspec.tasks.runsum import grade, sample_problems
     from tailspec.tasks.tokenizer import decode_response, encode_prompt
+
+    model, tok = load_policy(policy_dir)
+    problems = sample_problems(n, seed=10_000 + seed)
+    prompts = [encode_prompt(tok, p.prompt) for p in problems]
+    max_new = max(len(p.gold) for p in problems) + 16
+    responses = generate_responses(model, tok, prompts, max_new, temperature=temperature, seed=seed)
+    return [
+        Sample(prompt_ids=pr, response_ids=r, reward=grade(p, decode_response(tok, r)).reward, policy_version=0,
+               group_id=f"{seed}-{i // 4}", ts=0.0)
+        for i, (p, pr, r) in enumerate(zip(problems, prompts, responses))
+    ]
+
+
+def policy_samples(preset: str, n: int, seed: int = 0, temperature: float = 1.0) -> tuple[Path, list[Sample]]:
+    """(policy dir, n rollout samples of the task policy), cached as JSON beside the policy."""
+    from tailspec.tasks.policy import get_policy
 
     path = get_policy(preset, progress=False)
     cache = path.parent.parent / "samples" / f"{path.name}-n{n}-s{seed}-t{temperature}.json"
     if cache.is_file():
         return path, [Sample.model_validate(x) for x in json.loads(cache.read_text())]
-    model, tok = load_policy(path)
-    problems = sample_problems(n, seed=10_000 + seed)
-    prompts = [encode_prompt(tok, p.prompt) for p in problems]
-    max_new = max(len(p.gold) for p in problems) + 16
-    responses = generate_responses(model, tok, prompts, max_new, temperature=temperature, seed=seed)
-    samples = [
-        Sample(prompt_ids=pr, response_ids=r, reward=grade(p, decode_response(tok, r)).reward, policy_version=0,
-               group_id=f"{seed}-{i // 4}", ts=0.0)
-        for i, (p, pr, r) in enumerate(zip(problems, prompts, responses))
-    ]
+    samples = generate_task_samples(path, n, seed, temperature)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps([s.model_dump(mode="json") for s in samples]))
