@@ -17,6 +17,7 @@ per finished request. No Python loop runs over the rows of the batch on the hot 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from typing import Sequence
 
@@ -66,6 +67,8 @@ class Engine:
         cache_len = max_seq_len + k_max + 1
         aux_ids = drafter.aux_layer_ids if (drafter is not None and drafter.needs_aux) else None
         self.runner = ModelRunner(model, max_batch, cache_len, aux_layer_ids=aux_ids)
+        # the verify forward's seam: a graph pool (rollout.graph_pool) replaces it with captured replays
+        self.verify_forward = self.runner.forward
         self.device = self.runner.device
         self.slots = SlotTable(max_batch, cache_len + k_max + 2, max_seq_len + k_max + 2, max_stop_ids, self.device)
         if drafter is not None:
@@ -205,6 +208,7 @@ class Engine:
         batch = self._batch
         batch.max_length = self._max_length
         k = 0 if self.drafter is None else max(0, min(int(self.choose_k(n, self.stats)), self.k_max))
+        t_step = time.perf_counter()
 
         L = batch.lengths
         last = batch.tokens.gather(1, (L - 1)[:, None])
@@ -214,7 +218,7 @@ class Engine:
         else:
             drafts, q, inp = last[:, :0], None, last
         need_aux = self.drafter is not None and self.drafter.needs_aux
-        logits, aux = self.runner.forward(inp, L - 1, max_pos=self._max_length - 1 + k, want_aux=need_aux)
+        logits, aux = self.verify_forward(inp, L - 1, max_pos=self._max_length - 1 + k, want_aux=need_aux)
         p = sampling.process(
             logits, batch.temperature, batch.top_k, batch.top_p, batch.any_sampled, batch.any_greedy, batch.any_truncated
         )
@@ -252,11 +256,15 @@ class Engine:
         s.ints[:n, DRAFTED] += k
         s.ints[:n, ACCEPTED] += accepted
 
-        any_done, acc_sum, max_len = torch.stack([done.any().long(), accepted.sum(), L.max()]).tolist()
+        head = torch.stack([done.any().long(), accepted.sum(), L.max()])
+        if k > 0:  # rows whose draft j was accepted, j < k: the selector's per-position acceptance
+            head = torch.cat([head, (n_acc[:, None] > j[None, :k]).sum(0)])
+        any_done, acc_sum, max_len, *reach = head.tolist()
         self._max_length = max_len
         st = self.stats
         st.steps += 1
         st.last_batch, st.last_k, st.last_accepted = n, k, acc_sum
+        st.last_reach, st.last_step_s = reach, time.perf_counter() - t_step
         st.drafted += k * n
         st.accepted += acc_sum
         self.step_log.append((n, k, acc_sum))

@@ -6,7 +6,7 @@ own issue) is one more function of this shape; the simple rules here are the bas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 
@@ -20,6 +20,8 @@ class StepStats:
     last_accepted: int = 0  # accepted draft tokens summed over the batch in the last step
     drafted: int = 0  # totals since the engine started
     accepted: int = 0
+    last_reach: list[int] = field(default_factory=list)  # [j] rows whose draft j was accepted (n_acc > j)
+    last_step_s: float = 0.0  # wall time of the last decode step (drafting + verify + accept), admission excluded
 
     @property
     def acceptance_rate(self) -> float:

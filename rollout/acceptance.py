@@ -1,0 +1,150 @@
+"""Acceptance estimates from real accepted counts: per position and per strategy, exponentially decayed.
+
+Per position j (0-based draft index): alpha_j = P(draft j accepted | drafts 0..j-1 accepted). The engine
+reports, after every step with k > 0, how many rows had draft j accepted (`StepStats.last_reach`), so a step
+at k updates positions 0..k-1 at once: trials_j = rows that reached j, successes_j = rows that passed it.
+For a chain drafter the proposal at position j does not depend on k, so alpha_j predicts every strategy:
+
+    E[accepted | k] = sum_{j<k} prod_{i<=j} alpha_i,    E[tokens per row per step | k] = 1 + E[accepted | k].
+
+Per strategy k: the decayed mean of accepted drafts per row actually seen at k, shrunk toward the position
+model while it has few rows (it also catches what the position model misses, e.g. stop-token truncation).
+
+Counts decay by exp(-rows / memory_rows) per informative step (k > 0): the estimate remembers about
+`memory_rows` drafted rows whatever the batch size (a batch-1 tail needs more steps than a batch-64 start for
+the same confidence), and follows the drafter and the policy within that many rows; steps at k = 0 carry no
+information and leave the estimate as it was. A new
+drafter version resets everything (its acceptance is unrelated); a new policy version decays the counts by
+`policy_decay` (the same drafter against a slightly moved target).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AcceptanceTracker:
+    k_max: int
+    memory_rows: float = 256.0
+    prior: float = 0.5  # alpha_0 before any observation
+    prior_weight: float = 8.0  # pseudo-trials behind the prior (and behind each position's fallback)
+    policy_decay: float = 0.25
+    drafter_version: str | int | None = None
+    policy_version: str | int | None = None
+    pos_acc: list[float] = field(default_factory=list)
+    pos_trials: list[float] = field(default_factory=list)
+    k_acc: dict[int, float] = field(default_factory=dict)
+    k_rows: dict[int, float] = field(default_factory=dict)
+    updates: int = 0
+    dropped: int = 0  # inconsistent updates refused
+
+    def __post_init__(self) -> None:
+        if self.k_max < 0:
+            raise ValueError(f"k_max must be >= 0, got {self.k_max}")
+        if not self.memory_rows > 0 or not 0 <= self.policy_decay <= 1:
+            raise ValueError(f"need memory_rows > 0 and 0 <= policy_decay <= 1, got {self.memory_rows}, {self.policy_decay}")
+        if not 0 <= self.prior <= 1 or self.prior_weight <= 0:
+            raise ValueError(f"need prior in [0, 1] and prior_weight > 0, got {self.prior}, {self.prior_weight}")
+        if not self.pos_acc:
+            self.pos_acc = [0.0] * self.k_max
+            self.pos_trials = [0.0] * self.k_max
+
+    # -- updates ---------------------------------------------------------------------------------------------
+    def update(self, k: int, rows: int, accepted: int, reach: list[int] | None = None) -> None:
+        """One decode step: `rows` rows drafted k tokens each, `accepted` drafts accepted in all;
+        reach[j] = rows whose draft j was accepted. Inconsistent input is dropped (a counted no-op)."""
+        if k <= 0:
+            return  # plain decoding: nothing to learn
+        if rows <= 0 or k > self.k_max or not 0 <= accepted <= k * rows:
+            self.dropped += 1
+            return
+        if reach is not None and (len(reach) != k or any(not 0 <= r <= rows for r in reach)):
+            self.dropped += 1
+            reach = None
+        d = math.exp(-rows / self.memory_rows)
+        for j in range(self.k_max):
+            self.pos_acc[j] *= d
+            self.pos_trials[j] *= d
+        for key in self.k_acc:
+            self.k_acc[key] *= d
+            self.k_rows[key] *= d
+        if reach is not None:
+            trials = rows
+            for j, r in enumerate(reach):
+                r = min(r, trials)  # reach is non-increasing for prefix acceptance; guard anyway
+                self.pos_acc[j] += r
+                self.pos_trials[j] += trials
+                trials = r
+                if trials == 0:
+                    break
+        self.k_acc[k] = self.k_acc.get(k, 0.0) + accepted
+        self.k_rows[k] = self.k_rows.get(k, 0.0) + rows
+        self.updates += 1
+
+    def observe(self, stats) -> None:
+        """Fold the engine's StepStats of the step that just ran."""
+        self.update(stats.last_k, stats.last_batch, stats.last_accepted, list(stats.last_reach) or None)
+
+    def set_version(self, drafter_version=None, policy_version=None) -> bool:
+        """Tell the tracker which drafter / policy the next steps run. Returns True if anything changed."""
+        changed = False
+        if drafter_version != self.drafter_version:
+            self.reset()
+            changed = True
+        elif policy_version != self.policy_version:
+            self.scale(self.policy_decay)
+            changed = True
+        self.drafter_version, self.policy_version = drafter_version, policy_version
+        return changed
+
+    def scale(self, f: float) -> None:
+        self.pos_acc = [a * f for a in self.pos_acc]
+        self.pos_trials = [t * f for t in self.pos_trials]
+        self.k_acc = {k: a * f for k, a in self.k_acc.items()}
+        self.k_rows = {k: r * f for k, r in self.k_rows.items()}
+
+    def reset(self) -> None:
+        self.scale(0.0)
+        self.k_acc, self.k_rows = {}, {}
+        self.updates = 0
+
+    # -- estimates -------------------------------------------------------------------------------------------
+    def alphas(self) -> list[float]:
+        """alpha_j for j < k_max; a position with few trials falls back to the one before it."""
+        out, fallback, w = [], self.prior, self.prior_weight
+        for a, t in zip(self.pos_acc, self.pos_trials):
+            alpha = (a + w * fallback) / (t + w)
+            out.append(alpha)
+            fallback = alpha
+        return out
+
+    def position_model(self, k: int) -> float:
+        """E[accepted drafts per row | k] from the per-position rates."""
+        total, run = 0.0, 1.0
+        for alpha in self.alphas()[:k]:
+            run *= alpha
+            total += run
+        return total
+
+    def expected_accepted(self, k: int) -> float:
+        """E[accepted drafts per row | k]: the strategy's own decayed mean, shrunk toward the position model."""
+        if k <= 0:
+            return 0.0
+        if k > self.k_max:
+            raise ValueError(f"k={k} exceeds k_max={self.k_max}")
+        model = self.position_model(k)
+        rows = self.k_rows.get(k, 0.0)
+        return (self.k_acc.get(k, 0.0) + self.prior_weight * model) / (rows + self.prior_weight)
+
+    def expected_tokens(self, k: int) -> float:
+        """E[tokens emitted per row per step | k] (1 for plain decoding)."""
+        return 1.0 + self.expected_accepted(k)
+
+    def summary(self) -> dict:
+        return {
+            "alpha": [round(a, 4) for a in self.alphas()],
+            "expected_tokens": {k: round(self.expected_tokens(k), 4) for k in range(self.k_max + 1)},
+            "updates": self.updates,
+        }

@@ -1,0 +1,190 @@
+"""Step-time cost model t(b, k): seconds of one decode step (drafting k tokens + verify + accept) at batch b.
+
+Measured at warm-up on the real engine (`measure`), then kept current from the engine's own steps
+(`observe`): the machine's speed drifts (other jobs, clocks, context growth through the rollout), so the
+warm-up table is the shape and an online per-(bucket, k) factor is the level.
+
+Lookup between measured batch buckets interpolates linearly in b: a step's cost is close to affine in the
+batch (fixed launch/dispatch cost + per-row work) between neighbouring buckets. On a GPU with a graph pool
+the real cost of b is the cost of its padded bucket; the interpolation then slightly under-estimates, which
+the online factor for that bucket absorbs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    """Batch buckets: 1, 2, 4, 8, then every 8 up to 32, then every 16 (nano-vllm / TLT capture lists)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    out = [b for b in (1, 2, 4) if b < max_batch]
+    out += [b for b in range(8, min(32, max_batch) + 1, 8)]
+    out += [b for b in range(48, max_batch + 1, 16)]
+    out = sorted({b for b in out if b <= max_batch} | {max_batch})
+    return out
+
+
+def default_ks(k_max: int) -> list[int]:
+    """Strategies (draft lengths) worth a cost-table column: 0..4, then 6, 8, 12, 16 up to k_max."""
+    if k_max < 0:
+        raise ValueError(f"k_max must be >= 0, got {k_max}")
+    return sorted({k for k in (0, 1, 2, 3, 4, 6, 8, 12, 16) if k <= k_max} | {k_max})
+
+
+@dataclass
+class CostModel:
+    """t(b, k) from a warm-up table over `buckets` x `ks`, times an online correction per (bucket, k)."""
+
+    buckets: list[int]
+    ks: list[int]
+    table: dict[tuple[int, int], float]  # (bucket, k) -> median seconds per step at warm-up
+    ema: float = 0.05  # weight of one online observation in the correction factor
+    clip: float = 2.0  # one observation moves the factor by at most this ratio (noise, GC pauses, preemption)
+    factor: dict[tuple[int, int], float] = field(default_factory=dict)
+    observed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.buckets or sorted(set(self.buckets)) != list(self.buckets) or self.buckets[0] < 1:
+            raise ValueError(f"buckets must be strictly increasing batch sizes >= 1, got {self.buckets}")
+        if not self.ks or sorted(set(self.ks)) != list(self.ks) or self.ks[0] < 0:
+            raise ValueError(f"ks must be strictly increasing draft lengths >= 0, got {self.ks}")
+        missing = [(b, k) for b in self.buckets for k in self.ks if (b, k) not in self.table]
+        if missing:
+            raise ValueError(f"cost table misses (bucket, k) entries: {missing[:6]}")
+        bad = [(key, v) for key, v in self.table.items() if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v))]
+        if bad:
+            raise ValueError(f"cost table entries must be finite seconds > 0, got {bad[:4]}")
+        if not 0 < self.ema <= 1 or self.clip < 1:
+            raise ValueError(f"need 0 < ema <= 1 and clip >= 1, got ema={self.ema}, clip={self.clip}")
+
+    # -- lookup ----------------------------------------------------------------------------------------------
+    def bucket(self, b: int) -> int:
+        """The smallest bucket >= b (the padded graph shape); the largest bucket for b beyond it."""
+        i = bisect.bisect_left(self.buckets, b)
+        return self.buckets[min(i, len(self.buckets) - 1)]
+
+    def base(self, b: int, k: int) -> float:
+        """Warm-up table interpolated linearly in b (and in k for a k between columns)."""
+        if k not in self.ks:
+            i = bisect.bisect_left(self.ks, k)
+            if i == 0 or i == len(self.ks):
+                raise ValueError(f"k={k} outside the measured strategies {self.ks}")
+            k0, k1 = self.ks[i - 1], self.ks[i]
+            w = (k - k0) / (k1 - k0)
+            return (1 - w) * self.base(b, k0) + w * self.base(b, k1)
+        bs = self.buckets
+        if b <= bs[0]:
+            return self.table[(bs[0], k)]
+        if b >= bs[-1]:
+            if len(bs) == 1:
+                return self.table[(bs[0], k)] * b / bs[0]
+            # extrapolate with the last segment's slope (never below the last measured value)
+            b0, b1 = bs[-2], bs[-1]
+            slope = (self.table[(b1, k)] - self.table[(b0, k)]) / (b1 - b0)
+            return self.table[(b1, k)] + max(slope, 0.0) * (b - b1)
+        i = bisect.bisect_left(bs, b)
+        if bs[i] == b:
+            return self.table[(b, k)]
+        b0, b1 = bs[i - 1], bs[i]
+        w = (b - b0) / (b1 - b0)
+        return (1 - w) * self.table[(b0, k)] + w * self.table[(b1, k)]
+
+    def t(self, b: int, k: int) -> float:
+        """Predicted seconds of one decode step at batch b with draft length k."""
+        return self.base(b, k) * self.factor.get((self.bucket(b), k), 1.0)
+
+    # -- online refresh ----------------------------------------------------------------------------------------
+    def observe(self, b: int, k: int, seconds: float) -> None:
+        """Fold one real step's wall time into the (bucket(b), k) correction factor. Bad values are dropped."""
+        if b < 1 or k not in self.ks or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        key = (self.bucket(b), k)
+        ratio = min(max(seconds / self.base(b, k), 1 / self.clip), self.clip)
+        f = self.factor.get(key, 1.0)
+        # geometric EMA: a ratio of 2 and one of 1/2 cancel
+        self.factor[key] = f * (ratio / f) ** self.ema if f > 0 else ratio
+        self.observed += 1
+
+    # -- (de)serialisation: JSON-friendly, for logs and the benchmark ---------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "buckets": list(self.buckets),
+            "ks": list(self.ks),
+            "table": [[b, k, self.table[(b, k)]] for b in self.buckets for k in self.ks],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        try:
+            table = {(int(b), int(k)): float(t) for b, k, t in d["table"]}
+            return cls(list(map(int, d["buckets"])), list(map(int, d["ks"])), table)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed cost model: {e}") from e
+
+
+def measure(
+    engine,
+    prompts: Sequence[Sequence[int]],
+    buckets: Sequence[int] | None = None,
+    ks: Sequence[int] | None = None,
+    steps: int = 5,
+    temperature: float = 1.0,
+) -> CostModel:
+    """Warm-up: time `steps` decode steps of the real engine at every (bucket, k) and keep the median.
+
+    For each bucket a fresh batch of `bucket` requests (prompts cycled) runs with ignore_eos and enough
+    max_tokens that nobody finishes inside the timed window, so every timed step has exactly that batch.
+    The step that admits (prefill) is not timed. The engine must be idle; it is left idle. Its strategy hook
+    is restored afterwards.
+    """
+    from tailspec.rollout.sequence import SamplingParams
+    from tailspec.rollout.strategy import fixed_k
+
+    if engine.has_unfinished():
+        raise RuntimeError("cost model warm-up needs an idle engine (requests are still running)")
+    if not prompts:
+        raise ValueError("cost model warm-up needs at least one prompt")
+    buckets = sorted(set(buckets or default_buckets(engine.max_batch)))
+    ks = sorted(set(ks if ks is not None else default_ks(engine.k_max)))
+    if engine.drafter is None:
+        ks = [0]
+    if buckets[-1] > engine.max_batch:
+        raise ValueError(f"bucket {buckets[-1]} exceeds the engine's max_batch {engine.max_batch}")
+    if ks[-1] > engine.k_max:
+        raise ValueError(f"k={ks[-1]} exceeds the engine's k_max {engine.k_max}")
+    hook = engine.choose_k
+    table: dict[tuple[int, int], float] = {}
+    try:
+        for b in buckets:
+            for k in ks:
+                engine.choose_k = fixed_k(k)
+                longest = max(len(prompts[i % len(prompts)]) for i in range(b))
+                max_tokens = min((steps + 2) * (k + 1), engine.max_seq_len - longest)
+                if max_tokens < steps + 2:
+                    raise ValueError(f"prompts too long for the warm-up (max_seq_len={engine.max_seq_len})")
+                params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=0)
+                for i in range(b):
+                    engine.add_request(list(prompts[i % len(prompts)]), params)
+                engine.step()  # admission + first step, not timed
+                times = []
+                while len(times) < steps and engine.slots.n == b:
+                    engine.step()
+                    if engine.stats.last_batch == b:
+                        times.append(engine.stats.last_step_s)
+                while engine.has_unfinished():  # drain cheaply
+                    engine.choose_k = fixed_k(0)
+                    engine.step()
+                table[(b, k)] = statistics.median(times) if times else float("nan")
+    finally:
+        engine.choose_k = hook
+    bad = [key for key, v in table.items() if not v > 0]
+    if bad:
+        raise RuntimeError(f"warm-up could not time (bucket, k) = {bad[:4]} (batch shrank before any timed step)")
+    return CostModel(buckets, ks, table)
+

@@ -1,0 +1,225 @@
+"""Strategy selectors: which draft length k to run at the next decode step, given the running batch size.
+
+Every selector is a `ChooseK` (`selector(batch_size, step_stats) -> k`, the engine's per-step hook) and
+exposes `schedule(max_batch)`: the (start, end, k) inclusive batch-size ranges it would choose now — the
+shape of vLLM's `num_speculative_tokens_per_batch_size`, for the vLLM backend.
+
+- `adaptive`: argmax over k of b * E[tokens per row per step | k] / t(b, k) (expected tokens/s), from the
+  measured cost model and the online acceptance estimates; epsilon-greedy exploration among the strategies
+  it can pick at that batch bucket; hysteresis (switch only for a clear gain) against thrashing on noisy
+  timings.
+- `fixed`: one k at every batch size.
+- `beg`: TLT's fixed default table (draft-token groups 48/32/16/8 on batch ranges starting 1, 2, 5, 21, off
+  above 32), mapped onto chain draft lengths as k = round(k_max * tokens / 48).
+- `threshold`: ReSpec's two-state gate: k while the batch is at most `gate`, plain decoding above.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tailspec.rollout.acceptance import AcceptanceTracker
+from tailspec.rollout.cost_model import CostModel
+
+Schedule = list[tuple[int, int, int]]  # (first batch size, last batch size, k), inclusive
+
+
+def merge_schedule(ks_by_batch: Sequence[int]) -> Schedule:
+    """[k for batch 1, 2, ...] -> runs of equal k as (start, end, k)."""
+    out: Schedule = []
+    for b, k in enumerate(ks_by_batch, start=1):
+        if out and out[-1][2] == k:
+            out[-1] = (out[-1][0], b, k)
+        else:
+            out.append((b, b, k))
+    return out
+
+
+# -- table selectors: fixed, beg, threshold ----------------------------------------------------------------
+@dataclass
+class TableSelector:
+    """k from a fixed batch-size table; a batch beyond the table's end takes the last range's k."""
+
+    name: str
+    table: Schedule
+
+    def __post_init__(self) -> None:
+        check_schedule(self.table)
+
+    def __call__(self, batch_size: int, stats=None) -> int:
+        for start, end, k in self.table:
+            if start <= batch_size <= end:
+                return k
+        return self.table[-1][2]
+
+    def schedule(self, max_batch: int) -> Schedule:
+        return merge_schedule([self(b) for b in range(1, max_batch + 1)])
+
+
+def check_schedule(table: Schedule) -> None:
+    """Raise ValueError unless the ranges start at 1, are contiguous, inclusive and k >= 0 (vLLM's rules)."""
+    if not table:
+        raise ValueError("empty schedule")
+    expect = 1
+    for start, end, k in table:
+        if start != expect or end < start or k < 0:
+            raise ValueError(f"schedule ranges must be contiguous from 1 with k >= 0; bad entry {(start, end, k)} in {table}")
+        expect = end + 1
+
+
+def fixed_selector(k: int) -> TableSelector:
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    return TableSelector(f"fixed_k{k}", [(1, 1 << 30, k)])
+
+
+def beg_selector(k_max: int, off_above: int = 32) -> TableSelector:
+    """TLT's BEG default table for chain drafting (see the module docstring)."""
+    if k_max < 1:
+        raise ValueError(f"beg needs k_max >= 1, got {k_max}")
+    ranges = [(1, 1, 48), (2, 4, 32), (5, 20, 16), (21, off_above, 8)]
+    table = [(s, e, max(1, round(k_max * tokens / 48))) for s, e, tokens in ranges if s <= off_above]
+    table[-1] = (table[-1][0], off_above, table[-1][2])
+    table.append((off_above + 1, 1 << 30, 0))
+    return TableSelector("beg", table)
+
+
+def threshold_selector(k: int, gate: int = 32) -> TableSelector:
+    """ReSpec's gate: speculate with k while the running batch is at most `gate`, else plain decoding."""
+    if k < 0 or gate < 1:
+        raise ValueError(f"need k >= 0 and gate >= 1, got k={k}, gate={gate}")
+    return TableSelector("threshold", [(1, gate, k), (gate + 1, 1 << 30, 0)])
+
+
+# -- adaptive ------------------------------------------------------------------------------------------------
+ALPHA_MAX = 0.9  # EAGLE-3 drafters reach ~0.7-0.85 per token; beyond this a strategy is not worth a graph
+
+
+def geometric_tokens(alpha: float, k: int) -> float:
+    """E[tokens per row per step] at draft length k when every draft is accepted with probability alpha."""
+    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def candidate_ks(
+    cost: CostModel, bucket: int, ks: Sequence[int] | None = None, margin: float = 0.1, alpha_max: float = ALPHA_MAX
+) -> list[int]:
+    """The strategies the adaptive selector can pick at this batch bucket: every k within `margin` of the
+    best expected tokens/s for some per-token acceptance in [0, alpha_max]. k = 0 is always among them (it
+    wins at acceptance 0). The graph pool captures exactly these, so exploration never leaves the plan."""
+    ks = list(cost.ks if ks is None else ks)
+    out: set[int] = set()
+    times = {k: cost.base(bucket, k) for k in ks}
+    for i in range(51):
+        alpha = alpha_max * i / 50
+        scores = {k: geometric_tokens(alpha, k) / times[k] for k in ks}
+        best = max(scores.values())
+        out.update(k for k, s in scores.items() if s >= best / (1 + margin))
+    return sorted(out)
+
+
+@dataclass
+class AdaptiveSelector:
+    cost: CostModel
+    acceptance: AcceptanceTracker
+    ks: list[int] | None = None  # strategies allowed (default: the cost model's)
+    epsilon: float = 0.05
+    hysteresis: float = 0.05  # switch only when the best beats the current by this fraction
+    margin: float = 0.1  # candidate_ks margin
+    seed: int = 0
+    learn_cost: bool = True
+    name: str = "adaptive"
+    k: int | None = None  # the committed strategy
+    switches: int = 0
+    explored: int = 0
+    _rng: random.Random = field(init=False, repr=False)
+    _cands: dict[int, list[int]] = field(init=False, repr=False, default_factory=dict)
+    _stats_id: int = field(init=False, repr=False, default=0)
+    _seen: int = field(init=False, repr=False, default=0)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.epsilon <= 1 or self.hysteresis < 0 or self.margin < 0:
+            raise ValueError(f"need 0 <= epsilon <= 1, hysteresis >= 0, margin >= 0; got {self.epsilon}, {self.hysteresis}, {self.margin}")
+        self.ks = sorted(set(self.cost.ks if self.ks is None else self.ks))
+        bad = [k for k in self.ks if k not in self.cost.ks or k > self.acceptance.k_max]
+        if bad:
+            raise ValueError(f"strategies {bad} are not in the cost model {self.cost.ks} or exceed k_max={self.acceptance.k_max}")
+        self._rng = random.Random(self.seed)
+
+    def candidates(self, batch_size: int) -> list[int]:
+        bucket = self.cost.bucket(batch_size)
+        if bucket not in self._cands:
+            self._cands[bucket] = candidate_ks(self.cost, bucket, self.ks, self.margin)
+        return self._cands[bucket]
+
+    def score(self, batch_size: int, k: int) -> float:
+        """Expected tokens/s of strategy k at this batch size."""
+        return batch_size * self.acceptance.expected_tokens(k) / self.cost.t(batch_size, k)
+
+    def best(self, batch_size: int) -> int:
+        return max(self.candidates(batch_size), key=lambda k: (self.score(batch_size, k), -k))
+
+    def observe(self, stats) -> None:
+        """Learn from the step the engine just ran (acceptance, and its wall time for the cost model)."""
+        if id(stats) != self._stats_id:  # a new engine (or stats object): its step counter starts over
+            self._stats_id, self._seen = id(stats), 0
+        if stats.steps <= self._seen:
+            return
+        self._seen = stats.steps
+        self.acceptance.observe(stats)
+        if self.learn_cost and stats.last_batch > 0:
+            self.cost.observe(stats.last_batch, stats.last_k, stats.last_step_s)
+
+    def __call__(self, batch_size: int, stats=None) -> int:
+        if stats is not None:
+            self.observe(stats)
+        cands = self.candidates(batch_size)
+        best = self.best(batch_size)
+        if self.k not in cands:
+            self.k = best
+        elif best != self.k and self.score(batch_size, best) > (1 + self.hysteresis) * self.score(batch_size, self.k):
+            self.k = best
+            self.switches += 1
+        if self.epsilon > 0 and len(cands) > 1 and self._rng.random() < self.epsilon:
+            self.explored += 1
+            return self._rng.choice([k for k in cands if k != self.k])
+        return self.k
+
+    def schedule(self, max_batch: int) -> Schedule:
+        """What it would pick now (no exploration, no hysteresis) for every batch size 1..max_batch."""
+        return merge_schedule([self.best(b) for b in range(1, max_batch + 1)])
+
+
+def make_selector(
+    rollout_config,
+    cost: CostModel | None = None,
+    acceptance: AcceptanceTracker | None = None,
+    *,
+    gate: int = 32,
+    seed: int = 0,
+):
+    """The selector named by `rollout.selector` (adaptive | fixed | beg | threshold).
+
+    adaptive needs the cost model measured on this engine (`cost_model.measure`); an acceptance tracker is
+    made if none is given. With `rollout.drafter: none` every selector is plain decoding.
+    """
+    cfg = rollout_config
+    name = cfg.selector
+    if cfg.drafter == "none":
+        return fixed_selector(0)
+    if name == "fixed":
+        return fixed_selector(min(cfg.k, cfg.k_max))
+    if name == "beg":
+        return beg_selector(cfg.k_max)
+    if name == "threshold":
+        return threshold_selector(min(cfg.k, cfg.k_max), gate)
+    if name == "adaptive":
+        if cost is None:
+            raise ValueError(
+                "rollout.selector=adaptive needs a cost model: measure one on the engine with "
+                "tailspec.rollout.cost_model.measure(engine, prompts), or choose fixed|beg|threshold"
+            )
+        acceptance = acceptance or AcceptanceTracker(k_max=cfg.k_max)
+        return AdaptiveSelector(cost, acceptance, ks=[k for k in cost.ks if k <= cfg.k_max], epsilon=cfg.epsilon, seed=seed)
+    raise ValueError(f"unknown rollout.selector {name!r}; choose adaptive, fixed, beg or threshold")

@@ -1,0 +1,214 @@
+"""Adaptive strategy selection on synthetic cost tables and acceptance streams (no model: fast).
+
+The reference for "best" is computed independently here: expected tokens/s from the closed-form geometric
+acceptance model and the synthetic step times, by brute force over k.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from tailspec.rollout.acceptance import AcceptanceTracker
+from tailspec.rollout.cost_model import CostModel, default_buckets, default_ks
+from tailspec.rollout.selector import (
+    AdaptiveSelector,
+    beg_selector,
+    candidate_ks,
+    check_schedule,
+    fixed_selector,
+    make_selector,
+    merge_schedule,
+    threshold_selector,
+)
+from tailspec.rollout.strategy import StepStats
+
+from tailspec.config import RolloutConfig
+
+BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+KS = [0, 1, 2, 3, 4, 6, 8]
+
+
+def synthetic_time(b: int, k: int) -> float:
+    """A GPU-like step: a fixed launch cost, verify work growing with b*(k+1) tokens, k draft passes."""
+    return 0.010 + 0.0004 * b * (k + 1) + 0.0008 * k
+
+
+def synthetic_cost() -> CostModel:
+    return CostModel(BUCKETS, KS, {(b, k): synthetic_time(b, k) for b in BUCKETS for k in KS})
+
+
+def true_best(b: int, alpha: float) -> int:
+    def tps(k):
+        e = sum(alpha ** (j + 1) for j in range(k))
+        return b * (1 + e) / synthetic_time(b, k)
+
+    return max(KS, key=tps)
+
+
+def feed(sel: AdaptiveSelector, batch: int, alpha: float, steps: int, rng: random.Random, noise: float = 0.0) -> list[int]:
+    """Drive the selector like the engine does: ask k, 'run' the step (sampled acceptance, noisy time)."""
+    stats = StepStats()
+    chosen = []
+    for _ in range(steps):
+        k = sel(batch, stats)
+        chosen.append(k)
+        reach, alive = [], batch
+        for _j in range(k):
+            alive = sum(rng.random() < alpha for _ in range(alive))
+            reach.append(alive)
+        stats.steps += 1
+        stats.last_batch, stats.last_k = batch, k
+        stats.last_reach = reach
+        stats.last_accepted = sum(reach)
+        stats.last_step_s = synthetic_time(batch, k) * (1 + noise * (2 * rng.random() - 1))
+    return chosen
+
+
+def make(epsilon=0.0, hysteresis=0.05, seed=0, prior=0.5) -> AdaptiveSelector:
+    return AdaptiveSelector(
+        synthetic_cost(), AcceptanceTracker(k_max=8, prior=prior), epsilon=epsilon, hysteresis=hysteresis, seed=seed
+    )
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.6, 0.8, 0.9])
+@pytest.mark.parametrize("batch", [1, 4, 16, 64])
+def test_converges_to_the_best_strategy(batch, alpha):
+    sel = make(epsilon=0.1, seed=batch)
+    chosen = feed(sel, batch, alpha, 400, random.Random(7))
+    best = true_best(batch, alpha)
+    k = sel.best(batch)
+    # the estimated throughput of its pick is within 3% of the true optimum's (near-ties are fine)
+    def true_tps(k):
+        return batch * (1 + sum(alpha ** (j + 1) for j in range(k))) / synthetic_time(batch, k)
+
+    assert true_tps(k) >= 0.95 * true_tps(best), f"b={batch} alpha={alpha}: picked k={k}, best k={best}"
+    assert true_tps(sel.k) >= 0.93 * true_tps(best)  # the committed one: within hysteresis + noise
+    # exploitation dominates: most late steps ran a near-optimal strategy (epsilon = 0.1 explores)
+    assert sum(true_tps(c) >= 0.93 * true_tps(best) for c in chosen[-200:]) >= 0.8 * 200
+
+
+def test_plain_decoding_at_large_batch_speculation_at_small():
+    sel = make(epsilon=0.1)
+    feed(sel, 64, 0.6, 300, random.Random(1))
+    assert sel.best(64) == 0 and true_best(64, 0.6) == 0
+    feed(sel, 1, 0.6, 300, random.Random(2))
+    assert sel.best(1) >= 3 and true_best(1, 0.6) >= 3
+
+
+def test_adapts_when_acceptance_drops():
+    sel = make(epsilon=0.1)
+    feed(sel, 2, 0.9, 300, random.Random(3))
+    high = sel.k
+    assert high >= 4
+    feed(sel, 2, 0.1, 300, random.Random(4))
+    assert sel.k <= 1 < high, f"after acceptance fell to 0.1 it still runs k={sel.k}"
+    assert sel.k == true_best(2, 0.1)
+
+
+def test_hysteresis_prevents_thrashing_on_noisy_timings():
+    """Two strategies tied within 0.1% (k = 1, 2 at alpha 0.61) and +-40% timing noise: the committed
+    strategy stays put, while the same selector without hysteresis flips many times (so the check can fail)."""
+    alpha = 0.61
+    calm, jumpy = make(hysteresis=0.05), make(hysteresis=0.0)
+    a = feed(calm, 8, alpha, 600, random.Random(5), noise=0.4)
+    b = feed(jumpy, 8, alpha, 600, random.Random(5), noise=0.4)
+    flips = lambda ks: sum(x != y for x, y in itertools.pairwise(ks))
+    assert calm.switches <= 3 and flips(a[100:]) <= 3, (calm.switches, flips(a[100:]))
+    assert flips(b[100:]) > 3 * max(1, flips(a[100:])), (flips(a[100:]), flips(b[100:]))
+
+
+def test_exploration_stays_within_candidates_and_rate():
+    sel = make(epsilon=0.2, seed=3)
+    chosen = feed(sel, 16, 0.7, 1000, random.Random(6))
+    cands = sel.candidates(16)
+    assert set(chosen) <= set(cands)
+    assert len(set(chosen)) > 1
+    off = sum(c != sel.k for c in chosen[200:])
+    assert 0.1 * 800 <= off <= 0.3 * 800  # ~epsilon of the steps explore
+
+
+def test_candidates_include_zero_and_each_alphas_best():
+    cost = synthetic_cost()
+    for b in BUCKETS:
+        cands = candidate_ks(cost, b)
+        assert 0 in cands
+        for alpha in (0.0, 0.2, 0.5, 0.7, 0.9, 0.95):
+            assert true_best(b, alpha) in cands, (b, alpha, cands)
+    assert len(candidate_ks(cost, 64)) < len(KS)  # not everything: the plan stays small
+    assert max(candidate_ks(cost, 64)) < max(candidate_ks(cost, 1))
+
+
+def test_schedule_shape_matches_vllm_rules():
+    sel = make()
+    feed(sel, 4, 0.7, 200, random.Random(8))
+    sched = sel.schedule(64)
+    check_schedule(sched)
+    assert sched[0][0] == 1 and sched[-1][1] == 64
+    assert [k for _, _, k in sched] == sorted([k for _, _, k in sched], reverse=True)  # k shrinks as b grows
+    assert sched[-1][2] == 0 and sched[0][2] > 0
+    for s, e, k in sched:
+        assert all(sel.best(b) == k for b in range(s, e + 1))
+    assert merge_schedule([3, 3, 1, 1, 0]) == [(1, 2, 3), (3, 4, 1), (5, 5, 0)]
+    with pytest.raises(ValueError):
+        check_schedule([(2, 4, 1)])
+
+
+def test_baselines():
+    beg = beg_selector(8)
+    assert [beg(b) for b in (1, 2, 4, 5, 20, 21, 32, 33, 64)] == [8, 5, 5, 3, 3, 1, 1, 0, 0]
+    assert beg.schedule(64) == [(1, 1, 8), (2, 4, 5), (5, 20, 3), (21, 32, 1), (33, 64, 0)]
+    thr = threshold_selector(4, gate=32)
+    assert thr(32) == 4 and thr(33) == 0
+    assert thr.schedule(40) == [(1, 32, 4), (33, 40, 0)]
+    assert fixed_selector(3).schedule(8) == [(1, 8, 3)]
+
+
+def test_make_selector_from_config():
+    cost = synthetic_cost()
+    assert make_selector(RolloutConfig(selector="beg", k_max=8)).name == "beg"
+    assert make_selector(RolloutConfig(selector="threshold", k=3))(8) == 3
+    assert make_selector(RolloutConfig(selector="fixed", k=2))(64) == 2
+    assert make_selector(RolloutConfig(selector="adaptive", drafter="none"))(1) == 0
+    ad = make_selector(RolloutConfig(selector="adaptive", k_max=4, epsilon=0.0), cost)
+    assert isinstance(ad, AdaptiveSelector) and max(ad.ks) == 4
+    with pytest.raises(ValueError, match="cost model"):
+        make_selector(RolloutConfig(selector="adaptive"))
+
+
+def test_acceptance_tracker_positions_versions_and_bad_input():
+    acc = AcceptanceTracker(k_max=4, memory_rows=1e12, prior_weight=1e-6)
+    acc.update(3, 100, 90 + 60 + 30, [90, 60, 30])
+    a = acc.alphas()
+    assert a[0] == pytest.approx(0.9, abs=1e-4) and a[1] == pytest.approx(60 / 90, abs=1e-4) and a[2] == pytest.approx(0.5, abs=1e-4)
+    assert a[3] == pytest.approx(a[2], abs=1e-4)  # never observed: falls back to the position before
+    assert acc.expected_tokens(3) == pytest.approx(1 + 1.8, abs=1e-3)
+    acc.update(3, 10, 999, [1, 2, 3])  # inconsistent: dropped, counted
+    assert acc.dropped == 1 and acc.expected_tokens(3) == pytest.approx(2.8, abs=1e-3)
+    acc.set_version(drafter_version=1, policy_version=1)  # new drafter: back to the prior
+    assert acc.alphas()[0] == pytest.approx(acc.prior)
+    acc.update(2, 100, 20, [10, 10])
+    before = acc.pos_trials[0]
+    assert acc.set_version(drafter_version=1, policy_version=2)  # new policy: decayed, not forgotten
+    assert acc.pos_trials[0] == pytest.approx(before * acc.policy_decay)
+    assert not acc.set_version(drafter_version=1, policy_version=2)
+
+
+def test_cost_model_lookup_and_online_refresh():
+    cost = synthetic_cost()
+    assert cost.t(8, 2) == pytest.approx(synthetic_time(8, 2))
+    assert cost.t(12, 2) == pytest.approx((synthetic_time(8, 2) + synthetic_time(16, 2)) / 2)
+    assert cost.bucket(5) == 8 and cost.bucket(100) == 64
+    for _ in range(200):  # the machine became 1.5x slower at bucket 8, k=2
+        cost.observe(7, 2, 1.5 * cost.base(7, 2))
+    assert cost.t(8, 2) == pytest.approx(1.5 * synthetic_time(8, 2), rel=0.02)
+    assert cost.t(16, 2) == pytest.approx(synthetic_time(16, 2))  # other buckets untouched
+    cost.observe(8, 2, float("nan"))
+    cost.observe(8, 2, -1.0)
+    assert cost.t(8, 2) == pytest.approx(1.5 * synthetic_time(8, 2), rel=0.02)
+    assert CostModel.from_dict(cost.to_dict()).table == cost.table
+    with pytest.raises(ValueError, match="misses"):
+        CostModel([1, 2], [0, 1], {(1, 0): 0.1})
+    assert default_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert default_ks(8) == [0, 1, 2, 3, 4, 6, 8]
