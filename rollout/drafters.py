@@ -9,7 +9,7 @@ One interface (`Drafter`), three implementations:
 
 Lifecycle, driven by the engine: `setup` once; `prefill` when requests are admitted (the target has just
 cached positions 0..L-2 of each prompt); every decode step `propose(batch, k)` (only when k > 0), then
-`observe(...)` with the verify result (every step, k = 0 included); `move_slot` when the engine compacts.
+`observe(...)` with the verify result (every step, k = 0 included); `move_slots` when the engine compacts.
 Model drafters sample their drafts with the row's own sampling params and DRAFT-stream uniforms, so q is
 the processed draft distribution — speculative sampling is exact for any q, a good q only makes it fast.
 """
@@ -49,8 +49,8 @@ class Drafter:
         """After a verify of width k+1 at positions L-1..L-1+k (lengths are still the old ones); tokens
         [n, k+1] holds the accepted drafts then the target's token at n_acc."""
 
-    def move_slot(self, src: int, dst: int) -> None:
-        pass
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The engine compacted its slots: copy the state of slots src into slots dst."""
 
 
 def _draw(logits: torch.Tensor, batch: Batch, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,8 +154,8 @@ class DraftModelDrafter(Drafter):
         if k == 0:
             self.lag += 1
 
-    def move_slot(self, src: int, dst: int) -> None:
-        self.runner.move_slot(src, dst)
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.runner.move_slots(src, dst)
 
 
 class Eagle3Drafter(Drafter):
@@ -289,6 +289,6 @@ class Eagle3Drafter(Drafter):
             qs.append(q)
         return torch.stack(drafts, 1), torch.stack(qs, 1)
 
-    def move_slot(self, src: int, dst: int) -> None:
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for t in (self.k_cache, self.v_cache, self.next_logits, self.next_hidden):
-            t[dst].copy_(t[src])
+            t[dst] = t[src]

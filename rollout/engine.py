@@ -157,33 +157,34 @@ class Engine:
         reqs = [self.waiting.popleft() for _ in range(m)]
         slot0 = s.n
         T = max(len(p) for _, p, _ in reqs)
-        toks = torch.zeros(m, T, dtype=torch.long)
-        ints = torch.zeros(m, s.ints.shape[1], dtype=torch.long)
-        floats = torch.zeros(m, s.floats.shape[1], dtype=torch.float32)
-        stops = torch.full((m, self.max_stop_ids), -1, dtype=torch.long)
-        seeds = []
-        for i, (rid, prompt, sp) in enumerate(reqs):
-            toks[i, : len(prompt)] = torch.tensor(prompt)
-            ints[i, LEN] = ints[i, PROMPT_LEN] = len(prompt)
-            ints[i, MAX_TOKENS] = sp.max_tokens
-            ints[i, TOP_K] = sp.top_k
-            floats[i, TEMP] = sp.temperature
-            floats[i, TOP_P] = sp.top_p
-            st = self._stop_ids(sp)
-            stops[i, : len(st)] = torch.tensor(st, dtype=torch.long)
+        ncol = s.ints.shape[1]
+        tok_rows, int_rows, float_rows, stop_rows, seeds = [], [], [], [], []
+        for rid, prompt, sp in reqs:
+            tok_rows.append(prompt + [0] * (T - len(prompt)))
+            r = [0] * ncol
+            r[LEN] = r[PROMPT_LEN] = len(prompt)
+            r[MAX_TOKENS], r[TOP_K] = sp.max_tokens, sp.top_k
+            int_rows.append(r)
+            fr = [0.0] * s.floats.shape[1]
+            fr[TEMP], fr[TOP_P] = sp.temperature, sp.top_p
+            float_rows.append(fr)
+            st = list(self._stop_ids(sp))
+            stop_rows.append(st + [-1] * (self.max_stop_ids - len(st)))
             seeds.append(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._gen)))
             s.request_ids.append(rid)
             s.prompts.append(prompt)
             s.temps.append(float(sp.temperature))
             s.truncated.append(sp.top_k > 0 or sp.top_p < 1)
+        ints = torch.tensor(int_rows, dtype=torch.long)
         ints[:, KEY] = sampling.seed_mix(torch.tensor(seeds, dtype=torch.long))
-        toks, lengths = toks.to(self.device), ints[:, LEN].to(self.device)
+        toks = torch.tensor(tok_rows, dtype=torch.long, device=self.device)
         rows = slice(slot0, slot0 + m)
         s.tokens[rows, :T] = toks
         s.ints[rows] = ints.to(self.device)
-        s.floats[rows] = floats.to(self.device)
-        s.stop_ids[rows] = stops.to(self.device)
+        s.floats[rows] = torch.tensor(float_rows, dtype=torch.float32, device=self.device)
+        s.stop_ids[rows] = torch.tensor(stop_rows, dtype=torch.long, device=self.device)
         s.n += m
+        lengths = s.ints[rows, LEN]
         aux = None
         if T > 1:
             start = torch.zeros(m, dtype=torch.long, device=self.device)
@@ -274,32 +275,34 @@ class Engine:
 
     def _finish(self, done: torch.Tensor, stopped: torch.Tensor) -> list[RequestOutput]:
         s = self.slots
-        idx = done.nonzero()[:, 0].tolist()
-        stop_flags = stopped[idx].tolist()
+        idx_t = done.nonzero()[:, 0]
+        idx = idx_t.tolist()
+        stop_flags = stopped[idx_t].tolist()
+        rows = s.ints[idx_t].tolist()
+        width = max(r[LEN] for r in rows)
+        toks = s.tokens[idx_t, :width].tolist()
+        gmax = max(r[GEN] for r in rows)
+        lps = s.logprobs[idx_t, :, :gmax].tolist()
         outs = []
-        for i, was_stop in zip(idx, stop_flags):
-            row = s.ints[i].tolist()
+        for n, (i, was_stop, row) in enumerate(zip(idx, stop_flags, rows)):
             g, ln, pl = row[GEN], row[LEN], row[PROMPT_LEN]
-            lps = s.logprobs[i, :, :g].tolist()
             outs.append(
                 RequestOutput(
                     request_id=s.request_ids[i],
                     prompt_token_ids=s.prompts[i],
-                    token_ids=s.tokens[i, pl:ln].tolist(),
-                    logprobs=lps[0],
-                    sampling_logprobs=lps[1],
+                    token_ids=toks[n][pl:ln],
+                    logprobs=lps[n][0][:g],
+                    sampling_logprobs=lps[n][1][:g],
                     finish_reason="stop" if was_stop else "length",
                     stats=RequestStats(row[FWD], row[DRAFTED], row[ACCEPTED]),
                 )
             )
-        for i in sorted(idx, reverse=True):  # move the last running row into each freed slot
-            last = s.n - 1
-            if i != last:
-                s.move(last, i)
-                self.runner.move_slot(last, i)
-                if self.drafter is not None:
-                    self.drafter.move_slot(last, i)
-            s.pop_last()
+        src, dst = s.compact(idx)  # move the last running rows into the freed slots
+        if dst:
+            si, di = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+            self.runner.move_slots(si, di)
+            if self.drafter is not None:
+                self.drafter.move_slots(si, di)
         self._batch = None
         if s.n == 0:
             self._max_length = 0

@@ -126,11 +126,11 @@ class ModelRunner:
         self._half = self.head_dim // 2
 
     # -- cache bookkeeping ---------------------------------------------------------------------------------
-    def move_slot(self, src: int, dst: int) -> None:
-        """Copy slot src's cache into slot dst (compaction after a request finishes)."""
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the caches of slots src into slots dst (compaction after requests finish)."""
         for k, v in zip(self.k_cache, self.v_cache):
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+            k[dst] = k[src]
+            v[dst] = v[src]
 
     def _attn_len(self, max_pos: int) -> int:
         # Attend over a bucketed prefix of the cache rather than all of it: the work follows the longest

@@ -55,16 +55,25 @@ class SlotTable:
     def col(self, c: int) -> torch.Tensor:
         return self.ints[: self.n, c]
 
-    def move(self, src: int, dst: int) -> None:
-        for t in (self.ints, self.floats, self.tokens, self.logprobs, self.stop_ids):
-            t[dst].copy_(t[src])
+    def compact(self, done: list[int]) -> tuple[list[int], list[int]]:
+        """Drop the rows `done` and fill the holes they leave below the new count with the last running
+        rows. Returns (src, dst) slot lists so the KV caches can be moved the same way."""
+        done_set = set(done)
+        n_new = self.n - len(done_set)
+        dst = sorted(i for i in done_set if i < n_new)
+        src = [i for i in range(n_new, self.n) if i not in done_set]
+        if dst:
+            si = torch.tensor(src, device=self.ints.device)
+            di = torch.tensor(dst, device=self.ints.device)
+            for t in (self.ints, self.floats, self.tokens, self.logprobs, self.stop_ids):
+                t[di] = t[si]
+            for lst in (self.request_ids, self.prompts, self.temps, self.truncated):
+                for a, b in zip(src, dst):
+                    lst[b] = lst[a]
         for lst in (self.request_ids, self.prompts, self.temps, self.truncated):
-            lst[dst] = lst[src]
-
-    def pop_last(self) -> None:
-        self.n -= 1
-        for lst in (self.request_ids, self.prompts, self.temps, self.truncated):
-            lst.pop()
+            del lst[n_new:]
+        self.n = n_new
+        return src, dst
 
     def batch(self, max_length: int) -> Batch:
         n = self.n

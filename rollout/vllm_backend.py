@@ -377,10 +377,12 @@ class VllmRollout:
 
     # -- generation -------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: Any, *, on_progress: ProgressFn | None = None,
-                 progress_every_s: float = 0.5) -> RolloutResult:
+                 progress_every_s: float = 0.5, trace: list | None = None) -> RolloutResult:
         """Generate for token-id prompts (one SamplingParams, or one per prompt), results in prompt order.
         Steps vLLM's engine itself with streamed (delta) outputs, so `on_progress(active, finished,
-        tokens_done, tokens_per_s)` is called while it runs (at most every `progress_every_s`, and at the end)."""
+        tokens_done, tokens_per_s)` is called while it runs (at most every `progress_every_s`, and at the end).
+        With `trace` (a list), appends per engine step (requests unfinished before the step, that step's
+        SpecCounters) — what k vLLM used at which batch size."""
         from vllm.sampling_params import RequestOutputKind
 
         if not prompts:
@@ -412,8 +414,15 @@ class VllmRollout:
             dt = time.perf_counter() - t0
             on_progress(len(prompts) - len(final), len(final), n, n / dt if dt > 0 else 0.0)
 
+        prev = before
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            active = len(prompts) - len(final)
+            outs = engine.step()
+            if trace is not None:
+                now = self.counters()
+                trace.append((active, now - prev))
+                prev = now
+            for out in outs:
                 i = index.get(out.request_id)
                 if i is None:  # another caller's request on the same engine
                     continue

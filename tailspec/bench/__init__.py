@@ -8,4 +8,5 @@ BENCHES: dict[str, str] = {
     "dashboard": "tailspec.bench.dashboard",
     "vllm": "tailspec.bench.vllm",
     "trainer": "tailspec.bench.trainer",
+    "engine": "tailspec.bench.engine",
 }

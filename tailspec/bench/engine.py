@@ -1,0 +1,185 @@
+"""Rollout engine throughput: HF generate vs the native engine, with and without speculative decoding.
+
+On the task's prompts with the `tiny` policy (by default): tokens/s of HF `generate` (static batches,
+left-padded), HF assisted generation (batch 1 only: HF refuses more), the engine without SD, and the
+engine with SD for each k and each available drafter (n-gram; draft model = the `micro` policy trained
+on the same task; EAGLE-3 when --eagle3 points at a drafter checkpoint). Acceptance length = tokens
+emitted per target forward. Every configuration is measured in this process, interleaved per repeat
+(noisy shared machines drift), and reported as the median of the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", default="tiny", help="target policy preset or a policy directory")
+    p.add_argument("--draft-policy", default="micro", help="draft-model preset or directory ('' = none)")
+    p.add_argument("--eagle3", default="", help="EAGLE-3 drafter checkpoint directory (optional)")
+    p.add_argument("--batches", default="1,4,16,64")
+    p.add_argument("--ks", default="1,2,3,4,5,6,7,8")
+    p.add_argument("--drafters", default="ngram,draft_model,eagle3")
+    p.add_argument("--prompts-per-batch", type=int, default=2, help="prompts per run = this x batch (min 4)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--no-assisted", action="store_true", help="skip HF assisted generation")
+
+
+def _load(spec: str, dtype: torch.dtype, device: str):
+    from pathlib import Path
+
+    from tailspec.tasks.policy import PRESETS, get_policy, load_policy
+
+    path = get_policy(spec, progress=False) if spec in PRESETS else Path(spec)
+    model, tok = load_policy(path, dtype=dtype)
+    return model.to(device), tok
+
+
+def _hf_generate(model, prompts, params, batch: int, pad_id: int, eos_id: int, assistant=None) -> tuple[int, float]:
+    """Static batches of `batch` prompts (left-padded), each run until its longest row ends."""
+    dev = next(model.parameters()).device
+    tokens = 0
+    t0 = time.perf_counter()
+    for s in range(0, len(prompts), batch):
+        chunk = prompts[s : s + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for r, p in enumerate(chunk):
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
+        kw = dict(assistant_model=assistant) if assistant is not None else {}
+        sampled = params.temperature > 0
+        out = model.generate(
+            input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=params.max_tokens,
+            do_sample=sampled, temperature=params.temperature if sampled else None, top_k=None, top_p=None,
+            pad_token_id=pad_id, eos_token_id=eos_id, **kw,
+        )
+        for r in range(len(chunk)):
+            resp = out[r, width:].tolist()
+            tokens += resp.index(eos_id) + 1 if eos_id in resp else len([t for t in resp if t != pad_id])
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return tokens, time.perf_counter() - t0
+
+
+def _engine_run(engine, prompts, params) -> tuple[int, float, float]:
+    dev = engine.device
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    forwards = sum(o.stats.target_forwards for o in outs)
+    return tokens, dt, tokens / max(forwards, 1)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tailspec.commands.bench import machine
+    from tailspec.rollout.drafters import DraftModelDrafter, Eagle3Drafter, NgramDrafter
+    from tailspec.rollout.engine import Engine
+    from tailspec.rollout.sequence import SamplingParams
+    from tailspec.tasks.runsum import sample_problems
+    from tailspec.tasks.tokenizer import encode_prompt
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    model, tok = _load(args.policy, dtype, args.device)
+    draft_model = _load(args.draft_policy, dtype, args.device)[0] if args.draft_policy else None
+    eagle = None
+    if args.eagle3:
+        from tailspec.drafter_trainer.model import Eagle3Drafter as Eagle3Module
+
+        eagle = Eagle3Module.load(args.eagle3, target_embedding=model.get_input_embeddings(), map_location=args.device)
+        eagle = eagle.to(dtype)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    ks = [int(k) for k in args.ks.split(",") if k]
+    wanted = [d for d in args.drafters.split(",") if d]
+    pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+
+    def make_drafter(name):
+        if name == "ngram":
+            return NgramDrafter()
+        if name == "draft_model" and draft_model is not None:
+            return DraftModelDrafter(draft_model)
+        if name == "eagle3" and eagle is not None:
+            return Eagle3Drafter(eagle)
+        return None
+
+    drafter_names = [d for d in wanted if make_drafter(d) is not None]
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"bench engine: policy={args.policy} drafters={drafter_names} batches={batches} ks={ks} "
+        f"T={args.temperature} device={machine()}")
+    rows = []
+    for b in batches:
+        n = max(4, args.prompts_per_batch * b)
+        prompts = [encode_prompt(tok, p.prompt) for p in sample_problems(n, seed=20_000 + b)]
+        max_prompt = max(len(p) for p in prompts)
+        seq = max_prompt + args.max_tokens
+        configs: list[tuple[str, str | None, int | None, object]] = [("hf_generate", None, None, None)]
+        if b == 1 and draft_model is not None and not args.no_assisted:
+            configs.append(("hf_assisted", "draft_model", None, None))
+        configs.append(("engine", None, 0, Engine(model, None, max_batch=b, max_seq_len=seq, k_max=0)))
+        for name in drafter_names:
+            for k in ks:
+                eng = Engine(model, make_drafter(name), choose_k=k, max_batch=b, max_seq_len=seq, k_max=k)
+                configs.append(("engine", name, k, eng))
+        # warm-up: one short run per engine (allocations, first-call overheads)
+        for method, _, _, eng in configs:
+            if eng is not None:
+                eng.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=args.temperature))
+        samples: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(configs))}
+        for rep in range(args.repeats):
+            for i, (method, name, k, eng) in enumerate(configs):
+                if method == "hf_generate":
+                    tokens, dt = _hf_generate(model, prompts, params, b, pad_id, eos_id)
+                    acc = 1.0
+                elif method == "hf_assisted":
+                    tokens, dt = _hf_generate(model, prompts, params, 1, pad_id, eos_id, assistant=draft_model)
+                    acc = float("nan")
+                else:
+                    tokens, dt, acc = _engine_run(eng, prompts, params)
+                samples[i].append((tokens / dt, acc))
+        for i, (method, name, k, _) in enumerate(configs):
+            tps = statistics.median(s[0] for s in samples[i])
+            acc = statistics.median(s[1] for s in samples[i])
+            row = {"batch": b, "method": method, "drafter": name, "k": k, "tokens_per_s": round(tps, 1),
+                   "acceptance_length": None if acc != acc else round(acc, 3)}
+            rows.append(row)
+            log(f"  b={b:<3} {method:<12} {str(name):<12} k={str(k):<4} {tps:9.1f} tok/s  accept_len={row['acceptance_length']}")
+
+    def tps(b, method, spec=None):
+        sel = [r for r in rows if r["batch"] == b and r["method"] == method and (spec is None or (r["k"] or 0) > 0) == spec]
+        return max((r["tokens_per_s"] for r in sel), default=None)
+
+    ratios = [tps(b, "engine", False) / tps(b, "hf_generate") for b in batches]
+
+    def spec_ratio(b):
+        if b not in batches or tps(b, "engine", True) is None:
+            return None
+        return round(tps(b, "engine", True) / tps(b, "hf_generate"), 3)
+
+    summary = {
+        "nospec_vs_hf_min_ratio": round(min(ratios), 3),
+        "best_spec_vs_hf_batch1_ratio": spec_ratio(1),
+        "best_spec_vs_hf_batch16_ratio": spec_ratio(16),
+    }
+    for b in batches:  # where SD stops paying: best SD vs the engine without SD, per batch size
+        nos, sd = tps(b, "engine", False), tps(b, "engine", True)
+        if sd is not None:
+            summary[f"best_spec_vs_nospec_batch{b}"] = round(sd / nos, 3)
+    log(f"summary: {summary}")
+    return {"device": machine(), "policy": args.policy, "temperature": args.temperature, "rows": rows, "summary": summary}
