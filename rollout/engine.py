@@ -120,10 +120,18 @@ class Engine:
             stops = stops + tuple(e for e in self.eos_ids if e not in stops)
         return stops
 
+    @staticmethod
+    def _as_ids(prompt: Sequence[int]) -> list:
+        # numpy / torch integer scalars become ints; anything else is left for validate() to name
+        return [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in prompt]
+
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
         params = params or SamplingParams()
-        prompt = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in prompt]
+        prompt = self._as_ids(prompt)
         self.validate(prompt, params)
+        return self._enqueue(prompt, params)
+
+    def _enqueue(self, prompt: list[int], params: SamplingParams) -> int:
         rid = self._next_id
         self._next_id += 1
         self.waiting.append((rid, list(prompt), params))
@@ -139,9 +147,10 @@ class Engine:
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-        for p, sp in zip(prompts, plist):
-            self.validate([int(t) if not isinstance(t, bool) and hasattr(t, "__index__") else t for t in p], sp)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        reqs = [(self._as_ids(p), sp) for p, sp in zip(prompts, plist)]
+        for p, sp in reqs:
+            self.validate(p, sp)
+        ids = [self._enqueue(p, sp) for p, sp in reqs]
         done: dict[int, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

@@ -14,7 +14,7 @@ from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
 
 N_PROMPTS = 16
-MAX_TOKENS = [6, 90, 12, 120, 40, 90, 3, 120, 64, 90, 20, 120, 90, 33, 120, 90]
+MAX_TOKENS = [6, 40, 12, 48, 25, 40, 3, 48, 30, 40, 20, 48, 40, 33, 48, 40]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
 
 V = 8
-PROMPT = [1, 3, 4]
+PROMPT = [1, 3]
 N = 20_000
 ALPHA = 1e-3
 
@@ -95,7 +95,6 @@ def check(toks: np.ndarray, joint: np.ndarray) -> tuple[bool, float, float, floa
     p = joint.ravel()
     counts = np.bincount(toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], minlength=V**3).astype(float)
     expected = p * N
-    assert counts[p == 0].sum() == 0 or True  # zero-probability outcomes are caught by chi-square below
     big = expected >= 5
     obs = np.append(counts[big], counts[~big].sum())
     exp = np.append(expected[big], expected[~big].sum())
@@ -127,24 +126,14 @@ def test_deterministic_drafts_are_exact(target):
     assert ok, f"chi-square p={pval:.2e}, TV={tv:.4f} (bound {bound:.4f})"
 
 
-def test_plain_decoding_is_exact(target):
-    joint = enumerate_joint(target, temperature=0.7, top_p=0.9)
-    ok, pval, tv, bound = check(engine_samples(target, None, k=0, setting=SETTINGS["t0.7-p0.9"]), joint)
-    assert ok, f"chi-square p={pval:.2e}, TV={tv:.4f} (bound {bound:.4f})"
-
-
 def _always_accept(p, q, drafts, u_accept, u_sample):
     B, K1, _ = p.shape
     bonus = sampling.sample(p[:, -1], u_sample[:, -1])
     return torch.cat([drafts, bonus[:, None]], 1), torch.full((B,), K1 - 1, dtype=torch.long)
 
 
-def _resample_from_p(p, q, drafts, u_accept, u_sample):
-    """Right acceptance test, wrong correction: draws from p instead of normalize(max(0, p - q))."""
-    return sampling.verify(p, None if q is None else torch.zeros_like(q), drafts, u_accept * 0 + 2.0, u_sample) if False else _resample_impl(p, q, drafts, u_accept, u_sample)
-
-
 def _resample_impl(p, q, drafts, u_accept, u_sample):
+    """Right acceptance test, wrong correction: draws from p instead of normalize(max(0, p - q))."""
     B, K1, _ = p.shape
     k = K1 - 1
     px = p[:, :k].gather(-1, drafts[..., None])[..., 0].double()
