@@ -91,6 +91,7 @@ class IdleDetector:
     window_s: float = 0.2
     startup_s: float = 0.5
     stop_deadline_s: float = 1.0
+    lend: bool = True  # False: detect and count idle time, never lend (baseline runs)
     machines: dict[GpuKey, GpuMachine] = field(default_factory=dict)
 
     def machine(self, node: str, gpu: int) -> GpuMachine:
@@ -206,7 +207,7 @@ class IdleDetector:
             if idle and m.detected_at is None:
                 m.detected_at = now
                 out.append(Action("idle", m.node, m.gpu, latency_s=now - m.drained_at))
-            if idle and tail > self.startup_s:
+            if idle and self.lend and tail > self.startup_s:
                 out.append(Action("lend", m.node, m.gpu, f"expected tail {tail:.2f}s"))
         else:
             m._forget_drain()

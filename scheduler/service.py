@@ -64,6 +64,7 @@ class Scheduler:
             window_s=sc.idle_window_s,
             startup_s=sc.session_startup_s,
             stop_deadline_s=sc.stop_deadline_s,
+            lend=sc.lend,
         )
         self.leases = Leases(self.r, self.c)
         self._published: dict[tuple[str, int], tuple[GpuState, float]] = {}

@@ -42,6 +42,7 @@ class SchedulerConfig(_Section):
     stop_deadline_s: float = Field(1.0, gt=0, le=60, description="after this a revoked GPU counts as reclaimed")
     session_startup_s: float = Field(0.5, ge=0, description="expected session start-up cost; lend only if the tail is longer")
     mode: Literal["local", "ray"] = "local"
+    lend: bool = Field(True, description="false: watch and count idle GPU time but never lend (baselines)")
     session_entry: str = Field(
         "tailspec.sessions:run_session",
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",

@@ -291,3 +291,15 @@ def test_property_drained_workers_get_lent_during_a_long_tail(finish):
     for i, f in enumerate(finish):
         if end - f > 0.2 + 0.05 + 1e-6:
             assert i in lent_at and lent_at[i] - f <= 0.2 + 0.05 + 1e-6
+
+
+def test_lend_disabled_detects_but_never_lends():
+    """Baseline runs (scheduler.lend=false) detect and count the tail's idle GPUs without lending them."""
+    d = IdleDetector(util_threshold=10, window_s=0.2, startup_s=0.5, stop_deadline_s=1.0, lend=False)
+    ph = rollout(started=0.0)
+    p = {"w0": prog(0, 0, 2.0), "w1": prog(1, 2, 1.0)}
+    t = {(N, 0): tel(0, 1.0, 2.05), (N, 1): tel(1, 90, 1.0)}
+    d.tick(1.0, ph, p, t)
+    kinds = [a.kind for now in (2.1, 2.25, 2.5, 3.0) for a in d.tick(now, ph, p, t)]
+    assert kinds == ["idle"]  # detected once, never lent
+    assert d.machines[(N, 0)].state == GpuState.DRAINED
