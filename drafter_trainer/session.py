@@ -166,7 +166,8 @@ class TrainingSession:
     # -- training ------------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, int, list[float]] | None:
         """One optimizer step on a batch from the buffer → (loss, tokens, per-step accuracy); None if empty."""
-        rng = random.Random(self.cfg.seed * 1_000_003 + self.step)
+        # Seeded by step (and rank, for data parallel): a resumed session draws the batches it would have.
+        rng = random.Random((self.cfg.seed * 1_000_003 + self.step) * 1009 + getattr(self.backend, "rank", 0))
         samples, w = self.buffer.batch(self.cfg.batch_size, rng)
         if not samples:
             return None
