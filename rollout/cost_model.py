@@ -43,7 +43,7 @@ class CostModel:
 
     buckets: list[int]
     ks: list[int]
-    table: dict[tuple[int, int], float]  # (bucket, k) -> median seconds per step at warm-up
+    table: dict[tuple[int, int], float]  # (bucket, k) -> seconds per step at warm-up
     ema: float = 0.05  # weight of one online observation in the correction factor
     clip: float = 2.0  # one observation moves the factor by at most this ratio (noise, GC pauses, preemption)
     factor: dict[tuple[int, int], float] = field(default_factory=dict)
@@ -136,7 +136,7 @@ def measure(
     steps: int = 5,
     temperature: float = 1.0,
 ) -> CostModel:
-    """Warm-up: time `steps` decode steps of the real engine at every (bucket, k) and keep the median.
+    """Warm-up: time `steps` decode steps of the real engine at every (bucket, k), keep the lower quartile.
 
     For each bucket a fresh batch of `bucket` requests (prompts cycled) runs with ignore_eos and enough
     max_tokens that nobody finishes inside the timed window, so every timed step has exactly that batch.
@@ -180,7 +180,8 @@ def measure(
                 while engine.has_unfinished():  # drain cheaply
                     engine.choose_k = fixed_k(0)
                     engine.step()
-                table[(b, k)] = statistics.median(times) if times else float("nan")
+                # lower quartile: on a shared machine the slow outliers are preemptions, not the step's cost
+                table[(b, k)] = statistics.quantiles(times, n=4, method="inclusive")[0] if len(times) >= 2 else (times or [float("nan")])[0]
     finally:
         engine.choose_k = hook
     bad = [key for key, v in table.items() if not v > 0]

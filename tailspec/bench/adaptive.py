@@ -1,0 +1,247 @@
+"""Adaptive strategy selection: tokens/s per batch size for every fixed k, the oracle, adaptive, BEG, threshold.
+
+Everything runs side by side in one process on the same models: for each batch size, every policy runs in
+turn inside each repeat (round robin, so load on a shared machine hits them alike) and the median over
+repeats is reported. A run at batch b keeps b requests running (a queue refills finished slots, prefill
+included in the time) and times `steps` decode steps after `warmup` untimed ones.
+
+Then one long-tail rollout: a batch of task prompts whose response lengths follow the task's heavy-tailed
+distribution, run to completion under each policy, end to end (greedy by default: every policy emits the
+identical tokens — the engine is lossless — so the times compare the same work).
+
+On a GPU it also captures the graph pool for the target (bf16) and reports pool memory against separately
+captured graphs and the verify forward's replay-vs-eager speedup at batch 1, 8, 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="tiny", choices=["micro", "tiny", "small"], help="target policy preset")
+    p.add_argument("--drafter", default="draft_model", choices=["draft_model", "ngram", "eagle3"])
+    p.add_argument("--draft-preset", default="micro", help="policy preset used as the draft model")
+    p.add_argument("--eagle3", default=None, help="directory of a trained EAGLE-3 drafter (drafter=eagle3)")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64")
+    p.add_argument("--ks", default="0,1,2,3,4,6", help="fixed strategies (draft lengths) to compare")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12, help="timed decode steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per run")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the per-batch runs")
+    p.add_argument("--longtail-n", type=int, default=64, help="requests in the long-tail rollout (0: skip)")
+    p.add_argument("--longtail-temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def _load(args, cfg):
+    import torch
+
+    from tailspec.rollout.drafters import DraftModelDrafter, Eagle3Drafter, NgramDrafter
+    from tailspec.tasks.policy import get_policy, load_policy
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    target, tok = load_policy(get_policy(args.target, cfg.task, cache_dir=cfg.cache_dir, progress=False), dtype=dtype)
+    target.to(device)
+    if args.drafter == "ngram":
+        def make_drafter():
+            return NgramDrafter()
+        label = "ngram"
+    elif args.drafter == "draft_model":
+        draft, _ = load_policy(get_policy(args.draft_preset, cfg.task, cache_dir=cfg.cache_dir, progress=False), dtype=dtype)
+        draft.to(device)
+
+        def make_drafter():
+            return DraftModelDrafter(draft)
+        label = f"draft_model:{args.draft_preset}"
+    else:
+        if not args.eagle3:
+            raise SystemExit("--drafter eagle3 needs --eagle3 DIR (a trained drafter; see `tailspec train`)")
+        from tailspec.drafter_trainer.model import Eagle3Drafter as Eagle3Module
+
+        head = Eagle3Module.load(args.eagle3, target.get_input_embeddings()).to(device, dtype)
+
+        def make_drafter():
+            return Eagle3Drafter(head, target)
+        label = f"eagle3:{args.eagle3}"
+    return target, tok, make_drafter, label, device
+
+
+def _prompts(tok, n: int, seed: int, task_cfg):
+    from tailspec.tasks.runsum import sample_problems
+    from tailspec.tasks.tokenizer import encode_prompt
+
+    return [encode_prompt(tok, p.prompt) for p in sample_problems(n, task_cfg, seed=seed)]
+
+
+def _steady_tps(make_engine, choose_k, batch: int, prompts, params, warmup: int, steps: int) -> float:
+    """Tokens/s over `steps` decode steps with `batch` requests kept running (finished slots refilled)."""
+    from tailspec.rollout.slots import GEN
+
+    eng = make_engine(batch, choose_k)
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params[i])
+    done_tokens, elapsed, emitted = 0, 0.0, 0
+
+    def produced() -> int:
+        n = eng.slots.n
+        return done_tokens + (int(eng.slots.ints[:n, GEN].sum()) if n else 0)
+
+    for i in range(warmup + steps):
+        before = produced()
+        t0 = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - t0
+        done_tokens += sum(len(o.token_ids) for o in outs)
+        if i >= warmup:
+            elapsed += dt
+            emitted += produced() - before
+    return emitted / elapsed if elapsed > 0 else 0.0
+
+
+def _rollout_s(make_engine, choose_k, prompts, params) -> tuple[float, int]:
+    eng = make_engine(len(prompts), choose_k)
+    t0 = time.perf_counter()
+    outs = eng.generate(prompts, params)
+    return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
+
+
+def _graph_pool_section(target, cost, device: str) -> dict:
+    import torch
+
+    from tailspec.rollout.engine import Engine
+    from tailspec.rollout.graph_pool import GraphPool, GraphShape, capture_plan
+    from tailspec.rollout.selector import candidate_ks
+
+    eng = Engine(target, None, max_batch=max(cost.buckets), max_seq_len=1024)
+    plan = capture_plan(cost, GraphShape.of(eng.runner), budget_bytes=1 << 40)
+    pool = GraphPool(eng.runner, plan).capture()
+    out = {"pool_bytes": pool.pool_bytes_measured, "separate_bytes": pool.measure_separate_bytes(),
+           "plan_entries": len(plan.entries), "pool_bytes_estimate": plan.pool_bytes}
+    for b in (1, 8, 32):
+        if b > max(cost.buckets):
+            continue
+        k = max(candidate_ks(cost, cost.bucket(b)))
+        ids = torch.randint(0, target.config.vocab_size, (b, k + 1), device=device)
+        start = torch.full((b,), 100, dtype=torch.long, device=device)
+
+        def t(fn):
+            for _ in range(3):
+                fn(ids, start, 0, max_pos=100 + k)
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(30):
+                t0 = time.perf_counter()
+                fn(ids, start, 0, max_pos=100 + k)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+
+        out[f"replay_vs_eager_speedup_b{b}"] = round(t(eng.runner.forward) / t(pool.forward), 3)
+        out[f"replay_k_b{b}"] = k
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    from tailspec.cli import config_from_args
+    from tailspec.commands.bench import machine
+    from tailspec.rollout import cost_model
+    from tailspec.rollout.acceptance import AcceptanceTracker
+    from tailspec.rollout.engine import Engine
+    from tailspec.rollout.selector import AdaptiveSelector, beg_selector, fixed_selector, threshold_selector
+    from tailspec.rollout.sequence import SamplingParams
+
+    out = sys.stderr if args.json else sys.stdout
+    cfg = config_from_args(args)
+    torch.set_num_threads(args.threads)
+    batches = [int(x) for x in args.batches.split(",")]
+    ks = sorted({int(x) for x in args.ks.split(",")} | {0})
+    k_max = max(ks)
+    target, tok, make_drafter, drafter_label, device = _load(args, cfg)
+    max_seq = min(int(target.config.max_position_embeddings), 1024)
+
+    def make_engine(batch: int, choose_k):
+        return Engine(target, make_drafter(), choose_k=choose_k, max_batch=batch, max_seq_len=max_seq, k_max=k_max)
+
+    t_start = time.perf_counter()
+    pool_prompts = _prompts(tok, 512, 11, cfg.task)
+    warm = make_engine(max(batches), 0)
+    cost = cost_model.measure(warm, pool_prompts, buckets=cost_model.default_buckets(max(batches)), ks=ks,
+                              steps=6, temperature=args.temperature)
+    print(f"cost model measured in {time.perf_counter() - t_start:.1f}s (ms per step):", file=out)
+    print("  b \\ k " + "".join(f"{k:>8}" for k in cost.ks), file=out)
+    for b in cost.buckets:
+        print(f"  {b:>5} " + "".join(f"{cost.table[(b, k)] * 1e3:8.2f}" for k in cost.ks), file=out)
+
+    adaptive = AdaptiveSelector(cost, AcceptanceTracker(k_max=k_max), ks=ks, epsilon=cfg.rollout.epsilon, seed=0)
+    policies = {f"k{k}": fixed_selector(k) for k in ks}
+    policies |= {"adaptive": adaptive, "beg": beg_selector(k_max), "threshold": threshold_selector(min(4, k_max))}
+
+    per_batch = []
+    for b in batches:
+        n_req = max(4 * b, b + 8)
+        runs: dict[str, list[float]] = {name: [] for name in policies}
+        for rep in range(args.repeats):
+            prompts = pool_prompts[(rep * n_req) % 256:][:n_req]
+            prompts = (prompts * (n_req // max(len(prompts), 1) + 1))[:n_req]
+            params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=1000 * rep + i)
+                      for i in range(n_req)]
+            for name, pol in policies.items():
+                runs[name].append(_steady_tps(make_engine, pol, b, prompts, params, args.warmup, args.steps))
+        med = {name: statistics.median(v) for name, v in runs.items()}
+        oracle_k = max(ks, key=lambda k: med[f"k{k}"])
+        row = {
+            "batch": b, "oracle_k": oracle_k, "oracle_tps": round(med[f"k{oracle_k}"], 1),
+            "adaptive_tps": round(med["adaptive"], 1), "beg_tps": round(med["beg"], 1),
+            "threshold_tps": round(med["threshold"], 1), "nospec_tps": round(med["k0"], 1),
+            "fixed_tps": {str(k): round(med[f"k{k}"], 1) for k in ks},
+            "adaptive_k": adaptive.best(b),
+        }
+        per_batch.append(row)
+        print(f"batch {b:>3}: " + "  ".join(f"{n}={v:.0f}" for n, v in med.items())
+              + f"  (tok/s; oracle k={oracle_k}, adaptive now picks k={row['adaptive_k']})", file=out)
+
+    longtail = {}
+    if args.longtail_n > 0:
+        lt_prompts = _prompts(tok, args.longtail_n, 12345, cfg.task)
+        lt_params = [SamplingParams(max_tokens=min(args.max_tokens, max_seq - len(p)), temperature=args.longtail_temperature,
+                                    seed=i) for i, p in enumerate(lt_prompts)]
+        names = ["nospec", "adaptive", "beg", "threshold"]
+        pols = {"nospec": policies["k0"], "adaptive": adaptive, "beg": policies["beg"], "threshold": policies["threshold"]}
+        times: dict[str, list[float]] = {n: [] for n in names}
+        tokens: dict[str, int] = {}
+        for _ in range(args.repeats):
+            for n in names:
+                s, ntok = _rollout_s(make_engine, pols[n], lt_prompts, lt_params)
+                times[n].append(s)
+                tokens[n] = ntok
+        med_t = {n: statistics.median(v) for n, v in times.items()}
+        longtail = {n: round(med_t["nospec"] / med_t[n], 3) for n in ("adaptive", "beg", "threshold")}
+        print(f"long-tail rollout of {args.longtail_n} requests ({tokens['nospec']} tokens, T={args.longtail_temperature}): "
+              + "  ".join(f"{n}={med_t[n]:.2f}s" for n in names) + f"  speedup vs nospec {longtail}", file=out)
+
+    result = {
+        "device": machine(), "target": args.target, "drafter": drafter_label, "temperature": args.temperature,
+        "repeats": args.repeats, "steps": args.steps, "ks": ks,
+        "per_batch": per_batch,
+        "adaptive_vs_oracle_min_ratio": round(min(r["adaptive_tps"] / r["oracle_tps"] for r in per_batch), 3),
+        "adaptive_vs_nospec_min_ratio": round(min(r["adaptive_tps"] / r["nospec_tps"] for r in per_batch), 3),
+        "adaptive_vs_nospec_at_largest": round(per_batch[-1]["adaptive_tps"] / per_batch[-1]["nospec_tps"], 3),
+        "longtail_speedup_vs_nospec": longtail,
+        "adaptive_schedule": adaptive.schedule(max(batches)),
+        "acceptance": adaptive.acceptance.summary()["expected_tokens"],
+        "cost_model": cost.to_dict(),
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+    if device == "cuda":
+        result["graph_pool"] = _graph_pool_section(target, cost, device)
+    print(f"adaptive schedule: {result['adaptive_schedule']}; total {result['seconds']}s on {machine()}", file=out)
+    return result

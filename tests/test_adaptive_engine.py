@@ -1,0 +1,87 @@
+"""Lossless with the adaptive selector in the loop: it switches k mid-sequence (exploration forced high) and
+greedy output still equals HF generate, and speculative sampling still follows the target's distribution.
+Also: the cost model's warm-up on a real engine, and the selector learning from the engine's own stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import hf_greedy, micro_policy, random_micro, task_prompts
+from tailspec.rollout import cost_model
+from tailspec.rollout.acceptance import AcceptanceTracker
+from tailspec.rollout.drafters import DraftModelDrafter, NgramDrafter
+from tailspec.rollout.engine import Engine
+from tailspec.rollout.selector import AdaptiveSelector
+from tailspec.rollout.sequence import SamplingParams
+
+MAX_TOKENS = [6, 90, 12, 120, 40, 90, 3, 120]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    torch.set_num_threads(2)
+    model, _ = micro_policy()
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(policy):
+    prompts = task_prompts(len(MAX_TOKENS))
+    return prompts, [hf_greedy(policy, p, m) for p, m in zip(prompts, MAX_TOKENS)]
+
+
+def mid_sequence_switches(step_log) -> int:
+    """Consecutive steps at the same batch size (no request joined or left) that ran different k."""
+    return sum(a[0] == b[0] and a[1] != b[1] for a, b in zip(step_log, step_log[1:]))
+
+
+def test_cost_model_warmup_on_the_real_engine(policy):
+    eng = Engine(policy, NgramDrafter(), max_batch=8, max_seq_len=256, k_max=3)
+    cost = cost_model.measure(eng, task_prompts(8), buckets=[1, 4, 8], ks=[0, 1, 3], steps=3)
+    assert set(cost.table) == {(b, k) for b in (1, 4, 8) for k in (0, 1, 3)}
+    assert all(0 < t < 5 for t in cost.table.values())
+    assert not eng.has_unfinished() and eng.choose_k(1, eng.stats) == 0  # left idle, hook restored
+    with pytest.raises(ValueError, match="max_batch"):
+        cost_model.measure(eng, task_prompts(2), buckets=[16], ks=[0])
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_adaptive_switching_k_greedy_matches_hf(policy, reference, drafter):
+    prompts, refs = reference
+    d = NgramDrafter() if drafter == "ngram" else DraftModelDrafter(random_micro(seed=3))
+    eng = Engine(policy, d, max_batch=5, max_seq_len=256, k_max=4)
+    cost = cost_model.measure(eng, prompts, buckets=[1, 2, 4, 5], ks=[0, 1, 2, 4], steps=2)
+    sel = AdaptiveSelector(cost, AcceptanceTracker(k_max=4), epsilon=0.5, hysteresis=0.0, seed=3)
+    eng.choose_k = sel
+    outs = eng.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0) for m in MAX_TOKENS])
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        assert o.token_ids == r, f"prompt {i}: engine {o.token_ids} != HF {r}"
+    assert mid_sequence_switches(eng.step_log) >= 5, eng.step_log[:20]
+    assert sel.acceptance.updates > 0 and sel.cost.observed > 0  # it learned from the engine's own stats
+
+
+def test_adaptive_switching_k_sampling_is_exact():
+    """The engine sampling test's independent reference (exact enumeration of the target's first three
+    tokens through HF's warpers) with the adaptive selector choosing k at every step."""
+    from test_engine_sampling import PROMPT, SETTINGS, N, check, enumerate_joint, small_llama
+
+    torch.set_num_threads(2)
+    target, poor = small_llama(0), small_llama(1)
+    setting = SETTINGS["t0.7-p0.9"]
+    eng = Engine(target, DraftModelDrafter(poor), max_batch=N, max_seq_len=len(PROMPT) + 3, k_max=2)
+    cost = cost_model.CostModel([1], [0, 1, 2], {(1, 0): 1.0, (1, 1): 1.0, (1, 2): 1.0})
+    sel = AdaptiveSelector(cost, AcceptanceTracker(k_max=2), epsilon=0.5, learn_cost=False, seed=4)
+    ks = []
+
+    def choose(n, stats):
+        ks.append(sel(n, stats))
+        return ks[-1]
+
+    eng.choose_k = choose
+    outs = eng.generate([PROMPT] * N, [SamplingParams(max_tokens=3, seed=i, ignore_eos=True, **setting) for i in range(N)])
+    import numpy as np
+
+    toks = np.array([o.token_ids for o in outs])
+    assert len(set(ks)) >= 2 and max(ks) > 0, ks  # k changed between the steps of the same sequences
+    ok, pval, tv, bound = check(toks, enumerate_joint(target, **setting))
+    assert ok, f"k sequence {ks}: chi-square p={pval:.2e}, TV={tv:.4f} (bound {bound:.4f})"
