@@ -4,6 +4,8 @@ Also: the cost model's warm-up on a real engine, and the selector learning from 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from engine_helpers import hf_greedy, micro_policy, random_micro, task_prompts
@@ -32,7 +34,7 @@ def reference(policy):
 
 def mid_sequence_switches(step_log) -> int:
     """Consecutive steps at the same batch size (no request joined or left) that ran different k."""
-    return sum(a[0] == b[0] and a[1] != b[1] for a, b in zip(step_log, step_log[1:]))
+    return sum(a[0] == b[0] and a[1] != b[1] for a, b in itertools.pairwise(step_log))
 
 
 def test_cost_model_warmup_on_the_real_engine(policy):

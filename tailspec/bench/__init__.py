@@ -4,6 +4,7 @@ very last stdout line with --json, one JSON object. Register a new one in BENCHE
 
 BENCHES: dict[str, str] = {
     "task": "tailspec.bench.task",
+    "adaptive": "tailspec.bench.adaptive",
     "scheduler": "tailspec.bench.scheduler",
     "dashboard": "tailspec.bench.dashboard",
     "vllm": "tailspec.bench.vllm",

@@ -131,7 +131,7 @@ def _graph_pool_section(target, cost, device: str) -> dict:
         ids = torch.randint(0, target.config.vocab_size, (b, k + 1), device=device)
         start = torch.full((b,), 100, dtype=torch.long, device=device)
 
-        def t(fn):
+        def t(fn, ids=ids, start=start, k=k):
             for _ in range(3):
                 fn(ids, start, 0, max_pos=100 + k)
             torch.cuda.synchronize()
