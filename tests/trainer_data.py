@@ -7,7 +7,7 @@ from pathlib import Path
 from tailspec.state import Sample
 
 
-def policy_samples(preset: str, n: int, seed: int = 0) -> tuple[Path, list[Sample]]:
+def policy_samples(preset: str, n: int, seed: int = 0, max_new_tokens: int | None = 128) -> tuple[Path, list[Sample]]:
     from tailspec.bench.trainer import policy_samples as make
 
-    return make(preset, n, seed)
+    return make(preset, n, seed, max_new_tokens=max_new_tokens)

@@ -29,8 +29,11 @@ import torch
 from tailspec.state import Sample
 
 
-def generate_task_samples(policy_dir: str | Path, n: int, seed: int = 0, temperature: float = 1.0) -> list[Sample]:
-    """n rollout samples of a policy on the built-in task (prompts, sampled responses, exact rewards)."""
+def generate_task_samples(policy_dir: str | Path, n: int, seed: int = 0, temperature: float = 1.0,
+                          max_new_tokens: int | None = None) -> list[Sample]:
+    """n rollout samples of a policy on the built-in task (prompts, sampled responses, exact rewards).
+    `max_new_tokens` caps the responses (a capped response is a prefix of a policy sample: still right
+    for distillation; its reward is that of the unfinished text, 0)."""
     from tailspec.tasks.policy import generate_responses, load_policy
     from tailspec.tasks.runsum import grade, sample_problems
     from tailspec.tasks.tokenizer import decode_response, encode_prompt
@@ -39,6 +42,8 @@ def generate_task_samples(policy_dir: str | Path, n: int, seed: int = 0, tempera
     problems = sample_problems(n, seed=10_000 + seed)
     prompts = [encode_prompt(tok, p.prompt) for p in problems]
     max_new = max(len(p.gold) for p in problems) + 16
+    if max_new_tokens is not None:
+        max_new = min(max_new, max_new_tokens)
     responses = generate_responses(model, tok, prompts, max_new, temperature=temperature, seed=seed)
     return [
         Sample(prompt_ids=pr, response_ids=r, reward=grade(p, decode_response(tok, r)).reward, policy_version=0,
@@ -47,15 +52,17 @@ def generate_task_samples(policy_dir: str | Path, n: int, seed: int = 0, tempera
     ]
 
 
-def policy_samples(preset: str, n: int, seed: int = 0, temperature: float = 1.0) -> tuple[Path, list[Sample]]:
+def policy_samples(preset: str, n: int, seed: int = 0, temperature: float = 1.0,
+                   max_new_tokens: int | None = None) -> tuple[Path, list[Sample]]:
     """(policy dir, n rollout samples of the task policy), cached as JSON beside the policy."""
     from tailspec.tasks.policy import get_policy
 
     path = get_policy(preset, progress=False)
-    cache = path.parent.parent / "samples" / f"{path.name}-n{n}-s{seed}-t{temperature}.json"
+    cap = f"-m{max_new_tokens}" if max_new_tokens else ""
+    cache = path.parent.parent / "samples" / f"{path.name}-n{n}-s{seed}-t{temperature}{cap}.json"
     if cache.is_file():
         return path, [Sample.model_validate(x) for x in json.loads(cache.read_text())]
-    samples = generate_task_samples(path, n, seed, temperature)
+    samples = generate_task_samples(path, n, seed, temperature, max_new_tokens)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps([s.model_dump(mode="json") for s in samples]))
@@ -66,10 +73,12 @@ def policy_samples(preset: str, n: int, seed: int = 0, temperature: float = 1.0)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", help="task policy preset (default tiny)")
     p.add_argument("--samples", type=int, default=800, help="rollout samples to generate (train + held out)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated response length")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps of the main training run")
     p.add_argument("--compare-steps", type=int, default=100, help="steps of each reward/uniform run (0 = skip)")
     p.add_argument("--stops", type=int, default=20, help="sessions stopped at random moments")
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of every run (overrides trainer.lr)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
 
 
@@ -77,7 +86,7 @@ def _trainer_cfg(args, ckdir: str, **kw):
     from tailspec.cli import config_from_args
 
     cfg = config_from_args(args).trainer
-    return cfg.model_copy(update={"checkpoint_dir": ckdir, **kw})
+    return cfg.model_copy(update={"checkpoint_dir": ckdir, "lr": args.lr, **kw})
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -89,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.time()
-    path, samples = policy_samples(args.preset, args.samples, seed=0)
+    path, samples = policy_samples(args.preset, args.samples, seed=0, max_new_tokens=args.max_new_tokens)
     log(f"policy {path.name}: {len(samples)} samples in {time.time() - t0:.1f}s, "
         f"mean reward {np.mean([s.reward for s in samples]):.3f}, "
         f"mean response {np.mean([len(s.response_ids) for s in samples]):.1f} tokens")
@@ -155,6 +164,7 @@ def run(args: argparse.Namespace) -> dict:
         "k": args.k,
         "steps": args.steps,
         "batch_size": cfg.batch_size,
+        "lr": cfg.lr,
         "ttt_length": cfg.ttt_length,
         "train_seconds": round(train_s, 2),
         "train_tokens_per_s": round(tokens / max(train_s, 1e-9), 1),
