@@ -111,6 +111,21 @@ class CostModel:
         self.factor[key] = f * (ratio / f) ** self.ema if f > 0 else ratio
         self.observed += 1
 
+    def monotone(self) -> CostModel:
+        """Project the table onto costs non-decreasing in b and in k: t(b, k) = min over b' >= b, k' >= k.
+
+        More rows or more drafts never cost less, and timing noise on a shared machine is one-sided
+        (preemption only adds time), so every measurement is an upper bound on the true cost of itself and
+        of every smaller shape: the smallest such bound is the better estimate.
+        """
+        t = dict(self.table)
+        for b in reversed(self.buckets):
+            for i, k in reversed(list(enumerate(self.ks))):
+                nb = [t[(b2, k)] for b2 in self.buckets if b2 > b][:1]
+                nk = [t[(b, self.ks[i + 1])]] if i + 1 < len(self.ks) else []
+                t[(b, k)] = min([t[(b, k)], *nb, *nk])
+        return CostModel(list(self.buckets), list(self.ks), t, self.ema, self.clip)
+
     # -- (de)serialisation: JSON-friendly, for logs and the benchmark ---------------------------------------
     def to_dict(self) -> dict:
         return {
@@ -135,13 +150,16 @@ def measure(
     ks: Sequence[int] | None = None,
     steps: int = 5,
     temperature: float = 1.0,
+    passes: int = 1,
 ) -> CostModel:
     """Warm-up: time `steps` decode steps of the real engine at every (bucket, k), keep the lower quartile.
 
     For each bucket a fresh batch of `bucket` requests (prompts cycled) runs with ignore_eos and enough
     max_tokens that nobody finishes inside the timed window, so every timed step has exactly that batch.
     The step that admits (prefill) is not timed. The engine must be idle; it is left idle. Its strategy hook
-    is restored afterwards.
+    is restored afterwards. With `passes` > 1 the whole sweep repeats and each entry keeps its smallest
+    estimate (a burst of load on a shared machine then spoils one pass, not the table); the result is
+    projected onto monotone costs (`CostModel.monotone`).
     """
     from tailspec.rollout.sequence import SamplingParams
     from tailspec.rollout.strategy import fixed_k
@@ -161,31 +179,34 @@ def measure(
     hook = engine.choose_k
     table: dict[tuple[int, int], float] = {}
     try:
-        for b in buckets:
-            for k in ks:
-                engine.choose_k = fixed_k(k)
-                longest = max(len(prompts[i % len(prompts)]) for i in range(b))
-                max_tokens = min((steps + 2) * (k + 1), engine.max_seq_len - longest)
-                if max_tokens < steps + 2:
-                    raise ValueError(f"prompts too long for the warm-up (max_seq_len={engine.max_seq_len})")
-                params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=0)
-                for i in range(b):
-                    engine.add_request(list(prompts[i % len(prompts)]), params)
-                engine.step()  # admission + first step, not timed
-                times = []
-                while len(times) < steps and engine.slots.n == b:
-                    engine.step()
-                    if engine.stats.last_batch == b:
-                        times.append(engine.stats.last_step_s)
-                while engine.has_unfinished():  # drain cheaply
-                    engine.choose_k = fixed_k(0)
-                    engine.step()
-                # lower quartile: on a shared machine the slow outliers are preemptions, not the step's cost
-                table[(b, k)] = statistics.quantiles(times, n=4, method="inclusive")[0] if len(times) >= 2 else (times or [float("nan")])[0]
+        for b, k in [(b, k) for _ in range(passes) for b in buckets for k in ks]:
+            engine.choose_k = fixed_k(k)
+            longest = max(len(prompts[i % len(prompts)]) for i in range(b))
+            max_tokens = min((steps + 2) * (k + 1), engine.max_seq_len - longest)
+            if max_tokens < steps + 2:
+                raise ValueError(f"prompts too long for the warm-up (max_seq_len={engine.max_seq_len})")
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=0)
+            for i in range(b):
+                engine.add_request(list(prompts[i % len(prompts)]), params)
+            engine.step()  # admission + first step, not timed
+            times = []
+            while len(times) < steps and engine.slots.n == b:
+                engine.step()
+                if engine.stats.last_batch == b:
+                    times.append(engine.stats.last_step_s)
+            while engine.has_unfinished():  # drain cheaply
+                engine.choose_k = fixed_k(0)
+                engine.step()
+            # lower quartile: on a shared machine the slow outliers are preemptions, not the step's cost
+            if len(times) >= 2:
+                est = statistics.quantiles(times, n=4, method="inclusive")[0]
+            else:
+                est = times[0] if times else float("nan")
+            table[(b, k)] = min(est, table.get((b, k), float("inf")))
     finally:
         engine.choose_k = hook
     bad = [key for key, v in table.items() if not v > 0]
     if bad:
         raise RuntimeError(f"warm-up could not time (bucket, k) = {bad[:4]} (batch shrank before any timed step)")
-    return CostModel(buckets, ks, table)
+    return CostModel(buckets, ks, table).monotone()
 

@@ -212,3 +212,18 @@ def test_cost_model_lookup_and_online_refresh():
         CostModel([1, 2], [0, 1], {(1, 0): 0.1})
     assert default_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert default_ks(8) == [0, 1, 2, 3, 4, 6, 8]
+
+
+def test_cost_model_monotone_projection_removes_one_sided_noise():
+    true = {(b, k): synthetic_time(b, k) for b in BUCKETS for k in KS}
+    noisy = dict(true)
+    noisy[(4, 1)] *= 3.0  # a preemption during its warm-up
+    noisy[(16, 0)] *= 2.5
+    fixed = CostModel(BUCKETS, KS, noisy).monotone()
+    # bounded by the smaller of the next larger shapes' times
+    assert fixed.table[(4, 1)] == pytest.approx(min(true[(4, 2)], true[(8, 1)]))
+    assert fixed.table[(16, 0)] == pytest.approx(min(true[(16, 1)], true[(32, 0)]))
+    for b in BUCKETS:
+        for k in KS:
+            assert fixed.table[(b, k)] <= noisy[(b, k)]
+    assert all(fixed.table[(b, k)] == true[(b, k)] for b, k in true if (b, k) not in {(4, 1), (16, 0)})

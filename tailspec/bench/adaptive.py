@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> dict:
     pool_prompts = _prompts(tok, 512, 11, cfg.task)
     warm = make_engine(max(batches), 0)
     cost = cost_model.measure(warm, pool_prompts, buckets=cost_model.default_buckets(max(batches)), ks=ks,
-                              steps=6, temperature=args.temperature)
+                              steps=6, temperature=args.temperature, passes=2)
     print(f"cost model measured in {time.perf_counter() - t_start:.1f}s (ms per step):", file=out)
     print("  b \\ k " + "".join(f"{k:>8}" for k in cost.ks), file=out)
     for b in cost.buckets:
