@@ -25,7 +25,9 @@ TRAIN_STEPS = 60  # enough for a clear acceptance gain on the tiny policy; a CPU
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", choices=["micro", "tiny", "small"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small"],
+                   help="built-in policy (EAGLE-3 export needs >= 4 target layers, so not micro)")
+    p.add_argument("--policy", default=None, help="a policy directory instead of a preset (HF dir with tokenizer)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per measurement (default 8)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=4, help="draft length (num_speculative_tokens)")
@@ -111,14 +113,20 @@ def in_process_engine() -> dict:
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> dict:
-    import vllm
+    # vLLM logs to stdout by default; the JSON object must stay the last stdout line
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    try:
+        import vllm
+    except ImportError:
+        raise SystemExit("tailspec bench vllm needs vLLM: `pip install tailspec[vllm]` on a GPU machine, or "
+                         "`make vllm-env` and `.venv-vllm/bin/tailspec bench vllm` for the CPU build") from None
 
     from tailspec.commands.bench import machine
     from tailspec.rollout.vllm_backend import DrafterSpec, VllmRollout, greedy
     from tailspec.tasks.policy import get_policy
 
     out = sys.stderr if getattr(args, "json", False) else sys.stdout
-    policy = get_policy(args.preset)
+    policy = Path(args.policy) if args.policy else get_policy(args.preset)
     t0 = time.perf_counter()
     drafters = cached_drafters(policy, train_steps=args.train_steps)
     print(f"drafters ready in {time.perf_counter() - t0:.1f}s: {drafters['trained'].parent}", file=out)
@@ -147,7 +155,7 @@ def run(args: argparse.Namespace) -> dict:
           f"{tr.counters.acceptance_length:.3f}, {tr.tokens_per_s:.1f} tok/s; greedy identical: {same}", file=out)
     return {
         "vllm_version": vllm.__version__,
-        "preset": args.preset, "k": args.k, "prompts": len(prompts), "max_tokens": args.max_tokens,
+        "policy": args.policy or args.preset, "k": args.k, "prompts": len(prompts), "max_tokens": args.max_tokens,
         "acceptance_length": {"untrained": round(unt.counters.acceptance_length, 4),
                               "trained": round(tr.counters.acceptance_length, 4)},
         "acceptance_per_pos": {"untrained": unt.counters.accepted_per_pos, "trained": tr.counters.accepted_per_pos},
