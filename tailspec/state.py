@@ -171,6 +171,49 @@ class Event(_Payload):
     ts: float = Field(default_factory=time.time)
 
 
+class WorkRequest(_Payload):
+    rid: int = Field(ge=0)
+    prompt_ids: list[int]
+    seed: int
+
+
+class WorkItem(_Payload):
+    """The demo's RL loop → one rollout worker: generate these requests with this policy and drafter."""
+
+    step: int = Field(ge=0)
+    policy_path: str | None = None
+    policy_version: int = Field(0, ge=0)
+    drafter_path: str | None = Field(None, description="drafter checkpoint directory; None = no speculation")
+    drafter_version: int | None = None
+    selector: Literal["adaptive", "fixed", "beg", "threshold"] = "adaptive"
+    k: int = Field(4, ge=0, le=16)
+    temperature: float = Field(1.0, ge=0)
+    max_tokens: int = Field(512, ge=1)
+    requests: list[WorkRequest] = Field(default_factory=list)
+    stop: bool = False
+
+
+class WorkOutput(_Payload):
+    rid: int = Field(ge=0)
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+    target_forwards: int = Field(ge=0)
+    drafted: int = Field(ge=0)
+    accepted: int = Field(ge=0)
+
+
+class WorkResult(_Payload):
+    worker: str
+    step: int = Field(ge=0)
+    outputs: list[WorkOutput]
+    started_at: float
+    finished_at: float
+    decode_steps: int = Field(0, ge=0)
+    strategy_mix: dict[str, int] = Field(default_factory=dict)
+    error: str | None = None
+
+
 RedisType = Literal["string", "hash", "stream", "counter", "list", "set"]
 
 
@@ -225,6 +268,10 @@ KEYS: dict[str, KeySpec] = {
                 "float counters: idle_gpu_seconds, lent_gpu_seconds, sessions_started, sessions_stopped, "
                 "sessions_preempted"),
         KeySpec("events", "history:events", "stream", "any", Event, "capped event log, field 'data'"),
+        KeySpec("demo_work", "demo:work:{worker}", "list", "demo RL loop", WorkItem,
+                "the demo's work queue of one rollout worker (RPUSH / BLPOP)"),
+        KeySpec("demo_results", "demo:results", "list", "demo rollout workers", WorkResult,
+                "finished rollouts back to the demo's RL loop"),
         KeySpec("scheduler_heartbeat", "scheduler:heartbeat", "string", "scheduler", None,
                 "time.time() of the scheduler's last loop, PX-expiring"),
     ]

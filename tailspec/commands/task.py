@@ -44,13 +44,12 @@ def resolve_policy(spec: str, cfg) -> str:
     """A directory path as given, or a preset name → the cached (built on first use) policy directory."""
     from pathlib import Path
 
-    from tailspec.tasks.policy import PRESETS, get_policy
+    from tailspec.tasks import policy
 
-    if spec in PRESETS and not Path(spec).exists():
-        return str(get_policy(spec, cfg.task, cache_dir=Path(cfg.cache_dir)))
-    if not Path(spec).is_dir():
-        raise SystemExit(f"tailspec: --policy {spec!r} is neither a directory nor a preset ({', '.join(PRESETS)})")
-    return spec
+    try:
+        return str(policy.resolve_policy(spec, cfg.task, cache_dir=Path(cfg.cache_dir)))
+    except ValueError as e:
+        raise SystemExit(f"tailspec: --policy: {e}") from None
 
 
 def _sample(args: argparse.Namespace) -> int:

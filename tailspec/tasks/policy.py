@@ -289,6 +289,16 @@ def policy_meta(path: str | Path) -> dict:
     return json.loads(f.read_text()) if f.is_file() else {}
 
 
+def resolve_policy(spec: str | Path, task: TaskConfig | None = None, cache_dir: str | Path | None = None) -> Path:
+    """A policy directory as given, or a preset name → its cached (built on first use) directory."""
+    if str(spec) in PRESETS and not Path(spec).exists():
+        return get_policy(str(spec), task, cache_dir=cache_dir)
+    if not (Path(spec) / "config.json").is_file():
+        raise ValueError(f"policy {str(spec)!r} is neither a policy directory (with config.json) nor a preset "
+                         f"({', '.join(PRESETS)})")
+    return Path(spec)
+
+
 def get_policy(
     preset: str = "tiny",
     task: TaskConfig | None = None,

@@ -1,0 +1,110 @@
+"""The first drafter of a run: trained offline on the initial policy's own rollouts, as a team would train
+an EAGLE-3 head for its base model before RL starts. The frozen baseline keeps it for the whole run (naive
+speculative decoding); the co-trained run starts from it and keeps training on idle GPUs.
+
+Cached per (policy directory, trainer settings, budget), so repeated demos and benchmarks reuse it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tailspec.config import TailspecConfig
+from tailspec.state import Sample
+
+log = logging.getLogger("tailspec.demo")
+
+
+def rollout_samples(policy_dir: str | Path, cfg: TailspecConfig, n: int, seed: int, max_seq_len: int = 640) -> list[Sample]:
+    """`n` graded rollouts of the policy at temperature 1 (native engine, plain decoding)."""
+    from tailspec.rollout.engine import Engine
+    from tailspec.rollout.sequence import SamplingParams
+    from tailspec.tasks.policy import load_policy
+    from tailspec.tasks.runsum import grade, sample_problems
+    from tailspec.tasks.tokenizer import decode_response, encode_prompt
+
+    model, tok = load_policy(policy_dir)
+    problems = sample_problems(n, cfg.task, seed=seed + 77_777)  # disjoint from the RL steps' seeds
+    prompts = [encode_prompt(tok, p.prompt) for p in problems]
+    engine = Engine(model, None, max_batch=64, max_seq_len=max_seq_len, seed=seed)
+    params = [SamplingParams(max_tokens=max_seq_len - len(p), temperature=1.0, seed=seed + i) for i, p in enumerate(prompts)]
+    outs = engine.generate(prompts, params)
+    return [
+        Sample(prompt_ids=p, response_ids=o.token_ids, reward=grade(q, decode_response(tok, o.token_ids), cfg.task).reward,
+               policy_version=0, group_id=f"boot:{i}")
+        for i, (q, p, o) in enumerate(zip(problems, prompts, outs))
+    ]
+
+
+def _key(policy_dir: Path, cfg: TailspecConfig, n: int, seconds: float, seed: int) -> str:
+    weights = policy_dir / "model.safetensors"
+    h = hashlib.sha256()
+    h.update(json.dumps({"trainer": cfg.trainer.model_dump(exclude={"checkpoint_dir"}), "n": n, "s": seconds,
+                         "seed": seed, "task": cfg.task.model_dump()}, sort_keys=True).encode())
+    h.update(weights.read_bytes() if weights.is_file() else str(policy_dir).encode())
+    return h.hexdigest()[:16]
+
+
+def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256, seconds: float = 60.0,
+                      seed: int = 0, progress: bool = True) -> str:
+    """Path of the first drafter (the project's checkpoint format), trained on first use and cached."""
+    from tailspec.drafter_trainer.model import Eagle3Drafter
+    from tailspec.drafter_trainer.samples import fill_buffer
+    from tailspec.drafter_trainer.session import TrainingSession
+    from tailspec.drafter_trainer.teacher import Teacher
+    from tailspec.sessions import make_buffer
+
+    policy_dir = Path(policy_dir)
+    out = Path(cfg.cache_dir) / "drafters" / f"{policy_dir.name}-{_key(policy_dir, cfg, n, seconds, seed)}"
+    if (out / "config.json").is_file():
+        return str(out)
+    t0 = time.time()
+    samples = rollout_samples(policy_dir, cfg, n, seed)
+    teacher = Teacher.from_dir(policy_dir)
+    buffer = make_buffer(cfg)
+    fill_buffer(buffer, samples, teacher.config.vocab_size, cfg.trainer.max_seq_len)
+    with tempfile.TemporaryDirectory(prefix="tailspec-boot-") as tmp:
+        session = TrainingSession(cfg.trainer, teacher, buffer, checkpoint_dir=Path(tmp) / "ckpt")
+        res = session.run(max_seconds=seconds)
+        drafter: Eagle3Drafter = session.drafter
+        drafter.eval()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        drafter.save(out, extra={"bootstrap": {"samples": n, "steps": res.steps, "seconds": res.seconds,
+                                               "final_loss": res.losses[-1] if res.losses else None}})
+        session.close()
+    log.info("bootstrap drafter: %d samples, %d steps in %.0fs → %s", n, res.steps, time.time() - t0, out)
+    return str(out)
+
+
+def seed_store(drafter_path: str, cfg: TailspecConfig, redis) -> None:
+    """Make the bootstrap drafter version 1 of the run (promoted) and the checkpoint sessions resume from."""
+    from tailspec.drafter_trainer.checkpoint import save_checkpoint
+    from tailspec.drafter_trainer.model import Eagle3Drafter
+    from tailspec.drafter_trainer.versions import VersionStore
+    from tailspec.state import DrafterVersion
+    from tailspec import state
+
+    root = Path(cfg.trainer.checkpoint_dir)
+    drafter = Eagle3Drafter.load(drafter_path)
+    save_checkpoint(root / "checkpoints", drafter, None, {"step": 0, "tokens": 0, "backend": cfg.trainer.backend,
+                                                           "session_id": "bootstrap", "policy_version": 0})
+    store = VersionStore(root / "versions", redis, cfg.cluster.name)
+    number = store._next_number()
+    dst = store.path(number)
+    shutil.copytree(drafter_path, dst, dirs_exist_ok=True)
+    info = DrafterVersion(version=number, path=str(dst.resolve()), policy_version=0, acceptance_length=None,
+                          promoted=True, created_at=time.time(), session_id="bootstrap",
+                          note="bootstrap drafter (trained offline on the initial policy)")
+    (dst / "version.json").write_text(info.model_dump_json())
+    store._record(info)
+    # the sessions' proposal marker: step 0 needs no validation
+    (root / "PROPOSED_STEP").write_text("0")
+    assert state.get(redis, state.key(cfg.cluster.name, "drafter_current"), DrafterVersion) is not None

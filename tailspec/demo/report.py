@@ -1,0 +1,168 @@
+"""The run directory's report: report.md, and PNG plots of the per-GPU timeline, acceptance (co-trained vs
+frozen), the step-time split and the reward curve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+STATE_COLORS = {
+    "generating": "#4c78a8",
+    "drained": "#bab0ac",
+    "lent": "#54a24b",
+    "reclaiming": "#f58518",
+    "unknown": "#eeeeee",
+}
+STATE_LABELS = {"generating": "generating", "drained": "idle", "lent": "training drafter",
+                "reclaiming": "reclaiming", "unknown": "RL trainer / unknown"}
+
+
+def read_timeline(r: Any, cluster: str) -> list[dict]:
+    """Every GPU state transition of the run, oldest first, from the status history stream."""
+    from tailspec import state
+
+    entries, _ = state.read_stream(r, state.key(cluster, "status_history"), state.GpuStatus)
+    return [e.model_dump(mode="json") for _, e in entries]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_timeline(timeline: list[dict], steps: list[dict], out: Path, title_note: str = "") -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(11, 0.6 * max(2, len({(t["node"], t["gpu"]) for t in timeline})) + 1.8))
+    t_min = min([t["since"] for t in timeline if t["since"] > 0] + [s["t_start"] for s in steps if "t_start" in s] or [0])
+    t_end = max([s.get("t_end", 0) for s in steps] + [t["since"] for t in timeline] or [t_min + 1])
+    gpus = sorted({(t["node"], t["gpu"]) for t in timeline})
+    seen: set[str] = set()
+    for row, g in enumerate(gpus):
+        trans = sorted((t for t in timeline if (t["node"], t["gpu"]) == g and t["since"] > 0), key=lambda t: t["since"])
+        for a, b in zip(trans, trans[1:] + [None]):
+            start, stop = a["since"], (b["since"] if b else t_end)
+            st = a["state"]
+            label = STATE_LABELS.get(st, st) if st not in seen else None
+            seen.add(st)
+            ax.barh(row, stop - start, left=start - t_min, color=STATE_COLORS.get(st, "#999"), label=label, height=0.7)
+    for s in steps:
+        if "t_start" in s:
+            ax.axvline(s["t_start"] - t_min, color="black", lw=0.6, ls=":")
+    ax.set_yticks(range(len(gpus)))
+    ax.set_yticklabels([f"{n}:gpu{g}" for n, g in gpus])
+    ax.set_xlabel("seconds since the first rollout (dotted: RL step starts)")
+    ax.set_title(f"Per-GPU timeline: generating / idle / training the drafter {title_note}".strip())
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_acceptance(rows: list[dict], out: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = [r["step"] for r in rows]
+    co = [r.get("acceptance_cotrained") for r in rows]
+    fr = [r.get("acceptance_frozen") for r in rows]
+    if any(v is not None for v in co):
+        ax.plot(x, co, "o-", color="#54a24b", label="co-trained drafter (current version)")
+    if any(v is not None for v in fr):
+        ax.plot(x, fr, "s--", color="#e45756", label="frozen copy of the first drafter")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("expected acceptance length (k = 4)")
+    ax.set_title("Acceptance on each step's own samples: co-trained vs frozen")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_step_split(rows: list[dict], out: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = [r["step"] for r in rows]
+    roll = [r["rollout_time_s"] for r in rows]
+    train = [r["train_time_s"] for r in rows]
+    ax.bar(x, roll, color="#4c78a8", label="rollout")
+    ax.bar(x, train, bottom=roll, color="#f58518", label="RL update + sync")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("seconds")
+    ax.set_title("Step-time split")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_reward(rows: list[dict], out: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = [r["step"] for r in rows]
+    ax.plot(x, [r["mean_reward"] for r in rows], "o-", label="mean reward")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean reward (exact answer)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Reward curve (GRPO on the tiny policy)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def num(v: Any, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def write_report(run_dir: Path, rows: list[dict], timeline: list[dict], meta: dict) -> Path:
+    run_dir = Path(run_dir)
+    plots = {
+        "timeline": plot_timeline(timeline, rows, run_dir / "timeline.png", "(simulated GPUs)"),
+        "acceptance": plot_acceptance(rows, run_dir / "acceptance.png"),
+        "split": plot_step_split(rows, run_dir / "step_time.png"),
+        "reward": plot_reward(rows, run_dir / "reward.png"),
+    }
+    idle = sum(r["idle_gpu_seconds"] for r in rows)
+    lent = sum(r["lent_gpu_seconds"] for r in rows)
+    lines = [
+        f"# tailspec demo — {meta.get('mode', '')} run",
+        "",
+        f"- run directory: `{run_dir}`",
+        f"- policy: `{meta.get('policy')}`; {meta.get('workers')} rollout workers on **simulated** GPUs "
+        "(telemetry derived from the workers' own activity)",
+        f"- steps: {len(rows)}; prompts × group per step: {meta.get('prompts_per_step')} × {meta.get('group_size')}",
+        f"- idle GPU-seconds in the long tail: {idle:.1f}; lent to drafter training: {lent:.1f} "
+        f"(reclaimed share {lent / idle if idle else 0:.2f})",
+    ]
+    if meta.get("dashboard"):
+        lines.append(f"- live dashboard while the run went on: {meta['dashboard']} (read-only; gone with the run)")
+    for fmt, path in (meta.get("exported") or {}).items():
+        what = "EAGLE-3 directory for vLLM / SGLang" if fmt == "eagle3" else "HF directory (carries embed_tokens)"
+        lines.append(f"- exported drafter ({what}): `{path}`")
+    for fmt, err in (meta.get("export_errors") or {}).items():
+        lines.append(f"- export {fmt} skipped: {err}")
+    lines += ["", "| step | step s | rollout s | idle GPU·s | lent GPU·s | drafter v | acc. len | acc. co-trained | "
+              "acc. frozen | tok/s | reward | logprob Δ |", "|" + "---|" * 12]
+    for r in rows:
+        lines.append(
+            f"| {r['step']} | {r['step_time_s']:.1f} | {r['rollout_time_s']:.1f} | {r['idle_gpu_seconds']:.1f} | "
+            f"{r['lent_gpu_seconds']:.1f} | {num(r['drafter_version'], 'd')} | {r['acceptance_length']:.2f} | "
+            f"{num(r['acceptance_cotrained'])} | {num(r['acceptance_frozen'])} | {r['rollout_tokens_per_s']:.0f} | "
+            f"{r['mean_reward']:.2f} | {r['logprob_max_abs_diff']:.1e} |")
+    lines += ["", "acc. len = tokens emitted per target forward in the rollout itself; acc. co-trained / frozen = expected "
+              "acceptance length at k = 4 of each drafter on that step's own samples, current policy as teacher.", ""]
+    for name, p in plots.items():
+        lines += [f"![{name}]({p.name})", ""]
+    out = run_dir / "report.md"
+    out.write_text("\n".join(lines))
+    (run_dir / "timeline.json").write_text(json.dumps(timeline))
+    return out

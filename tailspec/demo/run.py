@@ -1,0 +1,434 @@
+"""The demo's driver: a real GRPO loop on the tiny policy whose rollouts run on N simulated GPUs, with
+tailspec attached exactly as it would be to verl or NeMo-RL — through the client calls only.
+
+Per RL step:
+  set_phase(rollout) → work to every worker → workers decode, report progress, drain one by one
+  → the scheduler lends drained GPUs to drafter-training sessions while the tail runs
+  → last worker done: set_phase(train) → leases revoked, sessions stop
+  → grade, GRPO update, submit samples (ids, reward, policy version), publish policy version N+1
+  → workers load the newest promoted drafter at the next phase start.
+
+Three modes share every seed: `cotrained` (the above), `frozen` (speculative decoding with the first
+drafter forever, no lending) and `nospec` (plain decoding, no lending). All three run the scheduler in
+watch mode, so idle GPU-seconds are measured the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from tailspec import state
+from tailspec.config import TailspecConfig
+from tailspec.rl import Rollout, grpo_step, recompute_logprobs, save_policy_weights
+from tailspec.state import Sample, WorkItem, WorkRequest, WorkResult
+
+log = logging.getLogger("tailspec.demo")
+Mode = Literal["cotrained", "frozen", "nospec"]
+
+
+@dataclass
+class DemoOptions:
+    steps: int = 6
+    workers: int = 4
+    mode: Mode = "cotrained"
+    seed: int = 0
+    prompts_per_step: int = 16
+    group_size: int = 4
+    policy: str = "tiny"
+    lr: float = 3e-5
+    temperature: float = 1.0
+    max_tokens: int = 512
+    max_seq_len: int = 640
+    k: int = 4
+    bootstrap_samples: int = 256
+    bootstrap_seconds: float = 60.0
+    validation_samples: int = 32
+    run_dir: Path | None = None
+    redis_url: str | None = None
+    dashboard: bool = True
+    live: bool = True
+    export: bool = True
+    plots: bool = True
+
+
+@dataclass
+class StepRow:
+    step: int
+    mode: str
+    step_time_s: float
+    rollout_time_s: float
+    train_time_s: float
+    idle_gpu_seconds: float
+    lent_gpu_seconds: float
+    drafter_version: int | None
+    acceptance_length: float
+    acceptance_frozen: float | None
+    acceptance_cotrained: float | None
+    tokens: int
+    rollout_tokens_per_s: float
+    mean_reward: float
+    accuracy: float
+    policy_version: int
+    logprob_max_abs_diff: float
+    sessions: int
+    t_start: float = 0.0
+    t_end: float = 0.0
+    worker_busy_s: dict[str, float] = field(default_factory=dict)
+    strategy_mix: dict[str, int] = field(default_factory=dict)
+
+
+def _counters(r, cluster: str) -> dict[str, float]:
+    raw = r.hgetall(state.key(cluster, "counters"))
+    return {k.decode(): float(v) for k, v in raw.items()}
+
+
+class Demo:
+    def __init__(self, opts: DemoOptions, cfg: TailspecConfig):
+        self.o = opts
+        ts = time.strftime("%Y%m%d-%H%M%S")
+        self.run_dir = Path(opts.run_dir or Path("runs") / ts).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.cluster = f"demo-{opts.mode}-{ts}-{os.getpid()}"
+        self.base_cfg = cfg
+        self._procs: list[subprocess.Popen] = []
+        self._redis_server = None
+        self._sched_stop = threading.Event()
+        self._sched_thread: threading.Thread | None = None
+        self._dash = None
+        self.dashboard_url: str | None = None
+        self.exported: dict[str, str] = {}
+        self.export_errors: dict[str, str] = {}
+        self.timeline: list[dict] = []
+        self.rows: list[StepRow] = []
+
+    # -- set-up --------------------------------------------------------------------------------------------
+    def config(self) -> TailspecConfig:
+        c = self.base_cfg.model_copy(deep=True)
+        c.cluster.name = self.cluster
+        c.cluster.redis_url = self.redis_url
+        c.scheduler.telemetry = "simulated"
+        c.scheduler.simulated_gpus = self.o.workers
+        c.scheduler.lend = self.o.mode == "cotrained"
+        c.scheduler.session_entry = "tailspec.sessions:run_session"
+        # A session needs a few seconds to import torch and load the teacher on 2 shared cores: lend only
+        # when the remaining tail is longer than that.
+        c.scheduler.session_startup_s = 2.0
+        c.trainer.checkpoint_dir = str(self.run_dir / "drafter")
+        c.trainer.validate_every_s = 5.0
+        c.trainer.validation_samples = self.o.validation_samples
+        return c
+
+    def start_services(self) -> None:
+        from tailspec.redis_server import start_redis
+
+        if self.o.redis_url:
+            self.redis_url = self.o.redis_url
+        else:
+            self._redis_server = start_redis()
+            self.redis_url = self._redis_server.url
+        import redis
+
+        self.r = redis.Redis.from_url(self.redis_url)
+        self.cfg = self.config()
+        from tailspec.scheduler.client import TailspecClient
+        from tailspec.scheduler.service import run_local
+
+        self.client = TailspecClient(self.redis_url, cluster=self.cluster, node=self.cfg.cluster.node)
+        self._sched_thread = threading.Thread(
+            target=run_local, args=(self.cfg, self._sched_stop, self.redis_url, str(self.run_dir / "sessions")),
+            name="tailspec-scheduler", daemon=True)
+        self._sched_thread.start()
+        if self.o.dashboard:
+            try:
+                from tailspec.dashboards.server import start_dashboard
+
+                self._dash = start_dashboard(self.redis_url, self.cluster, port=0)
+                self.dashboard_url = self._dash.url
+            except Exception as e:  # the dashboard is a view; the run goes on without it
+                log.warning("dashboard not started: %s", e)
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        for w in range(self.o.workers):
+            cmd = [sys.executable, "-m", "tailspec.demo.worker", "--name", f"w{w}", "--gpu", str(w),
+                   "--redis", self.redis_url, "--cluster", self.cluster, "--node", self.cfg.cluster.node,
+                   "--max-seq-len", str(self.o.max_seq_len)]
+            logf = open(self.run_dir / f"worker-w{w}.log", "w")
+            self._procs.append(subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT))
+
+    def stop_services(self) -> None:
+        for w in range(len(self._procs)):
+            try:
+                self.r.rpush(state.key(self.cluster, "demo_work", worker=f"w{w}"),
+                             state.encode(WorkItem(step=0, stop=True)))
+            except Exception:
+                pass
+        for p in self._procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self._sched_stop.set()
+        if self._sched_thread is not None:
+            self._sched_thread.join(timeout=10)
+        try:
+            self.client.close()
+        except Exception:
+            pass
+        if self._dash is not None:
+            self._dash.stop()
+        if self._redis_server is not None:
+            self._redis_server.stop()
+
+    # -- policy and drafters -------------------------------------------------------------------------------
+    def load_initial_policy(self) -> None:
+        from tailspec.tasks.policy import load_policy, resolve_policy
+
+        src = resolve_policy(self.o.policy, self.cfg.task, cache_dir=Path(self.cfg.cache_dir))
+        self.policy_src = src
+        self.model, self.tokenizer = load_policy(src)
+        torch.manual_seed(self.o.seed)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.o.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.policy_version = 0
+        self.policy_path = self.publish_policy()
+
+    def publish_policy(self) -> str:
+        out = save_policy_weights(self.model, self.tokenizer, self.run_dir / "policy" / f"v{self.policy_version}")
+        old = self.run_dir / "policy" / f"v{self.policy_version - 2}"
+        if old.exists():  # keep two versions: a session may still be reading the previous teacher
+            shutil.rmtree(old, ignore_errors=True)
+        return str(out)
+
+    def bootstrap_drafter(self) -> str:
+        """The first drafter: trained offline on the initial policy's own samples (cached per policy).
+        The frozen baseline keeps it forever; the co-trained run starts from it."""
+        from tailspec.demo.bootstrap import bootstrap_drafter
+
+        return bootstrap_drafter(self.policy_src, self.cfg, self.o.bootstrap_samples, self.o.bootstrap_seconds,
+                                 seed=self.o.seed)
+
+    # -- one RL step ---------------------------------------------------------------------------------------
+    def requests(self, step: int) -> tuple[list, list[WorkRequest]]:
+        from tailspec.tasks.runsum import sample_problems
+        from tailspec.tasks.tokenizer import encode_prompt
+
+        problems = sample_problems(self.o.prompts_per_step, self.cfg.task, seed=self.o.seed * 100_003 + step)
+        reqs = []
+        for g, p in enumerate(problems):
+            ids = encode_prompt(self.tokenizer, p.prompt)
+            for j in range(self.o.group_size):
+                rid = g * self.o.group_size + j
+                reqs.append(WorkRequest(rid=rid, prompt_ids=ids, seed=self.o.seed * 1_000_003 + step * 10_007 + rid))
+        return problems, reqs
+
+    def drafter_for_phase(self) -> tuple[str | None, int | None]:
+        if self.o.mode == "nospec":
+            return None, None
+        if self.o.mode == "frozen":
+            return self.frozen_path, 0
+        cur = state.get(self.r, state.key(self.cluster, "drafter_current"), state.DrafterVersion)
+        if cur is None:
+            return self.frozen_path, 0
+        return cur.path, cur.version
+
+    def rollout(self, step: int, reqs: list[WorkRequest], on_progress=None) -> tuple[list[WorkResult], float]:
+        drafter_path, drafter_version = self.drafter_for_phase()
+        self.current_drafter_version = drafter_version
+        shares = [reqs[w :: self.o.workers] for w in range(self.o.workers)]
+        results_key = state.key(self.cluster, "demo_results")
+        self.r.delete(results_key)
+        self.client.set_phase("rollout", step, self.policy_version, self.policy_path)
+        self.client.flush(2.0)
+        t0 = time.time()
+        for w, share in enumerate(shares):
+            item = WorkItem(step=step, policy_path=self.policy_path, policy_version=self.policy_version,
+                            drafter_path=drafter_path, drafter_version=drafter_version,
+                            selector="adaptive", k=self.o.k, temperature=self.o.temperature,
+                            max_tokens=self.o.max_tokens, requests=share)
+            self.r.rpush(state.key(self.cluster, "demo_work", worker=f"w{w}"), state.encode(item))
+        results: list[WorkResult] = []
+        while len(results) < self.o.workers:
+            got = self.r.blpop([results_key], timeout=1)
+            if on_progress is not None:
+                on_progress(step, results)
+            if got is None:
+                dead = [p.args[4] for p in self._procs if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"rollout worker(s) {dead} died; see {self.run_dir}/worker-*.log")
+                continue
+            res = state.decode(WorkResult, got[1], where=results_key)
+            if res.error:
+                raise RuntimeError(f"worker {res.worker} failed at step {step}: {res.error}")
+            results.append(res)
+        t1 = max(r.finished_at for r in results)
+        self.client.set_phase("train", step, self.policy_version, self.policy_path)
+        self.client.flush(2.0)
+        return results, t1 - t0
+
+    def step(self, step: int, on_progress=None) -> StepRow:
+        from tailspec.tasks.runsum import grade
+        from tailspec.tasks.tokenizer import decode_response
+
+        before = _counters(self.r, self.cluster)
+        t_start = time.time()
+        problems, reqs = self.requests(step)
+        results, rollout_s = self.rollout(step, reqs, on_progress)
+        t_train = time.time()
+        by_rid = {o.rid: o for res in results for o in res.outputs}
+        req_of = {q.rid: q for q in reqs}
+        rollouts: list[Rollout] = []
+        samples: list[Sample] = []
+        correct = []
+        for rid in sorted(by_rid):
+            o, q = by_rid[rid], req_of[rid]
+            g = grade(problems[rid // self.o.group_size], decode_response(self.tokenizer, o.token_ids), self.cfg.task)
+            correct.append(g.correct)
+            rollouts.append(Rollout(q.prompt_ids, o.token_ids, o.logprobs, g.reward, rid // self.o.group_size))
+            samples.append(Sample(prompt_ids=q.prompt_ids, response_ids=o.token_ids, reward=g.reward,
+                                  policy_version=self.policy_version, group_id=f"{step}:{rid // self.o.group_size}"))
+        # RL fidelity: the rollout's logprobs are the policy's own (checked on a slice every step).
+        check = rollouts[: min(8, len(rollouts))]
+        ref = recompute_logprobs(self.model, check, self.tokenizer.pad_token_id)
+        lp_diff = max((abs(a - b) for ro, rf in zip(check, ref) for a, b in zip(ro.logprobs, rf)), default=0.0)
+        acc_frozen = acc_co = None
+        if self.o.mode != "nospec":
+            acc_frozen, acc_co = self.measure_acceptance(samples)
+        stats = grpo_step(self.model, self.optimizer, rollouts, self.tokenizer.pad_token_id,
+                          temperature=self.o.temperature)
+        self.client.submit_samples(samples)
+        self.policy_version += 1
+        self.policy_path = self.publish_policy()
+        self.wait_sessions_stopped()
+        t_end = time.time()
+        after = _counters(self.r, self.cluster)
+        outs = [o for res in results for o in res.outputs]
+        fwd = sum(o.target_forwards for o in outs)
+        tokens = sum(len(o.token_ids) for o in outs)
+        mix: dict[str, int] = {}
+        for res in results:
+            for k, v in res.strategy_mix.items():
+                mix[k] = mix.get(k, 0) + v
+        row = StepRow(
+            step=step, mode=self.o.mode, step_time_s=t_end - t_start, rollout_time_s=rollout_s,
+            train_time_s=t_end - t_train,
+            idle_gpu_seconds=after.get("idle_gpu_seconds", 0) - before.get("idle_gpu_seconds", 0),
+            lent_gpu_seconds=after.get("lent_gpu_seconds", 0) - before.get("lent_gpu_seconds", 0),
+            drafter_version=self.current_drafter_version,
+            acceptance_length=tokens / max(fwd, 1), acceptance_frozen=acc_frozen, acceptance_cotrained=acc_co,
+            tokens=tokens, rollout_tokens_per_s=tokens / max(rollout_s, 1e-9), mean_reward=stats.mean_reward,
+            accuracy=float(np.mean(correct)), policy_version=self.policy_version, logprob_max_abs_diff=lp_diff,
+            sessions=int(after.get("sessions_started", 0) - before.get("sessions_started", 0)),
+            t_start=t_start, t_end=t_end,
+            worker_busy_s={r.worker: r.finished_at - r.started_at for r in results}, strategy_mix=mix,
+        )
+        self.publish_rollout_stats(row)
+        return row
+
+    def measure_acceptance(self, samples: list[Sample]) -> tuple[float, float]:
+        """Expected acceptance length at k of the frozen first drafter and of the newest co-trained
+        version, on this step's own samples with the current policy as teacher (same samples for both)."""
+        from tailspec.drafter_trainer.model import Eagle3Drafter
+        from tailspec.drafter_trainer.teacher import Teacher
+        from tailspec.drafter_trainer.versions import validate
+
+        held = samples[:: max(1, len(samples) // self.o.validation_samples)][: self.o.validation_samples]
+        emb = self.model.get_input_embeddings()
+        frozen = Eagle3Drafter.load(self.frozen_path, emb)
+        teacher = Teacher(self.model, frozen.config.aux_layer_ids, policy_version=self.policy_version)
+        a_frozen = validate(frozen, teacher, held, self.o.k).acceptance_length
+        if self.o.mode != "cotrained":
+            return a_frozen, a_frozen
+        cur = state.get(self.r, state.key(self.cluster, "drafter_current"), state.DrafterVersion)
+        if cur is None:
+            return a_frozen, a_frozen
+        co = Eagle3Drafter.load(cur.path, emb)
+        return a_frozen, validate(co, teacher, held, self.o.k).acceptance_length
+
+    def wait_sessions_stopped(self, timeout_s: float = 15.0) -> None:
+        """The RL trainer owns every GPU now: wait until no GPU is lent or reclaiming."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            states = []
+            for m in self.r.smembers(state.key(self.cluster, "gpus")):
+                node, gpu = m.decode().split(":")
+                st = state.get(self.r, state.key(self.cluster, "gpu_status", node=node, gpu=int(gpu)), state.GpuStatus)
+                states.append(st.state if st else None)
+            if not any(s in (state.GpuState.LENT, state.GpuState.RECLAIMING) for s in states):
+                return
+            time.sleep(0.05)
+        log.warning("GPUs still lent %.0fs after the phase ended", timeout_s)
+
+    def publish_rollout_stats(self, row: StepRow) -> None:
+        stats = state.RolloutStats(
+            worker="all", step=row.step, tokens=row.tokens, seconds=row.rollout_time_s,
+            target_forwards=int(row.tokens / max(row.acceptance_length, 1e-9)),
+            drafted=0, accepted=0, acceptance_length=row.acceptance_length, strategy_mix=row.strategy_mix,
+            drafter_version=row.drafter_version, ts=time.time())
+        try:
+            state.append(self.r, state.key(self.cluster, "rollout_stats"), stats)
+        except Exception as e:
+            log.warning("rollout stats not published: %s", e)
+
+    # -- the whole run -------------------------------------------------------------------------------------
+    def run(self, on_row=None, on_progress=None) -> list[StepRow]:
+        self.start_services()
+        try:
+            self.load_initial_policy()
+            self.frozen_path = self.bootstrap_drafter() if self.o.mode != "nospec" else None
+            if self.o.mode == "cotrained":
+                self.seed_version_store()
+            metrics = open(self.run_dir / "metrics.jsonl", "w")
+            for step in range(self.o.steps):
+                row = self.step(step, on_progress)
+                self.rows.append(row)
+                metrics.write(json.dumps(asdict(row)) + "\n")
+                metrics.flush()
+                if on_row is not None:
+                    on_row(row)
+            metrics.close()
+            if self.o.export and self.o.mode != "nospec":
+                self.export()
+            from tailspec.demo.report import read_timeline
+
+            self.timeline = read_timeline(self.r, self.cluster)
+        finally:
+            self.stop_services()
+        return self.rows
+
+    def seed_version_store(self) -> None:
+        """Version 1 = the bootstrap drafter, promoted; sessions continue from its weights."""
+        from tailspec.demo.bootstrap import seed_store
+
+        seed_store(self.frozen_path, self.cfg, self.r)
+
+    def export(self) -> None:
+        from tailspec.drafter_trainer.export import export
+        from tailspec.drafter_trainer.model import Eagle3Drafter
+
+        path, version = self.frozen_path, 0
+        if self.o.mode == "cotrained":
+            cur = state.get(self.r, state.key(self.cluster, "drafter_current"), state.DrafterVersion)
+            if cur is not None:
+                path, version = cur.path, cur.version
+        drafter = Eagle3Drafter.load(path, self.model.get_input_embeddings())
+        meta = {"drafter_version": version, "policy_version": self.policy_version, "run": str(self.run_dir)}
+        from tailspec.drafter_trainer.export import ExportError
+
+        for fmt in ("eagle3", "hf"):
+            try:
+                export(drafter, self.run_dir / "export" / fmt, fmt=fmt, meta=meta)
+                self.exported[fmt] = str(self.run_dir / "export" / fmt)
+            except ExportError as e:  # e.g. a 2-layer target has no servable aux layer ids
+                self.export_errors[fmt] = str(e)
+                log.warning("export %s skipped: %s", fmt, e)
