@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,2,4,8,16,32,64")
     p.add_argument("--ks", default="0,1,2,3,4,6", help="fixed strategies (draft lengths) to compare")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=12, help="timed decode steps per run")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per run")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the per-batch runs")
     p.add_argument("--longtail-n", type=int, default=64, help="requests in the long-tail rollout (0: skip)")
