@@ -10,4 +10,5 @@ BENCHES: dict[str, str] = {
     "vllm": "tailspec.bench.vllm",
     "trainer": "tailspec.bench.trainer",
     "engine": "tailspec.bench.engine",
+    "e2e": "tailspec.bench.e2e",
 }
