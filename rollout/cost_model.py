@@ -151,6 +151,7 @@ def measure(
     steps: int = 5,
     temperature: float = 1.0,
     passes: int = 1,
+    on_step=None,
 ) -> CostModel:
     """Warm-up: time `steps` decode steps of the real engine at every (bucket, k), keep the lower quartile.
 
@@ -159,7 +160,8 @@ def measure(
     The step that admits (prefill) is not timed. The engine must be idle; it is left idle. Its strategy hook
     is restored afterwards. With `passes` > 1 the whole sweep repeats and each entry keeps its smallest
     estimate (a burst of load on a shared machine then spoils one pass, not the table); the result is
-    projected onto monotone costs (`CostModel.monotone`).
+    projected onto monotone costs (`CostModel.monotone`). `on_step(stats)` sees every timed step's StepStats
+    (e.g. `AcceptanceTracker.observe`: the warm-up's drafts are real drafts on real prompts).
     """
     from tailspec.rollout.sequence import SamplingParams
     from tailspec.rollout.strategy import fixed_k
@@ -194,6 +196,8 @@ def measure(
                 engine.step()
                 if engine.stats.last_batch == b:
                     times.append(engine.stats.last_step_s)
+                    if on_step is not None:
+                        on_step(engine.stats)
             while engine.has_unfinished():  # drain cheaply
                 engine.choose_k = fixed_k(0)
                 engine.step()

@@ -174,14 +174,15 @@ def run(args: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     pool_prompts = _prompts(tok, 512, 11, cfg.task)
     warm = make_engine(max(batches), 0)
+    acceptance = AcceptanceTracker(k_max=k_max)  # warmed by the same real steps that time the cost table
     cost = cost_model.measure(warm, pool_prompts, buckets=cost_model.default_buckets(max(batches)), ks=ks,
-                              steps=6, temperature=args.temperature, passes=2)
+                              steps=6, temperature=args.temperature, passes=2, on_step=acceptance.observe)
     print(f"cost model measured in {time.perf_counter() - t_start:.1f}s (ms per step):", file=out)
     print("  b \\ k " + "".join(f"{k:>8}" for k in cost.ks), file=out)
     for b in cost.buckets:
         print(f"  {b:>5} " + "".join(f"{cost.table[(b, k)] * 1e3:8.2f}" for k in cost.ks), file=out)
 
-    adaptive = AdaptiveSelector(cost, AcceptanceTracker(k_max=k_max), ks=ks, epsilon=cfg.rollout.epsilon, seed=0)
+    adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=cfg.rollout.epsilon, seed=0)
     policies = {f"k{k}": fixed_selector(k) for k in ks}
     policies |= {"adaptive": adaptive, "beg": beg_selector(k_max), "threshold": threshold_selector(min(4, k_max))}
 
