@@ -32,3 +32,12 @@ def busy_session(ctx: SessionContext) -> None:
             time.sleep(wait)
         step += 1
         ctx.report(step, loss=1.0 / step, tokens=step * 64)
+
+
+def env_probe_session(ctx: SessionContext) -> None:
+    """Records the environment the session ran with (tests of dispatch: which GPU did it get?)."""
+    import json
+
+    out = os.path.join(os.environ["TAILSPEC_PROBE_DIR"], f"probe-{ctx.session_id}.json")
+    with open(out, "w") as f:
+        json.dump({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid()}, f)

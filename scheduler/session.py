@@ -244,7 +244,36 @@ def threading_is_main() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+def warm_main(entry: str) -> int:
+    """A pre-started session process: import the entry (torch, models — seconds on a busy machine) now,
+    then wait for one line on stdin, {"env": {...}, "context": {...}}, and run that session at once. The
+    GPU is chosen only then: CUDA initialises lazily, so CUDA_VISIBLE_DEVICES set here still applies.
+    EOF on stdin (the dispatcher went away) ends the process without running anything."""
+    import json
+
+    try:
+        load_entry(entry)
+    except ValueError as e:
+        print(f"tailspec warm session: {e}", file=sys.stderr)
+        return 2
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    try:
+        msg = json.loads(line)
+        env = {str(k): str(v) for k, v in dict(msg["env"]).items()}
+        ctx = SessionContext.from_json(json.dumps(msg["context"]))
+    except (ValueError, KeyError, TypeError) as e:
+        print(f"tailspec warm session: bad assignment: {e}", file=sys.stderr)
+        return 2
+    os.environ.update(env)
+    print(f"tailspec session {ctx.session_id} on {ctx.node}:gpu{ctx.gpu}", flush=True)
+    return run_context(ctx, entry, handle_sigterm=True)
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--warm":
+        return warm_main(sys.argv[2])
     raw = os.environ.get(CONTEXT_ENV)
     if not raw:
         print(f"tailspec session: ${CONTEXT_ENV} is not set", file=sys.stderr)

@@ -42,6 +42,8 @@ class SchedulerConfig(_Section):
     stop_deadline_s: float = Field(1.0, gt=0, le=60, description="after this a revoked GPU counts as reclaimed")
     session_startup_s: float = Field(0.5, ge=0, description="expected session start-up cost; lend only if the tail is longer")
     mode: Literal["local", "ray"] = "local"
+    warm_sessions: int = Field(0, ge=0, le=64, description="session processes kept pre-started (imports done) "
+                               "in single-node mode, so a lent GPU starts training at once")
     lend: bool = Field(True, description="false: watch and count idle GPU time but never lend (baselines)")
     session_entry: str = Field(
         "tailspec.sessions:run_session",
@@ -107,7 +109,7 @@ class DashboardConfig(_Section):
 class TaskConfig(_Section):
     name: Literal["runsum"] = "runsum"
     modulus: int = Field(10, ge=2, le=1000)
-    steps_median: float = Field(7.0, gt=1)
+    steps_median: float = Field(5.0, gt=1)
     steps_sigma: float = Field(0.8, ge=0)
     steps_min: int = Field(2, ge=1)
     steps_max: int = Field(48, ge=2)

@@ -123,9 +123,11 @@ class Demo:
         c.scheduler.simulated_gpus = self.o.workers
         c.scheduler.lend = self.o.mode == "cotrained"
         c.scheduler.session_entry = "tailspec.sessions:run_session"
-        # A session needs a few seconds to import torch and load the teacher on 2 shared cores: lend only
-        # when the remaining tail is longer than that.
-        c.scheduler.session_startup_s = 2.0
+        # A warm session still loads the teacher and the drafter checkpoint: lend only when the remaining
+        # tail is longer than that.
+        c.scheduler.session_startup_s = 1.0
+        # Pre-started sessions (torch imported): a lent GPU trains at once instead of importing for seconds.
+        c.scheduler.warm_sessions = max(1, self.o.workers - 1) if self.o.mode == "cotrained" else 0
         c.trainer.checkpoint_dir = str(self.run_dir / "drafter")
         c.trainer.validate_every_s = 5.0
         c.trainer.validation_samples = self.o.validation_samples

@@ -3,7 +3,8 @@ supervised learning on gold traces of the task, cache it, and load it back with 
 (the same code path a real checkpoint takes).
 
 Presets:
-- `micro` (~0.1M params): for unit tests; trains in seconds.
+- `micro` (~0.1M params, 2 layers): for unit tests; trains in seconds.
+- `micro4` (~0.15M params, 4 layers): for tests that export a servable EAGLE-3 drafter.
 - `tiny`  (~3.4M params, ≤ 5M): the demo's and CPU benchmarks' policy; trains in ≤ 3 min on 2 cores.
 - `small` (~60M params): for GPU benchmarks (bf16); trains on a GPU in minutes, on a CPU in hours.
 
@@ -58,6 +59,8 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "micro": Preset("micro", 64, 2, 2, 1, 128, train_steps=60, batch_size=16, lr=3e-3),
+    # 4 layers: the smallest target whose EAGLE-3 aux layers (1, 2, 3) vLLM / SGLang can serve
+    "micro4": Preset("micro4", 64, 4, 2, 1, 128, train_steps=60, batch_size=16, lr=3e-3),
     "tiny": Preset("tiny", 256, 4, 4, 2, 768, train_steps=350, batch_size=32, lr=2e-3),
     "small": Preset("small", 768, 8, 12, 4, 2304, train_steps=1500, batch_size=64, lr=6e-4),
 }

@@ -1,0 +1,102 @@
+"""The main job end to end: a 2-step co-trained demo with 2 workers on real Redis, real worker processes,
+the real scheduler and real drafter sessions (micro4 policy: small but servable as EAGLE-3)."""
+
+import json
+
+import pytest
+
+from tailspec import state
+
+pytestmark = pytest.mark.slow
+
+FIELDS = {"step", "mode", "step_time_s", "rollout_time_s", "train_time_s", "idle_gpu_seconds", "lent_gpu_seconds",
+          "drafter_version", "acceptance_length", "acceptance_frozen", "acceptance_cotrained", "tokens",
+          "rollout_tokens_per_s", "mean_reward", "accuracy", "policy_version", "logprob_max_abs_diff", "sessions"}
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory, redis_server):
+    import os
+
+    from tailspec.config import load_config
+    from tailspec.demo.run import Demo, DemoOptions
+
+    cache = tmp_path_factory.mktemp("cache")
+    os.environ["TAILSPEC_CACHE"] = str(cache)
+    try:
+        cfg = load_config(environ={"TAILSPEC_CACHE": str(cache)})
+        run_dir = tmp_path_factory.mktemp("run")
+        opts = DemoOptions(steps=2, workers=2, mode="cotrained", policy="micro4", prompts_per_step=6, group_size=2,
+                           bootstrap_samples=64, bootstrap_seconds=5, validation_samples=8, run_dir=run_dir,
+                           redis_url=redis_server.url, dashboard=True)
+        demo = Demo(opts, cfg)
+        rows = demo.run()
+    finally:
+        os.environ.pop("TAILSPEC_CACHE", None)
+    return demo, rows
+
+
+def test_metrics_have_a_row_per_step_with_every_field(demo_run):
+    demo, rows = demo_run
+    lines = (demo.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    for i, line in enumerate(lines):
+        row = json.loads(line)
+        assert FIELDS <= set(row), FIELDS - set(row)
+        assert row["step"] == i and row["tokens"] > 0 and row["rollout_time_s"] > 0
+
+
+def test_leases_granted_and_revoked(demo_run):
+    import redis
+
+    demo, rows = demo_run
+    r = redis.Redis.from_url(demo.redis_url)
+    events, _ = state.read_stream(r, state.key(demo.cluster, "events"), state.Event)
+    kinds = [e.kind for _, e in events]
+    assert "lease_granted" in kinds and "lease_revoked" in kinds
+    assert sum(row.lent_gpu_seconds for row in rows) > 0
+    # every lease was given back: no GPU is lent once the run is over
+    assert not r.keys(state.key(demo.cluster, "lease", node="*", gpu="*"))
+
+
+def test_a_candidate_was_trained(demo_run):
+    demo, _ = demo_run
+    ckpts = list((demo.run_dir / "drafter" / "checkpoints").glob("ckpt-*"))
+    steps = [json.loads((c / "trainer_state.json").read_text())["step"] for c in ckpts]
+    assert max(steps) > 0, "no session trained a step"
+
+
+def test_export_directories_load(demo_run):
+    import torch
+
+    from tailspec.drafter_trainer.export import load_export
+    from tailspec.tasks.policy import load_policy
+
+    demo, _ = demo_run
+    assert set(demo.exported) == {"eagle3", "hf"}, demo.export_errors
+    cfg = json.loads((demo.run_dir / "export" / "eagle3" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    model, _ = load_policy(demo.policy_path)
+    d_hf = load_export(demo.exported["hf"])  # brings its own embedding
+    d_e3 = load_export(demo.exported["eagle3"], model.get_input_embeddings())
+    for a, b in zip(d_hf.state_dict().values(), d_e3.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_rollout_logprobs_equal_plain_recomputation(demo_run):
+    _, rows = demo_run
+    assert max(r.logprob_max_abs_diff for r in rows) <= 1e-4
+
+
+def test_report_and_plots_written(demo_run):
+    from tailspec.demo.report import write_report
+    from dataclasses import asdict
+
+    demo, rows = demo_run
+    report = write_report(demo.run_dir, [asdict(r) for r in rows], demo.timeline, {"mode": "cotrained"})
+    text = report.read_text()
+    assert "| 0 |" in text and "| 1 |" in text
+    for png in ("timeline.png", "acceptance.png", "step_time.png", "reward.png"):
+        data = (demo.run_dir / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert any(t["state"] == "lent" for t in demo.timeline)

@@ -1,0 +1,40 @@
+"""Warm session processes: a lent GPU is handed to a pre-started process that already imported its entry."""
+
+import json
+import time
+
+from tailspec.scheduler.dispatch import LocalDispatcher
+from tailspec.scheduler.session import SessionContext
+
+
+def _ctx(redis_url, sid, gpu):
+    return SessionContext(session_id=sid, node="n0", gpu=gpu, lease_token=1, redis_url=redis_url, cluster="w",
+                          require_heartbeat=False)
+
+
+def test_warm_process_runs_the_assigned_session_with_its_gpu(tmp_path, redis_url):
+    entry = "tailspec.scheduler.demo_session:env_probe_session"
+    d = LocalDispatcher(entry, log_dir=str(tmp_path), warm=1, extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
+    try:
+        assert len(d._warm) == 1
+        warm_pid = d._warm[0][0].pid
+        time.sleep(1.0)  # let it import
+        d.start(_ctx(redis_url, "s-warm", gpu=3))
+        assert d.pid("s-warm") == warm_pid  # the pre-started process took the session
+        assert len(d._warm) == 1 and d._warm[0][0].pid != warm_pid  # and was replaced
+        deadline = time.time() + 60
+        while "s-warm" not in d.poll() and time.time() < deadline:
+            time.sleep(0.05)
+        assert d.ended.get("s-warm") == 0
+        out = json.loads((tmp_path / "probe-s-warm.json").read_text())
+        assert out["CUDA_VISIBLE_DEVICES"] == "3"
+    finally:
+        d.shutdown()
+    assert not d._warm and not d.procs
+
+
+def test_warm_process_exits_quietly_on_eof(tmp_path):
+    d = LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=2)
+    procs = [p for p, _ in d._warm]
+    d.shutdown()
+    assert all(p.poll() == 0 for p in procs)
