@@ -207,7 +207,7 @@ class Eagle3Drafter(Drafter):
         self.cache_len = cache_len
 
     @torch.inference_mode()
-    def step(self, hidden, input_ids, pos, slot0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, hidden, input_ids, pos, slot0: int = 0, max_pos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Our forward of the drafter: → (draft logits [B,T,Vd] float32, hidden_out [B,T,H])."""
         d = self.drafter
         ml = d.midlayer
@@ -231,7 +231,8 @@ class Eagle3Drafter(Drafter):
         rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
         kc[rows, :, pos] = k
         vc[rows, :, pos] = v
-        Lk = min(self.cache_len, (int(pos.max()) // 64 + 1) * 64)
+        max_pos = int(pos.max()) if max_pos is None else max_pos
+        Lk = min(self.cache_len, (max_pos // 64 + 1) * 64)
         mask = (torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, :, None])[:, None]
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), kc[:, :, :Lk], vc[:, :, :Lk], attn_mask=mask, enable_gqa=self.Hq != self.Hk
@@ -270,7 +271,7 @@ class Eagle3Drafter(Drafter):
     def observe(self, batch, k, tokens, n_acc, aux) -> None:
         n = batch.n
         pos = batch.lengths[:, None] - 1 + torch.arange(k + 1, device=tokens.device)
-        logits, out = self.step(self.drafter.project(aux), tokens, pos)
+        logits, out = self.step(self.drafter.project(aux), tokens, pos, max_pos=batch.max_length - 1 + k)
         rows = torch.arange(n, device=tokens.device)
         self.next_logits[:n] = logits[rows, n_acc]
         self.next_hidden[:n] = out[rows, n_acc]
@@ -282,7 +283,7 @@ class Eagle3Drafter(Drafter):
         hidden = self.next_hidden[:n]
         drafts, qs = [d], [q]
         for j in range(1, k):
-            logits, out = self.step(hidden[:, None], d[:, None], (L + j - 2)[:, None])
+            logits, out = self.step(hidden[:, None], d[:, None], (L + j - 2)[:, None], max_pos=batch.max_length + j - 2)
             hidden = out[:, 0]
             d, q = _draw(self._to_target(logits[:, 0]), batch, L + j)
             drafts.append(d)

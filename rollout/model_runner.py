@@ -172,14 +172,14 @@ class ModelRunner:
         for i, ly in enumerate(self.layers):
             h = F.rms_norm(x, (H,), ly.in_norm, self.eps)
             qkv = F.linear(h, ly.qkv_w, ly.qkv_b)
-            q = qkv[..., : self.q_size].view(B, T, Hq, D)
-            k = qkv[..., self.q_size : self.q_size + self.kv_size].view(B, T, Hk, D)
             v = qkv[..., self.q_size + self.kv_size :].view(B, T, Hk, D)
             if ly.q_norm is not None:
-                q = F.rms_norm(q, (D,), ly.q_norm, self.eps)
-                k = F.rms_norm(k, (D,), ly.k_norm, self.eps)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
+                q = F.rms_norm(qkv[..., : self.q_size].view(B, T, Hq, D), (D,), ly.q_norm, self.eps)
+                k = F.rms_norm(qkv[..., self.q_size : self.q_size + self.kv_size].view(B, T, Hk, D), (D,), ly.k_norm, self.eps)
+                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            else:  # q and k heads side by side: one rotation for both
+                qk = self._rope(qkv[..., : self.q_size + self.kv_size].view(B, T, Hq + Hk, D), cos, sin)
+                q, k = qk[:, :, :Hq], qk[:, :, Hq:]
             kc = self.k_cache[i][slot0 : slot0 + B]
             vc = self.v_cache[i][slot0 : slot0 + B]
             kc[rows, :, pos] = k

@@ -52,11 +52,24 @@ def reference(policy):
     return prompts, refs, stops
 
 
+def noisy_copy(model, scale: float = 0.5, seed: int = 3):
+    """The policy with Gaussian noise (scale x each tensor's std) on every weight: a drafter that is right
+    often but not always, so both branches of the acceptance rule run on every step."""
+    import copy
+
+    torch.manual_seed(seed)
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * p.std() * scale)
+    return m
+
+
 def make_drafter(name: str, policy):
     if name == "ngram":
         return NgramDrafter()
     if name == "draft_model":
-        return DraftModelDrafter(random_micro(seed=3))  # a poor drafter: many rejections
+        return DraftModelDrafter(noisy_copy(policy))  # a fair drafter: accepts and rejections both common
     if name == "draft_model_self":
         return DraftModelDrafter(policy)  # a perfect one: every draft accepted
     if name == "eagle3":

@@ -162,7 +162,8 @@ def run(args: argparse.Namespace) -> dict:
             log(f"  b={b:<3} {method:<12} {str(name):<12} k={str(k):<4} {tps:9.1f} tok/s  accept_len={row['acceptance_length']}")
 
     def tps(b, method, spec=None):
-        sel = [r for r in rows if r["batch"] == b and r["method"] == method and (spec is None or (r["k"] or 0) > 0) == spec]
+        sel = [r for r in rows if r["batch"] == b and r["method"] == method
+               and (spec is None or ((r["k"] or 0) > 0) == spec)]
         return max((r["tokens_per_s"] for r in sel), default=None)
 
     ratios = [tps(b, "engine", False) / tps(b, "hf_generate") for b in batches]
