@@ -47,6 +47,7 @@ class CostModel:
     ema: float = 0.05  # weight of one online observation in the correction factor
     clip: float = 2.0  # one observation moves the factor by at most this ratio (noise, GC pauses, preemption)
     factor: dict[tuple[int, int], float] = field(default_factory=dict)
+    load: float = 1.0  # machine-wide level: every observation moves it, so strategies not run lately follow too
     observed: int = 0
 
     def __post_init__(self) -> None:
@@ -97,7 +98,7 @@ class CostModel:
 
     def t(self, b: int, k: int) -> float:
         """Predicted seconds of one decode step at batch b with draft length k."""
-        return self.base(b, k) * self.factor.get((self.bucket(b), k), 1.0)
+        return self.base(b, k) * self.load * self.factor.get((self.bucket(b), k), 1.0)
 
     # -- online refresh ----------------------------------------------------------------------------------------
     def observe(self, b: int, k: int, seconds: float) -> None:
@@ -105,10 +106,12 @@ class CostModel:
         if b < 1 or k not in self.ks or not (seconds > 0 and math.isfinite(seconds)):
             return
         key = (self.bucket(b), k)
-        ratio = min(max(seconds / self.base(b, k), 1 / self.clip), self.clip)
         f = self.factor.get(key, 1.0)
-        # geometric EMA: a ratio of 2 and one of 1/2 cancel
-        self.factor[key] = f * (ratio / f) ** self.ema if f > 0 else ratio
+        # geometric EMAs (a ratio of 2 and one of 1/2 cancel): the shared load level first, then what is
+        # left of the surprise goes to this (bucket, k)'s own factor
+        ratio = min(max(seconds / (self.base(b, k) * self.load * f), 1 / self.clip), self.clip)
+        self.load *= ratio ** (self.ema / 2)
+        self.factor[key] = f * ratio ** (self.ema / 2)
         self.observed += 1
 
     def monotone(self) -> CostModel:
@@ -153,13 +156,13 @@ def measure(
     passes: int = 1,
     on_step=None,
 ) -> CostModel:
-    """Warm-up: time `steps` decode steps of the real engine at every (bucket, k), keep the lower quartile.
+    """Warm-up: time `steps` decode steps of the real engine at every (bucket, k), keep the median.
 
     For each bucket a fresh batch of `bucket` requests (prompts cycled) runs with ignore_eos and enough
     max_tokens that nobody finishes inside the timed window, so every timed step has exactly that batch.
     The step that admits (prefill) is not timed. The engine must be idle; it is left idle. Its strategy hook
-    is restored afterwards. With `passes` > 1 the whole sweep repeats and each entry keeps its smallest
-    estimate (a burst of load on a shared machine then spoils one pass, not the table); the result is
+    is restored afterwards. With `passes` > 1 the whole sweep repeats and each entry keeps the median over
+    passes (a burst of load on a shared machine then spoils one pass, not the table); the result is
     projected onto monotone costs (`CostModel.monotone`). `on_step(stats)` sees every timed step's StepStats
     (e.g. `AcceptanceTracker.observe`: the warm-up's drafts are real drafts on real prompts).
     """
@@ -179,7 +182,7 @@ def measure(
     if ks[-1] > engine.k_max:
         raise ValueError(f"k={ks[-1]} exceeds the engine's k_max {engine.k_max}")
     hook = engine.choose_k
-    table: dict[tuple[int, int], float] = {}
+    samples: dict[tuple[int, int], list[float]] = {}
     try:
         for b, k in [(b, k) for _ in range(passes) for b in buckets for k in ks]:
             engine.choose_k = fixed_k(k)
@@ -201,14 +204,12 @@ def measure(
             while engine.has_unfinished():  # drain cheaply
                 engine.choose_k = fixed_k(0)
                 engine.step()
-            # lower quartile: on a shared machine the slow outliers are preemptions, not the step's cost
-            if len(times) >= 2:
-                est = statistics.quantiles(times, n=4, method="inclusive")[0]
-            else:
-                est = times[0] if times else float("nan")
-            table[(b, k)] = min(est, table.get((b, k), float("inf")))
+            # median per pass, then the median over passes: the table should describe the machine as the
+            # rollout will see it (a min would pick each entry's luckiest moment, unevenly across entries)
+            samples.setdefault((b, k), []).append(statistics.median(times) if times else float("nan"))
     finally:
         engine.choose_k = hook
+    table = {key: statistics.median(v) for key, v in samples.items()}
     bad = [key for key, v in table.items() if not v > 0]
     if bad:
         raise RuntimeError(f"warm-up could not time (bucket, k) = {bad[:4]} (batch shrank before any timed step)")
