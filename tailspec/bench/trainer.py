@@ -74,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", help="task policy preset (default tiny)")
     p.add_argument("--samples", type=int, default=800, help="rollout samples to generate (train + held out)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated response length")
+    p.add_argument("--sample-seed", type=int, default=0, help="seed of the generated samples (cached per seed)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps of the main training run")
     p.add_argument("--compare-steps", type=int, default=100, help="steps of each reward/uniform run (0 = skip)")
     p.add_argument("--stops", type=int, default=20, help="sessions stopped at random moments")
@@ -98,7 +99,8 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.time()
-    path, samples = policy_samples(args.preset, args.samples, seed=0, max_new_tokens=args.max_new_tokens)
+    path, samples = policy_samples(args.preset, args.samples, seed=args.sample_seed,
+                                   max_new_tokens=args.max_new_tokens)
     log(f"policy {path.name}: {len(samples)} samples in {time.time() - t0:.1f}s, "
         f"mean reward {np.mean([s.reward for s in samples]):.3f}, "
         f"mean response {np.mean([len(s.response_ids) for s in samples]):.1f} tokens")
