@@ -22,9 +22,9 @@ import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="tiny", choices=["micro", "tiny", "small"], help="target policy preset")
+    p.add_argument("--target", default="tiny", help="target policy: a preset (micro, tiny, small) or a policy directory")
     p.add_argument("--drafter", default="draft_model", choices=["draft_model", "ngram", "eagle3"])
-    p.add_argument("--draft-preset", default="micro", help="policy preset used as the draft model")
+    p.add_argument("--draft-preset", default="micro", help="draft model: a policy preset or directory")
     p.add_argument("--eagle3", default=None, help="directory of a trained EAGLE-3 drafter (drafter=eagle3)")
     p.add_argument("--batches", default="1,2,4,8,16,32,64")
     p.add_argument("--ks", default="0,1,2,3,4,6", help="fixed strategies (draft lengths) to compare")
@@ -43,18 +43,18 @@ def _load(args, cfg):
     import torch
 
     from tailspec.rollout.drafters import DraftModelDrafter, Eagle3Drafter, NgramDrafter
-    from tailspec.tasks.policy import get_policy, load_policy
+    from tailspec.tasks.policy import load_policy, resolve_policy
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    target, tok = load_policy(get_policy(args.target, cfg.task, cache_dir=cfg.cache_dir, progress=False), dtype=dtype)
+    target, tok = load_policy(resolve_policy(args.target, cfg.task, cache_dir=cfg.cache_dir), dtype=dtype)
     target.to(device)
     if args.drafter == "ngram":
         def make_drafter():
             return NgramDrafter()
         label = "ngram"
     elif args.drafter == "draft_model":
-        draft, _ = load_policy(get_policy(args.draft_preset, cfg.task, cache_dir=cfg.cache_dir, progress=False), dtype=dtype)
+        draft, _ = load_policy(resolve_policy(args.draft_preset, cfg.task, cache_dir=cfg.cache_dir), dtype=dtype)
         draft.to(device)
 
         def make_drafter():
