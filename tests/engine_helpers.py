@@ -19,6 +19,19 @@ def random_micro(seed: int = 1):
     return build_model("micro").eval()
 
 
+def noisy_copy(model, scale: float = 0.5, seed: int = 3):
+    """The policy with Gaussian noise (scale x each tensor's std) on every weight: a drafter that is right
+    often but not always, so both branches of the acceptance rule run on most steps."""
+    import copy
+
+    torch.manual_seed(seed)
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * p.std() * scale)
+    return m
+
+
 def task_prompts(n: int, seed: int = 5) -> list[list[int]]:
     tok = build_tokenizer()
     return [encode_prompt(tok, p.prompt) for p in sample_problems(n, seed=seed)]

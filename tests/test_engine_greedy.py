@@ -8,13 +8,13 @@ import itertools
 import pytest
 import torch
 
-from engine_helpers import hf_greedy, micro_policy, random_eagle3, random_micro, task_prompts
+from engine_helpers import hf_greedy, micro_policy, noisy_copy, random_eagle3, task_prompts
 from tailspec.rollout.drafters import DraftModelDrafter, Eagle3Drafter, NgramDrafter
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
 
 N_PROMPTS = 16
-MAX_TOKENS = [6, 40, 12, 48, 25, 40, 3, 48, 30, 40, 20, 48, 40, 33, 48, 40]
+MAX_TOKENS = [6, 30, 12, 36, 25, 30, 3, 36, 28, 30, 20, 36, 30, 26, 36, 30]
 
 
 @pytest.fixture(scope="module")
@@ -50,19 +50,6 @@ def reference(policy):
     length_stops = sum(len(r) == m and r[-1] not in (2, *s) for r, s, m in zip(refs, stops, MAX_TOKENS))
     assert eos_stops >= 4 and length_stops >= 4, "the reference must exercise both EOS and max_tokens stops"
     return prompts, refs, stops
-
-
-def noisy_copy(model, scale: float = 0.5, seed: int = 3):
-    """The policy with Gaussian noise (scale x each tensor's std) on every weight: a drafter that is right
-    often but not always, so both branches of the acceptance rule run on every step."""
-    import copy
-
-    torch.manual_seed(seed)
-    m = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * p.std() * scale)
-    return m
 
 
 def make_drafter(name: str, policy):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import micro_policy, random_eagle3, random_micro, task_prompts
+from engine_helpers import micro_policy, noisy_copy, random_eagle3, random_micro, task_prompts
 from tailspec.rollout import model_runner
 from tailspec.rollout.drafters import DraftModelDrafter, Eagle3Drafter, NgramDrafter
 from tailspec.rollout.engine import Engine
@@ -63,7 +63,7 @@ def test_sampled_logprobs_equal_teacher_forced(policy, prompts, drafter_kind):
 @pytest.mark.parametrize("drafter_name", ["none", "draft_model", "ngram"])
 def test_same_seed_same_output_regardless_of_batch(policy, prompts, drafter_name):
     def drafter():
-        return {"none": None, "draft_model": DraftModelDrafter(random_micro(3)), "ngram": NgramDrafter()}[drafter_name]
+        return {"none": None, "draft_model": DraftModelDrafter(noisy_copy(policy)), "ngram": NgramDrafter()}[drafter_name]
 
     k = 0 if drafter_name == "none" else 3
     target = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.95, seed=1234)
