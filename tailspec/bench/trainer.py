@@ -150,8 +150,12 @@ def run(args: argparse.Namespace) -> dict:
 
         compare = None
         if args.compare_steps > 0:
-            high = [s for s in holdout if s.reward >= 1.0] or holdout
-            compare = {"high_reward_holdout_samples": len(high), "steps": args.compare_steps}
+            high = [s for s in holdout if s.reward >= 1.0]
+            compare = {"high_reward_holdout_samples": len(high), "steps": args.compare_steps,
+                       "train_rewards_all_equal": len({s.reward for s in buf.train}) <= 1}
+            if not high:  # no correct held-out sample (a weak policy): compare on all of them, and say so
+                high = holdout
+                compare["evaluated_on"] = "all held-out samples (none has reward 1)"
             for mode in ("reward", "uniform"):
                 s = TrainingSession(_trainer_cfg(args, f"{tmp}/cmp-{mode}", weighting=mode), teacher, buffer(mode))
                 s.run(max_steps=args.compare_steps)
