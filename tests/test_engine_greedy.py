@@ -7,7 +7,6 @@ import itertools
 
 import pytest
 import torch
-
 from engine_helpers import hf_greedy, micro_policy, noisy_copy, random_eagle3, task_prompts
 from tailspec.rollout.drafters import DraftModelDrafter, Eagle3Drafter, NgramDrafter
 from tailspec.rollout.engine import Engine

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_helpers import micro_policy, noisy_copy, random_eagle3, random_micro, task_prompts
 from tailspec.rollout import model_runner
 from tailspec.rollout.drafters import DraftModelDrafter, Eagle3Drafter, NgramDrafter
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
+
 from tailspec.tasks.policy import build_model
 
 

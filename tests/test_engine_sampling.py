@@ -10,6 +10,10 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from tailspec.rollout import sampling
+from tailspec.rollout.drafters import DraftModelDrafter, NgramDrafter
+from tailspec.rollout.engine import Engine
+from tailspec.rollout.sequence import SamplingParams
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -17,11 +21,6 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-
-from tailspec.rollout import sampling
-from tailspec.rollout.drafters import DraftModelDrafter, NgramDrafter
-from tailspec.rollout.engine import Engine
-from tailspec.rollout.sequence import SamplingParams
 
 V = 8
 PROMPT = [1, 3]

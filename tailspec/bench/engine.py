@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
         return None
 
     drafter_names = [d for d in wanted if make_drafter(d) is not None]
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)
     log(f"bench engine: policy={args.policy} drafters={drafter_names} batches={batches} ks={ks} "
         f"T={args.temperature} device={machine()}")
     rows = []
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> dict:
             row = {"batch": b, "method": method, "drafter": name, "k": k, "tokens_per_s": round(tps, 1),
                    "acceptance_length": None if acc != acc else round(acc, 3)}
             rows.append(row)
-            log(f"  b={b:<3} {method:<12} {str(name):<12} k={str(k):<4} {tps:9.1f} tok/s  accept_len={row['acceptance_length']}")
+            log(f"  b={b:<3} {method:<12} {name!s:<12} k={k!s:<4} {tps:9.1f} tok/s  accept_len={row['acceptance_length']}")
 
     def tps(b, method, spec=None):
         sel = [r for r in rows if r["batch"] == b and r["method"] == method
