@@ -21,6 +21,14 @@ from tailspec.config import TailspecConfig
 from tailspec.state import Sample
 
 log = logging.getLogger("tailspec.demo")
+SAMPLES = "bootstrap_samples.jsonl"
+
+
+def load_samples(drafter_path: str | Path) -> list[Sample]:
+    f = Path(drafter_path) / SAMPLES
+    if not f.is_file():
+        return []
+    return [Sample.model_validate_json(line) for line in f.read_text().splitlines() if line.strip()]
 
 
 def rollout_samples(policy_dir: str | Path, cfg: TailspecConfig, n: int, seed: int, max_seq_len: int = 640) -> list[Sample]:
@@ -48,7 +56,7 @@ def _key(policy_dir: Path, cfg: TailspecConfig, n: int, seconds: float, seed: in
     weights = policy_dir / "model.safetensors"
     h = hashlib.sha256()
     h.update(json.dumps({"trainer": cfg.trainer.model_dump(exclude={"checkpoint_dir"}), "n": n, "s": seconds,
-                         "seed": seed, "task": cfg.task.model_dump()}, sort_keys=True).encode())
+                         "seed": seed, "task": cfg.task.model_dump(), "format": 2}, sort_keys=True).encode())
     h.update(weights.read_bytes() if weights.is_file() else str(policy_dir).encode())
     return h.hexdigest()[:16]
 
@@ -64,7 +72,7 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
 
     policy_dir = Path(policy_dir)
     out = Path(cfg.cache_dir) / "drafters" / f"{policy_dir.name}-{_key(policy_dir, cfg, n, seconds, seed)}"
-    if (out / "config.json").is_file():
+    if (out / "config.json").is_file() and (out / SAMPLES).is_file():
         return str(out)
     t0 = time.time()
     samples = rollout_samples(policy_dir, cfg, n, seed)
@@ -79,6 +87,9 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
         out.parent.mkdir(parents=True, exist_ok=True)
         drafter.save(out, extra={"bootstrap": {"samples": n, "steps": res.steps, "seconds": res.seconds,
                                                "final_loss": res.losses[-1] if res.losses else None}})
+        # The samples travel with the drafter (ids and rewards as JSON lines): a run seeds its sample
+        # stream with them, so sessions in the first step's tail have data to train on.
+        (out / SAMPLES).write_text("".join(s.model_dump_json() + "\n" for s in samples))
         session.close()
     log.info("bootstrap drafter: %d samples, %d steps in %.0fs → %s", n, res.steps, time.time() - t0, out)
     return str(out)
@@ -107,4 +118,7 @@ def seed_store(drafter_path: str, cfg: TailspecConfig, redis) -> None:
     store._record(info)
     # the sessions' proposal marker: step 0 needs no validation
     (root / "PROPOSED_STEP").write_text("0")
+    # the initial policy's own samples: the first tail's sessions train on them
+    for s in load_samples(drafter_path):
+        state.append(redis, state.key(cfg.cluster.name, "samples"), s)
     assert state.get(redis, state.key(cfg.cluster.name, "drafter_current"), DrafterVersion) is not None

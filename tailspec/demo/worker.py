@@ -39,7 +39,8 @@ class Worker:
         self.drafter_key: tuple[str | None, int | None] | None = None
         self.model = None
         self.drafter_module = None
-        self.selector_state: dict = {}
+        self.cost = None  # measured once per worker on its first speculative phase (same shapes after)
+        self.acceptance = None
 
     def _load_policy(self, item: WorkItem) -> None:
         from tailspec.tasks.policy import load_policy
@@ -66,12 +67,31 @@ class Worker:
         from tailspec.rollout.drafters import Eagle3Drafter
         from tailspec.rollout.engine import Engine
 
+        from tailspec.config import RolloutConfig
+        from tailspec.rollout import cost_model
+        from tailspec.rollout.acceptance import AcceptanceTracker
+        from tailspec.rollout.selector import make_selector
+
         drafter = Eagle3Drafter(self.drafter_module, target=self.model) if self.drafter_module is not None else None
         k_max = self.k_max if drafter is not None else 0
-        choose_k = make_choose_k(item, drafter is not None, k_max, self.selector_state)
         eos = self.model.config.eos_token_id
-        return Engine(self.model, drafter, choose_k=choose_k, max_batch=max(1, len(item.requests)),
-                      max_seq_len=self.max_seq_len, k_max=k_max, seed=item.step, eos_token_id=eos)
+        engine = Engine(self.model, drafter, choose_k=0, max_batch=max(1, len(item.requests)),
+                        max_seq_len=self.max_seq_len, k_max=k_max, seed=item.step, eos_token_id=eos)
+        if drafter is None:
+            return engine
+        rc = RolloutConfig(selector=item.selector, k=min(item.k, k_max), k_max=k_max, drafter="eagle3")
+        if rc.selector == "adaptive":
+            if self.acceptance is None:
+                self.acceptance = AcceptanceTracker(k_max=k_max)
+            self.acceptance.set_version(item.drafter_version, item.policy_version)
+            if self.cost is None:
+                prompts = [r.prompt_ids for r in item.requests[:8]]
+                buckets = [b for b in cost_model.default_buckets(len(item.requests))]
+                self.cost = cost_model.measure(engine, prompts, buckets=buckets, ks=cost_model.default_ks(k_max),
+                                               steps=3, on_step=self.acceptance.observe)
+                engine.step_log.clear()  # the warm-up is not part of the rollout's strategy mix
+        engine.choose_k = make_selector(rc, self.cost, self.acceptance, seed=item.step)
+        return engine
 
     def run_item(self, item: WorkItem) -> WorkResult:
         from tailspec.rollout.sequence import SamplingParams
@@ -132,19 +152,6 @@ class Worker:
                                     finished_at=time.time(), error=f"{type(e).__name__}: {e}")
             self.r.rpush(results_key, state.encode(result))
         self.client.close()
-
-
-def make_choose_k(item: WorkItem, has_drafter: bool, k_max: int, selector_state: dict):
-    """The per-step strategy: none without a drafter, else the configured selector."""
-    if not has_drafter:
-        return 0
-    if item.selector == "fixed":
-        return min(item.k, k_max)
-    try:
-        from tailspec.rollout.selector import make_selector_for_worker  # the adaptive issue's selector
-    except ImportError:
-        return min(item.k, k_max)
-    return make_selector_for_worker(item.selector, k_max, selector_state)
 
 
 def main(argv: list[str] | None = None) -> int:
