@@ -26,7 +26,8 @@ def demo_run(tmp_path_factory, redis_server):
     try:
         cfg = load_config(environ={"TAILSPEC_CACHE": str(cache)})
         run_dir = tmp_path_factory.mktemp("run")
-        opts = DemoOptions(steps=2, workers=2, mode="cotrained", policy="micro4", prompts_per_step=6, group_size=2,
+        opts = DemoOptions(steps=2, workers=2, mode="cotrained", policy="micro4", prompts_per_step=32, group_size=4,
+                           deal="by_length",  # micro4's own lengths barely vary: force the long tail
                            bootstrap_samples=64, bootstrap_seconds=5, validation_samples=8, run_dir=run_dir,
                            redis_url=redis_server.url, dashboard=True)
         demo = Demo(opts, cfg)

@@ -53,6 +53,10 @@ class DemoOptions:
     max_tokens: int = 512
     max_seq_len: int = 640
     k: int = 4
+    # How requests are dealt to workers: round_robin (a random mix per worker, as RL frameworks do) or
+    # by_length (contiguous blocks of problems sorted by step count: the last worker gets the longest —
+    # a guaranteed tail, for tests on policies too small to have one of their own).
+    deal: Literal["round_robin", "by_length"] = "round_robin"
     bootstrap_samples: int = 256
     bootstrap_seconds: float = 60.0
     validation_samples: int = 32
@@ -247,7 +251,12 @@ class Demo:
     def rollout(self, step: int, reqs: list[WorkRequest], on_progress=None) -> tuple[list[WorkResult], float]:
         drafter_path, drafter_version = self.drafter_for_phase()
         self.current_drafter_version = drafter_version
-        shares = [reqs[w :: self.o.workers] for w in range(self.o.workers)]
+        if self.o.deal == "by_length":
+            ordered = sorted(reqs, key=lambda q: len(q.prompt_ids))
+            n = -(-len(ordered) // self.o.workers)
+            shares = [ordered[w * n : (w + 1) * n] for w in range(self.o.workers)]
+        else:
+            shares = [reqs[w :: self.o.workers] for w in range(self.o.workers)]
         results_key = state.key(self.cluster, "demo_results")
         self.r.delete(results_key)
         self.client.set_phase("rollout", step, self.policy_version, self.policy_path)
