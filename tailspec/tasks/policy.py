@@ -61,7 +61,7 @@ PRESETS: dict[str, Preset] = {
     "micro": Preset("micro", 64, 2, 2, 1, 128, train_steps=60, batch_size=16, lr=3e-3),
     # 4 layers: the smallest target whose EAGLE-3 aux layers (1, 2, 3) vLLM / SGLang can serve
     "micro4": Preset("micro4", 64, 4, 2, 1, 128, train_steps=60, batch_size=16, lr=3e-3),
-    "tiny": Preset("tiny", 256, 4, 4, 2, 768, train_steps=350, batch_size=32, lr=2e-3),
+    "tiny": Preset("tiny", 256, 4, 4, 2, 768, train_steps=450, batch_size=24, lr=5e-3),
     "small": Preset("small", 768, 8, 12, 4, 2304, train_steps=1500, batch_size=64, lr=6e-4),
 }
 
