@@ -253,6 +253,11 @@ def warm_main(entry: str) -> int:
 
     try:
         load_entry(entry)
+        # The entry's module may pay its own first-use costs now (e.g. a model library's lazy imports):
+        # an optional `warm_up()` beside the entry function.
+        warm = getattr(importlib.import_module(entry.split(":", 1)[0]), "warm_up", None)
+        if callable(warm):
+            warm()
     except ValueError as e:
         print(f"tailspec warm session: {e}", file=sys.stderr)
         return 2

@@ -133,6 +133,8 @@ class Demo:
         # Pre-started sessions (torch imported): a lent GPU trains at once instead of importing for seconds.
         c.scheduler.warm_sessions = max(1, self.o.workers - 1) if self.o.mode == "cotrained" else 0
         c.trainer.checkpoint_dir = str(self.run_dir / "drafter")
+        # A step must fit in the tail it is lent for (a revoked step is abandoned): small batches on a CPU.
+        c.trainer.batch_size = min(c.trainer.batch_size, 8)
         c.trainer.validate_every_s = 5.0
         c.trainer.validation_samples = self.o.validation_samples
         return c
