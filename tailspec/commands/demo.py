@@ -61,6 +61,9 @@ def _demo(args: argparse.Namespace) -> int:
     console = Console()
     cfg = config_from_args(args)
     opts = options_from_args(args)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the demo's own table is the progress display
     if opts.workers < 1 or opts.steps < 1:
         console.print("[red]--workers and --steps must be at least 1")
         return 2

@@ -165,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k-max", type=int, default=8)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # one simulated GPU = one core's worth of work; workers share 2 cores
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {args.name}: %(message)s")
     Worker(args.name, args.gpu, args.redis, args.cluster, args.node, args.max_seq_len, args.k_max).serve()
     return 0
