@@ -35,6 +35,22 @@ def _plt():
     return plt
 
 
+def _save(fig, ax, out: Path, title: str, ylabel: str, xlabel: str = "RL step", legend: bool = True,
+          grid: bool = False) -> Path:
+    """The per-step plots' shared finish: labels, title, legend/grid, write the PNG, free the figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if legend:
+        ax.legend()
+    if grid:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    _plt().close(fig)
+    return out
+
+
 def plot_timeline(timeline: list[dict], steps: list[dict], out: Path, title_note: str = "") -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(11, 0.6 * max(2, len({(t["node"], t["gpu"]) for t in timeline})) + 1.8))
@@ -74,15 +90,8 @@ def plot_acceptance(rows: list[dict], out: Path) -> Path:
         ax.plot(x, co, "o-", color="#54a24b", label="co-trained drafter (current version)")
     if any(v is not None for v in fr):
         ax.plot(x, fr, "s--", color="#e45756", label="frozen copy of the first drafter")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("expected acceptance length (k = 4)")
-    ax.set_title("Acceptance on each step's own samples: co-trained vs frozen")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, ax, out, "Acceptance on each step's own samples: co-trained vs frozen",
+                 "expected acceptance length (k = 4)", grid=True)
 
 
 def plot_step_split(rows: list[dict], out: Path) -> Path:
@@ -93,14 +102,7 @@ def plot_step_split(rows: list[dict], out: Path) -> Path:
     train = [r["train_time_s"] for r in rows]
     ax.bar(x, roll, color="#4c78a8", label="rollout")
     ax.bar(x, train, bottom=roll, color="#f58518", label="RL update + sync")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("seconds")
-    ax.set_title("Step-time split")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, ax, out, "Step-time split", "seconds")
 
 
 def plot_reward(rows: list[dict], out: Path) -> Path:
@@ -108,15 +110,9 @@ def plot_reward(rows: list[dict], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     x = [r["step"] for r in rows]
     ax.plot(x, [r["mean_reward"] for r in rows], "o-", label="mean reward")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("mean reward (exact answer)")
     ax.set_ylim(0, 1)
-    ax.set_title("Reward curve (GRPO on the tiny policy)")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, ax, out, "Reward curve (GRPO on the tiny policy)", "mean reward (exact answer)",
+                 legend=False, grid=True)
 
 
 def num(v: Any, spec: str = ".2f") -> str:
