@@ -72,7 +72,9 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
 
     policy_dir = Path(policy_dir)
     out = Path(cfg.cache_dir) / "drafters" / f"{policy_dir.name}-{_key(policy_dir, cfg, n, seconds, seed)}"
-    if (out / "config.json").is_file() and (out / SAMPLES).is_file():
+    from tailspec.drafter_trainer.model import CONFIG_NAME
+
+    if (out / CONFIG_NAME).is_file() and (out / SAMPLES).is_file():
         return str(out)
     t0 = time.time()
     samples = rollout_samples(policy_dir, cfg, n, seed)
