@@ -23,7 +23,7 @@ def demo_run(tmp_path_factory, redis_server):
 
     cfg = load_config(environ={})
     run_dir = tmp_path_factory.mktemp("run")
-    opts = DemoOptions(steps=2, workers=2, mode="cotrained", policy="tiny", prompts_per_step=16, group_size=4,
+    opts = DemoOptions(steps=2, workers=2, mode="cotrained", policy="tiny", prompts_per_step=32, group_size=4,
                        deal="by_length",  # the longest problems on one worker: a tail on every step
                        bootstrap_samples=64, bootstrap_seconds=5, validation_samples=8, run_dir=run_dir,
                        redis_url=redis_server.url, dashboard=True)
