@@ -46,20 +46,6 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-# KEYS: lease, revoke flag. ARGV: token, flag ttl_ms. Flags the token, deletes the lease if it is still
-# that token's. Returns 1 if a lease was deleted.
-_REVOKE = """
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-local v = redis.call('GET', KEYS[1])
-if not v then return 0 end
-local ok, lease = pcall(cjson.decode, v)
-if ok and tonumber(lease['token']) == tonumber(ARGV[1]) then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-"""
-
 # KEYS: lease. ARGV: token. Deletes the lease only if it carries this token.
 _RELEASE = """
 local v = redis.call('GET', KEYS[1])
@@ -71,6 +57,10 @@ if ok and tonumber(lease['token']) == tonumber(ARGV[1]) then
 end
 return 0
 """
+
+# KEYS: lease, revoke flag. ARGV: token, flag ttl_ms. Flags the token, then releases (deletes the lease if it
+# is still that token's). Returns 1 if a lease was deleted.
+_REVOKE = "redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])\n" + _RELEASE
 
 # KEYS: lease, target. ARGV: token, value, px_ms (0 = no expiry). Writes only while the token holds the lease.
 _FENCED_SET = """
