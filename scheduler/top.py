@@ -125,6 +125,22 @@ def _gib(b: int | None) -> str:
     return "-" if b is None else f"{b / (1 << 30):.1f}"
 
 
+
+def _cells(r, state: str, util: str) -> list[str]:
+    """One GPU row's cells, shared by the plain and the rich table (only state/util styling differs)."""
+    return [
+        f"{r.node}:{r.gpu}",
+        state,
+        util,
+        f"{_gib(r.mem_used)}/{_gib(r.mem_total)}",
+        "-" if r.power_w is None else f"{r.power_w:.0f}",
+        r.worker or "-",
+        "-" if r.lease_token is None else f"t{r.lease_token}",
+        r.session_id or "-",
+        "-" if r.session_step is None else str(r.session_step),
+        "-" if r.session_loss is None else f"{r.session_loss:.4g}",
+    ]
+
 def _header(snap: Snapshot, cluster: str) -> list[str]:
     ph = snap.phase
     c = snap.counters
@@ -153,20 +169,7 @@ def render_text(snap: Snapshot, cluster: str) -> str:
         util = "-" if r.util is None else f"{r.util:5.1f}" + (" sim" if r.simulated else "")
         if r.error:
             util = f"ERR {r.error[:30]}"
-        body.append(
-            [
-                f"{r.node}:{r.gpu}",
-                r.state,
-                util,
-                f"{_gib(r.mem_used)}/{_gib(r.mem_total)}",
-                "-" if r.power_w is None else f"{r.power_w:.0f}",
-                r.worker or "-",
-                "-" if r.lease_token is None else f"t{r.lease_token}",
-                r.session_id or "-",
-                "-" if r.session_step is None else str(r.session_step),
-                "-" if r.session_loss is None else f"{r.session_loss:.4g}",
-            ]
-        )
+        body.append(_cells(r, r.state, util))
     widths = [max(len(x) for x in col) for col in zip(cols, *body)] if body else [len(x) for x in cols]
     lines = head + ["", "  ".join(h.ljust(w) for h, w in zip(cols, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in body]
@@ -195,18 +198,7 @@ def render_rich(snap: Snapshot, cluster: str) -> Any:
         util = "-" if r.util is None else f"{r.util:5.1f}" + (" sim" if r.simulated else "")
         if r.error:
             util = f"[red]ERR {r.error[:30]}[/]"
-        t.add_row(
-            f"{r.node}:{r.gpu}",
-            f"[{_STATE_STYLE.get(r.state, 'white')}]{r.state}[/]",
-            util,
-            f"{_gib(r.mem_used)}/{_gib(r.mem_total)}",
-            "-" if r.power_w is None else f"{r.power_w:.0f}",
-            r.worker or "-",
-            "-" if r.lease_token is None else f"t{r.lease_token}",
-            r.session_id or "-",
-            "-" if r.session_step is None else str(r.session_step),
-            "-" if r.session_loss is None else f"{r.session_loss:.4g}",
-        )
+        t.add_row(*_cells(r, f"[{_STATE_STYLE.get(r.state, 'white')}]{r.state}[/]", util))
     return t
 
 
