@@ -40,4 +40,5 @@ def env_probe_session(ctx: SessionContext) -> None:
 
     out = os.path.join(os.environ["TAILSPEC_PROBE_DIR"], f"probe-{ctx.session_id}.json")
     with open(out, "w") as f:
-        json.dump({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid()}, f)
+        json.dump({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
+                   "nice": os.nice(0)}, f)

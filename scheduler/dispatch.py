@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tailspec.scheduler.session import CONTEXT_ENV, SessionContext
+from tailspec.scheduler.session import CONTEXT_ENV, NICE_ENV, SessionContext
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class LocalDispatcher:
     kill_grace_s: float = 2.0
     extra_env: dict[str, str] = field(default_factory=dict)
     warm: int = 0
+    nice: int = 0  # scheduler.session_nice: applied by the session process itself (see session.main)
 
     def __post_init__(self) -> None:
         self.procs: dict[str, _Proc] = {}
@@ -78,6 +79,8 @@ class LocalDispatcher:
     def _base_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
+        if self.nice:
+            env[NICE_ENV] = str(self.nice)
         env.update(self.extra_env)
         return env
 

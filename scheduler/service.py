@@ -453,7 +453,7 @@ def run_local(
     monitor = TelemetryMonitor(
         telemetry, r, cfg.cluster.name, sc.sample_period_s, sc.history_maxlen, warning=warning
     ).start()
-    sched = Scheduler(cfg, r, LocalDispatcher(sc.session_entry, log_dir=log_dir, warm=sc.warm_sessions), redis_url=url)
+    sched = Scheduler(cfg, r, LocalDispatcher(sc.session_entry, log_dir=log_dir, warm=sc.warm_sessions, nice=sc.session_nice), redis_url=url)
     stop = stop or threading.Event()
     try:
         sched.serve(stop)

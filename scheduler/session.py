@@ -27,6 +27,7 @@ from tailspec import state
 from tailspec.state import SessionInfo
 
 CONTEXT_ENV = "TAILSPEC_SESSION_CONTEXT"
+NICE_ENV = "TAILSPEC_SESSION_NICE"
 
 
 @dataclass
@@ -276,7 +277,18 @@ def warm_main(entry: str) -> int:
     return run_context(ctx, entry, handle_sigterm=True)
 
 
+def _renice() -> None:
+    # Before any work (imports included): a process may lower its own priority without privileges.
+    n = os.environ.get(NICE_ENV, "")
+    if n.isdigit() and int(n) > 0:
+        try:
+            os.nice(int(n))
+        except OSError as e:
+            print(f"tailspec session: could not set niceness {n}: {e}", file=sys.stderr)
+
+
 def main() -> int:
+    _renice()
     if len(sys.argv) == 3 and sys.argv[1] == "--warm":
         return warm_main(sys.argv[2])
     raw = os.environ.get(CONTEXT_ENV)

@@ -45,6 +45,9 @@ class SchedulerConfig(_Section):
     warm_sessions: int = Field(0, ge=0, le=64, description="session processes kept pre-started (imports done) "
                                "in single-node mode, so a lent GPU starts training at once")
     lend: bool = Field(True, description="false: watch and count idle GPU time but never lend (baselines)")
+    session_nice: int = Field(0, ge=0, le=19, description="niceness of single-node session processes; >0 where "
+                              "simulated GPUs share the host's CPU cores with rollout workers, so a session takes "
+                              "only the CPU the tail leaves idle (on real GPUs leave 0)")
     session_entry: str = Field(
         "tailspec.sessions:run_session",
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",

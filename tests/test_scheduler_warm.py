@@ -38,3 +38,25 @@ def test_warm_process_exits_quietly_on_eof(tmp_path):
     procs = [p for p, _ in d._warm]
     d.shutdown()
     assert all(p.poll() == 0 for p in procs)
+
+
+def test_session_nice_applies_to_warm_and_cold_sessions(tmp_path, redis_url):
+    """scheduler.session_nice: simulated GPUs share the host's cores, so sessions yield CPU to rollouts."""
+    import os
+
+    base = os.nice(0)
+    entry = "tailspec.scheduler.demo_session:env_probe_session"
+    for warm in (1, 0):
+        d = LocalDispatcher(entry, log_dir=str(tmp_path), warm=warm, nice=7,
+                            extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
+        sid = f"s-nice-{warm}"
+        try:
+            d.start(_ctx(redis_url, sid, gpu=0))
+            deadline = time.time() + 60
+            while sid not in d.poll() and time.time() < deadline:
+                time.sleep(0.05)
+            assert d.ended.get(sid) == 0
+            out = json.loads((tmp_path / f"probe-{sid}.json").read_text())
+            assert out["nice"] == min(19, base + 7)
+        finally:
+            d.shutdown()

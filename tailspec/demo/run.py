@@ -75,6 +75,10 @@ class StepRow:
     step_time_s: float
     rollout_time_s: float
     train_time_s: float
+    # train_time_s = step_time_s - rollout_time_s (grade, GRPO update, publish, wait for revoked sessions);
+    # measure_s (logprob check, acceptance of both drafters) is instrumentation outside step_time_s.
+    measure_s: float
+    wait_sessions_s: float
     idle_gpu_seconds: float
     lent_gpu_seconds: float
     drafter_version: int | None
@@ -132,6 +136,10 @@ class Demo:
         c.scheduler.session_startup_s = 1.0
         # Pre-started sessions (torch imported): a lent GPU trains at once instead of importing for seconds.
         c.scheduler.warm_sessions = max(1, self.o.workers - 1) if self.o.mode == "cotrained" else 0
+        # Simulated GPUs are processes sharing this host's cores: a session on a "lent GPU" would otherwise
+        # take CPU from the tail worker it is meant to overlap with (on a real cluster the lent GPU is idle).
+        # At niceness 19 it trains on what the tail leaves idle.
+        c.scheduler.session_nice = 19
         c.trainer.checkpoint_dir = str(self.run_dir / "drafter")
         # A step must fit in the tail it is lent for (a revoked step is abandoned): small batches on a CPU.
         c.trainer.batch_size = min(c.trainer.batch_size, 8)
@@ -310,6 +318,9 @@ class Demo:
             rollouts.append(Rollout(q.prompt_ids, o.token_ids, o.logprobs, g.reward, rid // self.o.group_size))
             samples.append(Sample(prompt_ids=q.prompt_ids, response_ids=o.token_ids, reward=g.reward,
                                   policy_version=self.policy_version, group_id=f"{step}:{rid // self.o.group_size}"))
+        # Instrumentation, not part of an RL step (a user's trainer does neither): the logprob check and the
+        # frozen-vs-co-trained acceptance measurement. Timed apart and left out of step_time_s.
+        t_measure = time.time()
         # RL fidelity: the rollout's logprobs are the policy's own (checked on a slice every step).
         check = rollouts[: min(8, len(rollouts))]
         ref = recompute_logprobs(self.model, check, self.tokenizer.pad_token_id)
@@ -317,13 +328,16 @@ class Demo:
         acc_frozen = acc_co = None
         if self.o.mode != "nospec":
             acc_frozen, acc_co = self.measure_acceptance(samples)
+        measure_s = time.time() - t_measure
         stats = grpo_step(self.model, self.optimizer, rollouts, self.tokenizer.pad_token_id,
                           temperature=self.o.temperature)
         self.client.submit_samples(samples)
         self.policy_version += 1
         self.policy_path = self.publish_policy()
+        t_wait = time.time()
         self.wait_sessions_stopped()
         t_end = time.time()
+        wait_s = t_end - t_wait
         after = _counters(self.r, self.cluster)
         outs = [o for res in results for o in res.outputs]
         fwd = sum(o.target_forwards for o in outs)
@@ -333,8 +347,8 @@ class Demo:
             for k, v in res.strategy_mix.items():
                 mix[k] = mix.get(k, 0) + v
         row = StepRow(
-            step=step, mode=self.o.mode, step_time_s=t_end - t_start, rollout_time_s=rollout_s,
-            train_time_s=t_end - t_train,
+            step=step, mode=self.o.mode, step_time_s=t_end - t_start - measure_s, rollout_time_s=rollout_s,
+            train_time_s=t_end - t_train - measure_s, measure_s=measure_s, wait_sessions_s=wait_s,
             idle_gpu_seconds=after.get("idle_gpu_seconds", 0) - before.get("idle_gpu_seconds", 0),
             lent_gpu_seconds=after.get("lent_gpu_seconds", 0) - before.get("lent_gpu_seconds", 0),
             drafter_version=self.current_drafter_version,
