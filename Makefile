@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test install install-test redis browser clean bench vllm-env test-vllm
+.PHONY: demo test install install-test redis browser clean bench vllm-env test-vllm test-deepspeed
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -73,3 +73,9 @@ vllm-env: $(VLLM_STAMP)
 
 test-vllm: vllm-env redis
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm_*.py
+
+# The DeepSpeed backend's test (ZeRO-2 + CPU optimizer offload on gloo) needs the `deepspeed` extra, which
+# `make test` leaves out: it is a large install and its first run builds ops (minutes on 2 cores).
+test-deepspeed: install-test
+	$(BIN)/pip install -q -e '.[dev,deepspeed]'
+	$(BIN)/python -m pytest -q tests/test_trainer_deepspeed.py

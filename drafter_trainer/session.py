@@ -105,6 +105,9 @@ class SessionResult:
         return self.tokens / self.train_seconds if self.train_seconds > 0 else 0.0
 
 
+ASK_EVERY_S = 0.05  # should_continue() is a lease renewal: one Redis round trip (~0.1 ms)
+
+
 class TrainingSession:
     def __init__(self, cfg: TrainerConfig, teacher: Teacher, buffer: SampleBuffer, *,
                  checkpoint_dir: str | Path | None = None,
@@ -126,6 +129,7 @@ class TrainingSession:
         self._stop = threading.Event()
         self._stop_reason: str | None = None
         self._stop_at: float | None = None
+        self._asked_at = 0.0
 
         ck = load_latest(self.checkpoint_dir, teacher.embedding(), map_location=str(teacher.device))
         if ck is not None:
@@ -154,6 +158,15 @@ class TrainingSession:
             self._stop.set()
 
     def _check(self) -> None:
+        # Inside a step ask should_continue() too (at most every ASK_EVERY_S): a lease revoked mid-step is
+        # then noticed at the next check point, not when the step ends — a step can outlast the deadline
+        # on a busy machine, and a session killed at the deadline loses the step it was in and the ones
+        # since its last checkpoint.
+        now = time.monotonic()
+        if not self._stop.is_set() and now - self._asked_at >= ASK_EVERY_S:
+            self._asked_at = now
+            if not self.should_continue():
+                self.request_stop("should_continue")
         if self._stop.is_set():
             raise StopRequested(self._stop_reason)
 

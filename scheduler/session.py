@@ -273,12 +273,15 @@ def warm_main(entry: str) -> int:
         print(f"tailspec warm session: bad assignment: {e}", file=sys.stderr)
         return 2
     os.environ.update(env)
+    _renice()
     print(f"tailspec session {ctx.session_id} on {ctx.node}:gpu{ctx.gpu}", flush=True)
     return run_context(ctx, entry, handle_sigterm=True)
 
 
 def _renice() -> None:
-    # Before any work (imports included): a process may lower its own priority without privileges.
+    # When a session is assigned, not before: a warm process imports at normal priority (at 19 it starved
+    # behind busy rollout workers and was still importing when its GPU was lent). Lowering one's own
+    # priority needs no privileges; it cannot be raised back, so a warm process runs one session.
     n = os.environ.get(NICE_ENV, "")
     if n.isdigit() and int(n) > 0:
         try:
@@ -288,9 +291,9 @@ def _renice() -> None:
 
 
 def main() -> int:
-    _renice()
     if len(sys.argv) == 3 and sys.argv[1] == "--warm":
         return warm_main(sys.argv[2])
+    _renice()
     raw = os.environ.get(CONTEXT_ENV)
     if not raw:
         print(f"tailspec session: ${CONTEXT_ENV} is not set", file=sys.stderr)

@@ -146,20 +146,40 @@ def test_stop_from_another_thread_within_deadline(tmp_path, teacher):
 
 
 def test_should_continue_false_stops_the_session(tmp_path, teacher):
+    go = True
+    reports = []
+
+    def on_step(step, loss, tokens):
+        nonlocal go
+        reports.append((step, loss, tokens))
+        go = step < 2
+
+    s = TrainingSession(cfg(tmp_path), teacher, make_buffer(), should_continue=lambda: go, on_step=on_step,
+                        report_every_s=0)
+    res = s.run(max_steps=100)
+    assert res.stop_reason == "should_continue" and res.steps == 2
+    assert [r[0] for r in reports][-1] == 2 and all(r[1] > 0 and r[2] > 0 for r in reports)
+    assert res.stop_latency_s < DEADLINE_S
+
+
+def test_should_continue_is_asked_inside_a_step(tmp_path, teacher, monkeypatch):
+    """A lease revoked mid-step is noticed at the step's next check point: the step is abandoned (no
+    optimizer update) instead of running to its end past the deadline."""
+    import tailspec.drafter_trainer.session as session_mod
+
+    monkeypatch.setattr(session_mod, "ASK_EVERY_S", 0.0)
     calls = 0
 
     def should_continue():
         nonlocal calls
         calls += 1
-        return calls <= 2
+        return calls <= 1  # True at the top of the first step, False at its first check point inside
 
-    reports = []
-    s = TrainingSession(cfg(tmp_path), teacher, make_buffer(), should_continue=should_continue,
-                        on_step=lambda step, loss, tokens: reports.append((step, loss, tokens)), report_every_s=0)
+    s = TrainingSession(cfg(tmp_path), teacher, make_buffer(), should_continue=should_continue)
+    before = [p.detach().clone() for p in s.params]
     res = s.run(max_steps=100)
-    assert res.stop_reason == "should_continue" and res.steps == 2
-    assert [r[0] for r in reports][-1] == 2 and all(r[1] > 0 and r[2] > 0 for r in reports)
-    assert res.stop_latency_s < DEADLINE_S
+    assert res.stop_reason == "should_continue" and res.steps == 0 and calls >= 2
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, s.params))  # the step left no update
 
 
 def test_session_reads_the_stream_and_waits_for_samples(tmp_path, teacher, redis_client):

@@ -136,14 +136,16 @@ class Demo:
         c.scheduler.session_startup_s = 1.0
         # Pre-started sessions (torch imported): a lent GPU trains at once instead of importing for seconds.
         c.scheduler.warm_sessions = max(1, self.o.workers - 1) if self.o.mode == "cotrained" else 0
-        # Simulated GPUs are processes sharing this host's cores: a session on a "lent GPU" would otherwise
-        # take CPU from the tail worker it is meant to overlap with (on a real cluster the lent GPU is idle).
-        # At niceness 19 it trains on what the tail leaves idle.
-        c.scheduler.session_nice = 19
+        # scheduler.session_nice (default 0) is left to the user's config: at 19 a session takes only the CPU
+        # the tail leaves idle, but on 2 cores it is also starved while the RL step runs, and with this
+        # policy's short tails it often finished no step at all (`--set scheduler.session_nice=19` to try).
         c.trainer.checkpoint_dir = str(self.run_dir / "drafter")
         # A step must fit in the tail it is lent for (a revoked step is abandoned): small batches on a CPU.
         c.trainer.batch_size = min(c.trainer.batch_size, 8)
         c.trainer.validate_every_s = 5.0
+        # Checkpoint after every step (0.03 s for this drafter, against ~0.5 s a step): a session sharing 2 cores
+        # with the RL step can be starved past the stop deadline and killed; it then loses nothing.
+        c.trainer.checkpoint_every_steps = 1
         c.trainer.validation_samples = self.o.validation_samples
         return c
 
