@@ -19,6 +19,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections import Counter
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,8 +81,10 @@ def _prompts(tok, n: int, seed: int, task_cfg):
     return [encode_prompt(tok, p.prompt) for p in sample_problems(n, task_cfg, seed=seed)]
 
 
-def _steady_tps(make_engine, choose_k, batch: int, prompts, params, warmup: int, steps: int) -> float:
-    """Tokens/s over `steps` decode steps with `batch` requests kept running (finished slots refilled)."""
+def _steady_tps(make_engine, choose_k, batch: int, prompts, params, warmup: int, steps: int,
+                mix: Counter | None = None) -> float:
+    """Tokens/s over `steps` decode steps with `batch` requests kept running (finished slots refilled);
+    `mix` counts the k of each timed step."""
     from tailspec.rollout.slots import GEN
 
     eng = make_engine(batch, choose_k)
@@ -102,6 +105,8 @@ def _steady_tps(make_engine, choose_k, batch: int, prompts, params, warmup: int,
         if i >= warmup:
             elapsed += dt
             emitted += produced() - before
+            if mix is not None:
+                mix[eng.stats.last_k] += 1
     return emitted / elapsed if elapsed > 0 else 0.0
 
 
@@ -190,13 +195,15 @@ def run(args: argparse.Namespace) -> dict:
     for b in batches:
         n_req = max(4 * b, b + 8)
         runs: dict[str, list[float]] = {name: [] for name in policies}
+        adaptive_mix: Counter = Counter()
         for rep in range(args.repeats):
             prompts = pool_prompts[(rep * n_req) % 256:][:n_req]
             prompts = (prompts * (n_req // max(len(prompts), 1) + 1))[:n_req]
             params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=1000 * rep + i)
                       for i in range(n_req)]
             for name, pol in policies.items():
-                runs[name].append(_steady_tps(make_engine, pol, b, prompts, params, args.warmup, args.steps))
+                runs[name].append(_steady_tps(make_engine, pol, b, prompts, params, args.warmup, args.steps,
+                                              mix=adaptive_mix if name == "adaptive" else None))
         med = {name: statistics.median(v) for name, v in runs.items()}
         oracle_k = max(ks, key=lambda k: med[f"k{k}"])
         row = {
@@ -205,10 +212,12 @@ def run(args: argparse.Namespace) -> dict:
             "threshold_tps": round(med["threshold"], 1), "nospec_tps": round(med["k0"], 1),
             "fixed_tps": {str(k): round(med[f"k{k}"], 1) for k in ks},
             "adaptive_k": adaptive.best(b),
+            "adaptive_k_mix": {str(k): n for k, n in sorted(adaptive_mix.items())},  # k of its timed steps
         }
         per_batch.append(row)
         print(f"batch {b:>3}: " + "  ".join(f"{n}={v:.0f}" for n, v in med.items())
-              + f"  (tok/s; oracle k={oracle_k}, adaptive now picks k={row['adaptive_k']})", file=out)
+              + f"  (tok/s; oracle k={oracle_k}, adaptive ran k {row['adaptive_k_mix']}, now picks k={row['adaptive_k']})",
+              file=out)
 
     longtail = {}
     if args.longtail_n > 0:
