@@ -23,12 +23,12 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from tailspec.rl import Rollout, grpo_step
 from tailspec.rollout import sampling
 from tailspec.rollout.drafters import DraftModelDrafter, NgramDrafter
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
+
+from tailspec.rl import Rollout, grpo_step
 from tailspec.tasks.policy import get_policy, load_policy
 from tailspec.tasks.runsum import grade, sample_problems
 from tailspec.tasks.tokenizer import decode_response, encode_prompt
