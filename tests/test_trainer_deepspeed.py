@@ -8,7 +8,7 @@ import torch
 
 from tailspec.drafter_trainer.checkpoint import load_latest
 from tailspec.drafter_trainer.session import TrainingSession
-from tests.test_trainer_session import cfg, make_buffer
+from tests.test_trainer_session import cfg, frozen_teacher, make_buffer
 
 pytest.importorskip("deepspeed")
 torch.set_num_threads(1)
@@ -20,13 +20,7 @@ RTOL = 1e-4
 
 @pytest.fixture
 def teacher():
-    from tailspec.drafter_trainer.teacher import Teacher
-    from tests.test_trainer_model import make_target
-
-    target = make_target(layers=4)
-    for p in target.parameters():
-        p.requires_grad_(False)
-    return Teacher(target, (1, 2, 3))
+    return frozen_teacher()
 
 
 @pytest.mark.slow

@@ -34,12 +34,17 @@ def synthetic_samples(n: int, seed: int = 0, version: int = 0) -> list[Sample]:
     return out
 
 
-@pytest.fixture
-def teacher():
+def frozen_teacher() -> Teacher:
+    """A 4-layer random target, frozen, as the teacher (aux layers 1, 2, 3)."""
     target = make_target(layers=4)
     for p in target.parameters():
         p.requires_grad_(False)
     return Teacher(target, (1, 2, 3))
+
+
+@pytest.fixture
+def teacher():
+    return frozen_teacher()
 
 
 def make_buffer(n=64, holdout=0.0) -> SampleBuffer:
