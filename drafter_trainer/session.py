@@ -157,23 +157,25 @@ class TrainingSession:
             self._stop_reason, self._stop_at = reason, time.monotonic()
             self._stop.set()
 
+    def _ask(self) -> None:
+        self._asked_at = time.monotonic()
+        if not self.should_continue():
+            self.request_stop("should_continue")
+
     def _check(self) -> None:
         # Inside a step ask should_continue() too (at most every ASK_EVERY_S): a lease revoked mid-step is
         # then noticed at the next check point, not when the step ends — a step can outlast the deadline
         # on a busy machine, and a session killed at the deadline loses the step it was in and the ones
         # since its last checkpoint.
-        now = time.monotonic()
-        if not self._stop.is_set() and now - self._asked_at >= ASK_EVERY_S:
-            self._asked_at = now
-            if not self.should_continue():
-                self.request_stop("should_continue")
+        if not self._stop.is_set() and time.monotonic() - self._asked_at >= ASK_EVERY_S:
+            self._ask()
         if self._stop.is_set():
             raise StopRequested(self._stop_reason)
 
     def check_continue(self) -> None:
-        """Ask `should_continue()` too (for work outside steps, e.g. validation); raises StopRequested."""
-        if not self.should_continue():
-            self.request_stop("should_continue")
+        """Ask `should_continue()` now (between steps, and for work outside steps, e.g. validation); raises
+        StopRequested. The next in-step check then does not ask again within ASK_EVERY_S."""
+        self._ask()
         self._check()
 
     # -- training ------------------------------------------------------------------------------------
@@ -216,9 +218,7 @@ class TrainingSession:
                 if max_seconds is not None and time.monotonic() - t0 >= max_seconds:
                     reason = "max_seconds"
                     break
-                if not self.should_continue():
-                    self.request_stop("should_continue")
-                self._check()
+                self.check_continue()
                 if self.reader is not None and (steps % self.poll_every_steps == 0 or not self.buffer.train):
                     try:
                         self.reader.poll()
