@@ -41,15 +41,15 @@ def run(args: argparse.Namespace) -> dict:
             f" idle {r.idle_gpu_seconds:.1f} lent {r.lent_gpu_seconds:.1f} reward {r.mean_reward:.2f}", file=print_to))
         runs[mode] = rows
 
-    def med(rows, attr):
+    def mean_of(rows, attr):
         # The mean, not the median: the three runs share seeds, so step i does the same work in every mode
         # and the means compare the same total work; steps differ a lot in length (the long tail), and a
         # median picks a different step in each mode.
         xs = [getattr(r, attr) for r in rows[args.skip_first:]] or [getattr(r, attr) for r in rows]
         return statistics.fmean(xs)
 
-    step = {m: med(rows, "step_time_s") for m, rows in runs.items()}
-    rollout = {m: med(rows, "rollout_time_s") for m, rows in runs.items()}
+    step = {m: mean_of(rows, "step_time_s") for m, rows in runs.items()}
+    rollout = {m: mean_of(rows, "rollout_time_s") for m, rows in runs.items()}
     co = runs["cotrained"]
     idle = sum(r.idle_gpu_seconds for r in co)
     lent = sum(r.lent_gpu_seconds for r in co)
