@@ -32,6 +32,7 @@ from tailspec.rl import Rollout, grpo_step
 from tailspec.tasks.policy import get_policy, load_policy
 from tailspec.tasks.runsum import grade, sample_problems
 from tailspec.tasks.tokenizer import decode_response, encode_prompt
+from tests.test_engine_sampling import _always_accept
 
 pytestmark = pytest.mark.slow
 
@@ -82,12 +83,6 @@ def paired_t(models) -> tuple[float, np.ndarray, np.ndarray]:
     sd = float(d.std(ddof=1))
     t = float(d.mean()) / (sd / math.sqrt(d.size)) if sd > 0 else (0.0 if d.mean() == 0 else math.inf)
     return t, plain, spec
-
-
-def _always_accept(p, q, drafts, u_accept, u_sample):
-    B, K1, _ = p.shape
-    bonus = sampling.sample(p[:, -1], u_sample[:, -1])
-    return torch.cat([drafts, bonus[:, None]], 1), torch.full((B,), K1 - 1, dtype=torch.long)
 
 
 def test_reward_curves_of_plain_and_speculative_rl_agree_across_seeds(models):
