@@ -12,6 +12,12 @@ def _ctx(redis_url, sid, gpu):
                           require_heartbeat=False)
 
 
+def _wait_ended(d: LocalDispatcher, sid: str, timeout_s: float = 60) -> None:
+    deadline = time.time() + timeout_s
+    while sid not in d.poll() and time.time() < deadline:
+        time.sleep(0.05)
+
+
 def test_warm_process_runs_the_assigned_session_with_its_gpu(tmp_path, redis_url):
     entry = "tailspec.scheduler.demo_session:env_probe_session"
     d = LocalDispatcher(entry, log_dir=str(tmp_path), warm=1, extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
@@ -22,9 +28,7 @@ def test_warm_process_runs_the_assigned_session_with_its_gpu(tmp_path, redis_url
         d.start(_ctx(redis_url, "s-warm", gpu=3))
         assert d.pid("s-warm") == warm_pid  # the pre-started process took the session
         assert len(d._warm) == 1 and d._warm[0][0].pid != warm_pid  # and was replaced
-        deadline = time.time() + 60
-        while "s-warm" not in d.poll() and time.time() < deadline:
-            time.sleep(0.05)
+        _wait_ended(d, "s-warm")
         assert d.ended.get("s-warm") == 0
         out = json.loads((tmp_path / "probe-s-warm.json").read_text())
         assert out["CUDA_VISIBLE_DEVICES"] == "3"
@@ -52,9 +56,7 @@ def test_session_nice_applies_to_warm_and_cold_sessions(tmp_path, redis_url):
         sid = f"s-nice-{warm}"
         try:
             d.start(_ctx(redis_url, sid, gpu=0))
-            deadline = time.time() + 60
-            while sid not in d.poll() and time.time() < deadline:
-                time.sleep(0.05)
+            _wait_ended(d, sid)
             assert d.ended.get(sid) == 0
             out = json.loads((tmp_path / f"probe-{sid}.json").read_text())
             assert out["nice"] == min(19, base + 7)
