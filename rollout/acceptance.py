@@ -3,14 +3,19 @@
 Per position j (0-based draft index): alpha_j = P(draft j accepted | drafts 0..j-1 accepted). The engine
 reports, after every step with k > 0, how many rows had draft j accepted (`StepStats.last_reach`), so a step
 at k updates positions 0..k-1 at once: trials_j = rows that reached j, successes_j = rows that passed it.
-For a chain drafter the proposal at position j does not depend on k, so alpha_j predicts every strategy:
+For a chain drafter the proposal at position j does not depend on k, so alpha_j would predict every strategy:
 
     E[accepted | k] = sum_{j<k} prod_{i<=j} alpha_i,    E[tokens per row per step | k] = 1 + E[accepted | k].
 
-Per strategy k: the decayed mean of accepted drafts per row actually seen at k, shrunk toward the position
-model while it has few rows (it also catches what the position model misses, e.g. stop-token truncation).
+Per strategy k: the decayed mean of accepted drafts per row actually seen at k, shrunk toward that position
+model by `k_weight` rows. It catches what the chain formula misses: stop-token truncation, and on structured
+text the phase of the drafts. Where a step starts depends on k (after an all-accepted k = 1 step every other
+token was the target's own bonus token), so the positions' rates measured while running one k mis-predict
+another: on the task, alpha_0 measured while running k = 2 is 0.89, while running k = 1 0.97. A strategy's
+own mean forgets at the full rate as steps at its k arrive and `other_memory` times slower while other
+strategies run, so what exploration and the warm-up measured for a strategy run rarely is not lost at once.
 
-Counts decay by exp(-rows / memory_rows) per informative step (k > 0): the estimate remembers about
+Position counts decay by exp(-rows / memory_rows) per informative step (k > 0): the estimate remembers about
 `memory_rows` drafted rows whatever the batch size (a batch-1 tail needs more steps than a batch-64 start for
 the same confidence), and follows the drafter and the policy within that many rows; steps at k = 0 carry no
 information and leave the estimate as it was. A new
@@ -31,6 +36,8 @@ class AcceptanceTracker:
     prior: float = 0.5  # alpha_0 before any observation
     prior_weight: float = 8.0  # pseudo-trials behind the prior (and behind each position's fallback)
     policy_decay: float = 0.25
+    k_weight: float = 16.0  # rows behind the position model in a strategy's estimate (noise must not stick)
+    other_memory: float = 2.0  # a strategy's own mean forgets this many times slower while others run
     drafter_version: str | int | None = None
     policy_version: str | int | None = None
     pos_acc: list[float] = field(default_factory=list)
@@ -67,9 +74,13 @@ class AcceptanceTracker:
         for j in range(self.k_max):
             self.pos_acc[j] *= d
             self.pos_trials[j] *= d
+        # a strategy's own mean forgets fast as that strategy brings news and slowly otherwise: what
+        # exploration measured for a strategy run rarely survives a long stretch of another one
+        d_other = math.exp(-rows / (self.memory_rows * self.other_memory))
         for key in self.k_acc:
-            self.k_acc[key] *= d
-            self.k_rows[key] *= d
+            f = d if key == k else d_other
+            self.k_acc[key] *= f
+            self.k_rows[key] *= f
         if reach is not None:
             trials = rows
             for j, r in enumerate(reach):
@@ -111,8 +122,11 @@ class AcceptanceTracker:
         self.updates = 0
 
     # -- estimates -------------------------------------------------------------------------------------------
-    def alphas(self) -> list[float]:
-        """alpha_j for j < k_max; a position with few trials falls back to the one before it."""
+    def alphas(self, prior: bool = True) -> list[float]:
+        """alpha_j for j < k_max; a position with few trials falls back to the one before it. Without the
+        prior: the observed rates alone (0 where nothing was tried)."""
+        if not prior:
+            return [a / t if t > 0 else 0.0 for a, t in zip(self.pos_acc, self.pos_trials)]
         out, fallback, w = [], self.prior, self.prior_weight
         for a, t in zip(self.pos_acc, self.pos_trials):
             alpha = (a + w * fallback) / (t + w)
@@ -120,23 +134,24 @@ class AcceptanceTracker:
             fallback = alpha
         return out
 
-    def position_model(self, k: int) -> float:
+    def position_model(self, k: int, prior: bool = True) -> float:
         """E[accepted drafts per row | k] from the per-position rates."""
         total, run = 0.0, 1.0
-        for alpha in self.alphas()[:k]:
+        for alpha in self.alphas(prior)[:k]:
             run *= alpha
             total += run
         return total
 
     def expected_accepted(self, k: int) -> float:
-        """E[accepted drafts per row | k]: the strategy's own decayed mean, shrunk toward the position model."""
+        """E[accepted drafts per row | k]: the strategy's own decayed mean, shrunk toward the position model
+        by `k_weight` rows."""
         if k <= 0:
             return 0.0
         if k > self.k_max:
             raise ValueError(f"k={k} exceeds k_max={self.k_max}")
         model = self.position_model(k)
         rows = self.k_rows.get(k, 0.0)
-        return (self.k_acc.get(k, 0.0) + self.prior_weight * model) / (rows + self.prior_weight)
+        return (self.k_acc.get(k, 0.0) + self.k_weight * model) / (rows + self.k_weight)
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens emitted per row per step | k] (1 for plain decoding)."""

@@ -2,7 +2,10 @@
 
 Measured at warm-up on the real engine (`measure`), then kept current from the engine's own steps
 (`observe`): the machine's speed drifts (other jobs, clocks, context growth through the rollout), so the
-warm-up table is the shape and an online per-(bucket, k) factor is the level.
+warm-up table is the shape, a shared `load` level follows the machine, and a per-(bucket, k) factor
+corrects each entry. The factor is a decayed mean of that entry's own observed log-ratios with the warm-up
+table counted as `prior_steps` observations: a handful of explored steps fix a warm-up entry that a burst
+of noise spoiled (a slow EMA needed dozens, and a strategy the selector rarely runs never got them).
 
 Lookup between measured batch buckets interpolates linearly in b: a step's cost is close to affine in the
 batch (fixed launch/dispatch cost + per-row work) between neighbouring buckets. On a GPU with a graph pool
@@ -44,11 +47,15 @@ class CostModel:
     buckets: list[int]
     ks: list[int]
     table: dict[tuple[int, int], float]  # (bucket, k) -> seconds per step at warm-up
-    ema: float = 0.05  # weight of one online observation in the correction factor
-    clip: float = 2.0  # one observation moves the factor by at most this ratio (noise, GC pauses, preemption)
+    ema: float = 0.05  # weight of one observation in the shared load level
+    clip: float = 2.0  # one observation counts as at most this ratio (noise, GC pauses, preemption)
+    prior_steps: float = 4.0  # the warm-up entry weighs as much as this many online steps of its shape
+    memory_steps: float = 64.0  # an entry's online observations decay by exp(-1/memory_steps) per new one
     factor: dict[tuple[int, int], float] = field(default_factory=dict)
     load: float = 1.0  # machine-wide level: every observation moves it, so strategies not run lately follow too
     observed: int = 0
+    _logsum: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
+    _n: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.buckets or sorted(set(self.buckets)) != list(self.buckets) or self.buckets[0] < 1:
@@ -63,6 +70,8 @@ class CostModel:
             raise ValueError(f"cost table entries must be finite seconds > 0, got {bad[:4]}")
         if not 0 < self.ema <= 1 or self.clip < 1:
             raise ValueError(f"need 0 < ema <= 1 and clip >= 1, got ema={self.ema}, clip={self.clip}")
+        if not self.prior_steps > 0 or not self.memory_steps > 0:
+            raise ValueError(f"need prior_steps > 0 and memory_steps > 0, got {self.prior_steps}, {self.memory_steps}")
 
     # -- lookup ----------------------------------------------------------------------------------------------
     def bucket(self, b: int) -> int:
@@ -106,13 +115,23 @@ class CostModel:
         if b < 1 or k not in self.ks or not (seconds > 0 and math.isfinite(seconds)):
             return
         key = (self.bucket(b), k)
-        f = self.factor.get(key, 1.0)
-        # geometric EMAs (a ratio of 2 and one of 1/2 cancel): the shared load level first, then what is
-        # left of the surprise goes to this (bucket, k)'s own factor
-        ratio = min(max(seconds / (self.base(b, k) * self.load * f), 1 / self.clip), self.clip)
+        base = self.base(b, k)
+        # in log space (a ratio of 2 and one of 1/2 cancel): the shared load level follows the ratio of
+        # every observed step to its warm-up entry (slowly: what the strategies being run say about the
+        # machine), then this entry's factor becomes the decayed mean of its own ratios to base * load,
+        # shrunk toward 1 (the warm-up table) by prior_steps
+        ratio = min(max(seconds / (base * self.load), 1 / self.clip), self.clip)
         self.load *= ratio ** (self.ema / 2)
-        self.factor[key] = f * ratio ** (self.ema / 2)
+        own = min(max(math.log(seconds / (base * self.load)), -math.log(self.clip)), math.log(self.clip))
+        d = math.exp(-1.0 / self.memory_steps)
+        self._logsum[key] = self._logsum.get(key, 0.0) * d + own
+        self._n[key] = self._n.get(key, 0.0) * d + 1.0
+        self.factor[key] = math.exp(self._logsum[key] / (self._n[key] + self.prior_steps))
         self.observed += 1
+
+    def samples(self, b: int, k: int) -> float:
+        """Decayed count of online observations behind t(b, k) (the selector explores the least known)."""
+        return self._n.get((self.bucket(b), k), 0.0)
 
     def monotone(self) -> CostModel:
         """Project the table onto costs non-decreasing in b and in k: t(b, k) = min over b' >= b, k' >= k.
@@ -127,7 +146,7 @@ class CostModel:
                 nb = [t[(b2, k)] for b2 in self.buckets if b2 > b][:1]
                 nk = [t[(b, self.ks[i + 1])]] if i + 1 < len(self.ks) else []
                 t[(b, k)] = min([t[(b, k)], *nb, *nk])
-        return CostModel(list(self.buckets), list(self.ks), t, self.ema, self.clip)
+        return CostModel(list(self.buckets), list(self.ks), t, self.ema, self.clip, self.prior_steps, self.memory_steps)
 
     # -- (de)serialisation: JSON-friendly, for logs and the benchmark ---------------------------------------
     def to_dict(self) -> dict:
@@ -155,16 +174,25 @@ def measure(
     temperature: float = 1.0,
     passes: int = 1,
     on_step=None,
+    block: int = 3,
+    max_tokens: int = 256,
+    settle: int = 2,
 ) -> CostModel:
     """Warm-up: time `steps` decode steps of the real engine at every (bucket, k), keep the median.
 
-    For each bucket a fresh batch of `bucket` requests (prompts cycled) runs with ignore_eos and enough
-    max_tokens that nobody finishes inside the timed window, so every timed step has exactly that batch.
-    The step that admits (prefill) is not timed. The engine must be idle; it is left idle. Its strategy hook
-    is restored afterwards. With `passes` > 1 the whole sweep repeats and each entry keeps the median over
-    passes (a burst of load on a shared machine then spoils one pass, not the table); the result is
-    projected onto monotone costs (`CostModel.monotone`). `on_step(stats)` sees every timed step's StepStats
-    (e.g. `AcceptanceTracker.observe`: the warm-up's drafts are real drafts on real prompts).
+    For each bucket, one batch of `bucket` requests runs like a rollout: a request that stops is replaced at
+    once by the next prompt (cycled, each with its own seed), so the batch stays full and its rows sit at
+    every depth of their responses, not only at the first tokens. The strategies take turns on that batch:
+    `settle` untimed steps at k (they absorb what the previous strategy left behind: the drafter's catch-up
+    over that strategy's accepted tokens, and the phase of the drafts, see `acceptance`), then `block` timed
+    steps, round after round until every k has
+    `steps` timed steps. Taking turns gives every k the same contexts and the same machine load (a burst of
+    load on a shared machine lands on all of them); the time of admissions (prefill) is not in a step's
+    time. With `passes` > 1 the whole sweep repeats and each entry keeps the median over passes. The result
+    is projected onto monotone costs (`CostModel.monotone`). `on_step(stats)` sees every timed step's
+    StepStats (e.g. `AcceptanceTracker.observe`: those are real drafts on real responses). The engine must be
+    idle and is left idle (the requests still running at the end are aborted); its strategy hook is
+    restored afterwards.
     """
     from tailspec.rollout.sequence import SamplingParams
     from tailspec.rollout.strategy import fixed_k
@@ -173,6 +201,9 @@ def measure(
         raise RuntimeError("cost model warm-up needs an idle engine (requests are still running)")
     if not prompts:
         raise ValueError("cost model warm-up needs at least one prompt")
+    if steps < 1 or passes < 1 or block < 1 or max_tokens < 1 or settle < 0:
+        raise ValueError(f"need steps, passes, block, max_tokens >= 1 and settle >= 0; got {steps}, {passes}, "
+                         f"{block}, {max_tokens}, {settle}")
     buckets = sorted(set(buckets or default_buckets(engine.max_batch)))
     ks = sorted(set(ks if ks is not None else default_ks(engine.k_max)))
     if engine.drafter is None:
@@ -181,37 +212,53 @@ def measure(
         raise ValueError(f"bucket {buckets[-1]} exceeds the engine's max_batch {engine.max_batch}")
     if ks[-1] > engine.k_max:
         raise ValueError(f"k={ks[-1]} exceeds the engine's k_max {engine.k_max}")
+    room = engine.max_seq_len - max(len(p) for p in prompts)
+    if room < 2:
+        raise ValueError(f"prompts too long for the warm-up (max_seq_len={engine.max_seq_len})")
     hook = engine.choose_k
     samples: dict[tuple[int, int], list[float]] = {}
+    admitted = 0
+
+    def top_up(b: int) -> None:
+        nonlocal admitted
+        while engine.slots.n + len(engine.waiting) < b:
+            p = prompts[admitted % len(prompts)]
+            engine.add_request(list(p), SamplingParams(max_tokens=min(max_tokens, room), temperature=temperature,
+                                                      seed=admitted))
+            admitted += 1
+
     try:
-        for b, k in [(b, k) for _ in range(passes) for b in buckets for k in ks]:
-            engine.choose_k = fixed_k(k)
-            longest = max(len(prompts[i % len(prompts)]) for i in range(b))
-            max_tokens = min((steps + 2) * (k + 1), engine.max_seq_len - longest)
-            if max_tokens < steps + 2:
-                raise ValueError(f"prompts too long for the warm-up (max_seq_len={engine.max_seq_len})")
-            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=0)
-            for i in range(b):
-                engine.add_request(list(prompts[i % len(prompts)]), params)
-            engine.step()  # admission + first step, not timed
-            times = []
-            while len(times) < steps and engine.slots.n == b:
-                engine.step()
-                if engine.stats.last_batch == b:
-                    times.append(engine.stats.last_step_s)
-                    if on_step is not None:
-                        on_step(engine.stats)
-            while engine.has_unfinished():  # drain cheaply
-                engine.choose_k = fixed_k(0)
-                engine.step()
-            # median per pass, then the median over passes: the table should describe the machine as the
-            # rollout will see it (a min would pick each entry's luckiest moment, unevenly across entries)
-            samples.setdefault((b, k), []).append(statistics.median(times) if times else float("nan"))
+        for _ in range(passes):
+            for b in buckets:
+                times: dict[int, list[float]] = {k: [] for k in ks}
+                while any(len(t) < steps for t in times.values()):
+                    for k in ks:
+                        engine.choose_k = fixed_k(k)
+                        settled, tries = 0, 0
+                        while len(times[k]) < steps and tries < settle + block + 4:
+                            top_up(b)
+                            engine.step()
+                            tries += 1
+                            if engine.stats.last_batch != b or engine.stats.last_k != k:
+                                continue
+                            if settled < settle:
+                                settled += 1
+                                continue
+                            times[k].append(engine.stats.last_step_s)
+                            if on_step is not None:
+                                on_step(engine.stats)
+                            if len(times[k]) % block == 0:
+                                break
+                engine.abort_all()
+                # median per pass, then the median over passes: the table should describe the machine as
+                # the rollout will see it (a min would pick each entry's luckiest moment, unevenly)
+                for k in ks:
+                    samples.setdefault((b, k), []).append(statistics.median(times[k]))
     finally:
         engine.choose_k = hook
+        engine.abort_all()
     table = {key: statistics.median(v) for key, v in samples.items()}
     bad = [key for key, v in table.items() if not v > 0]
     if bad:
-        raise RuntimeError(f"warm-up could not time (bucket, k) = {bad[:4]} (batch shrank before any timed step)")
+        raise RuntimeError(f"warm-up could not time (bucket, k) = {bad[:4]}")
     return CostModel(buckets, ks, table).monotone()
-

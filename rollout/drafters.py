@@ -53,15 +53,20 @@ class Drafter:
         """The engine compacted its slots: copy the state of slots src into slots dst."""
 
 
-def _draw(logits: torch.Tensor, batch: Batch, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Processed q [n, V] from logits [n, V] with each row's params, and a draft token drawn from it."""
+def _draw(logits: torch.Tensor, batch: Batch, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Processed q [n, V] from logits [n, V] with each row's params, and draft j (at position length + j)
+    drawn from it with the DRAFT-stream uniform of that position (the engine's precomputed one when set)."""
     q = process(
         logits[:, None], batch.temperature, batch.top_k, batch.top_p,
         batch.any_sampled, batch.any_greedy, batch.any_truncated,
     )[:, 0]
     if not batch.any_sampled:  # all greedy: q is one-hot, no randomness needed
         return q.argmax(-1), q
-    return sample(q, uniforms(batch.key, pos[:, None], DRAFT)[:, 0]), q
+    if batch.u_draft is not None and j < batch.u_draft.shape[1]:
+        u = batch.u_draft[:, j]
+    else:
+        u = uniforms(batch.key, (batch.lengths + j)[:, None], DRAFT)[:, 0]
+    return sample(q, u), q
 
 
 class NgramDrafter(Drafter):
@@ -140,11 +145,11 @@ class DraftModelDrafter(Drafter):
         idx = start[:, None] + torch.arange(w, device=L.device)
         logits, _ = self.runner.forward(batch.tokens.gather(1, idx), start, max_pos=batch.max_length - 1)
         last = (L - 1 - start)[:, None, None].expand(-1, 1, logits.shape[-1])
-        d, q = _draw(logits.gather(1, last)[:, 0], batch, L)
+        d, q = _draw(logits.gather(1, last)[:, 0], batch, 0)
         drafts, qs = [d], [q]
         for j in range(1, k):
             logits, _ = self.runner.forward(d[:, None], L + j - 1, max_pos=batch.max_length + j - 1)
-            d, q = _draw(logits[:, 0], batch, L + j)
+            d, q = _draw(logits[:, 0], batch, j)
             drafts.append(d)
             qs.append(q)
         self.lag = 2
@@ -279,13 +284,13 @@ class Eagle3Drafter(Drafter):
     @torch.inference_mode()
     def propose(self, batch: Batch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         n, L = batch.n, batch.lengths
-        d, q = _draw(self._to_target(self.next_logits[:n]), batch, L)
+        d, q = _draw(self._to_target(self.next_logits[:n]), batch, 0)
         hidden = self.next_hidden[:n]
         drafts, qs = [d], [q]
         for j in range(1, k):
             logits, out = self.step(hidden[:, None], d[:, None], (L + j - 2)[:, None], max_pos=batch.max_length + j - 2)
             hidden = out[:, 0]
-            d, q = _draw(self._to_target(logits[:, 0]), batch, L + j)
+            d, q = _draw(self._to_target(logits[:, 0]), batch, j)
             drafts.append(d)
             qs.append(q)
         return torch.stack(drafts, 1), torch.stack(qs, 1)

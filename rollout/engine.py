@@ -140,6 +140,19 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or self.slots.n > 0
 
+    def abort_all(self) -> int:
+        """Drop every waiting and running request without output (e.g. the end of a warm-up). Returns how
+        many were dropped. Slot state past the running count is stale by design, so nothing else is reset."""
+        dropped = len(self.waiting) + self.slots.n
+        self.waiting.clear()
+        s = self.slots
+        for lst in (s.request_ids, s.prompts, s.temps, s.truncated):
+            lst.clear()
+        s.n = 0
+        self._batch = None
+        self._max_length = 0
+        return dropped
+
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[RequestOutput]:
@@ -222,6 +235,12 @@ class Engine:
 
         L = batch.lengths
         last = batch.tokens.gather(1, (L - 1)[:, None])
+        if batch.any_sampled:  # every uniform of the step in one hash call
+            batch.u_draft, u_acc, u_smp = sampling.step_uniforms(batch.key, L, k)
+        else:
+            batch.u_draft = None
+            u_acc = torch.zeros(n, k, dtype=torch.float64, device=self.device)
+            u_smp = torch.zeros(n, k + 1, dtype=torch.float64, device=self.device)
         if k > 0:
             drafts, q = self.drafter.propose(batch, k)
             inp = torch.cat([last, drafts], 1)
@@ -234,12 +253,6 @@ class Engine:
         )
         j = self._arange[: k + 1]
         pos = L[:, None] + j  # positions of the k+1 candidate tokens
-        if batch.any_sampled:
-            u_acc = sampling.uniforms(batch.key, pos[:, :k], sampling.ACCEPT)
-            u_smp = sampling.uniforms(batch.key, pos, sampling.SAMPLE)
-        else:
-            u_acc = torch.zeros(n, k, dtype=torch.float64, device=self.device)
-            u_smp = torch.zeros(n, k + 1, dtype=torch.float64, device=self.device)
         out, n_acc = sampling.verify(p, q, drafts, u_acc, u_smp)
         if self.drafter is not None:
             self.drafter.observe(batch, k, out, n_acc, aux)

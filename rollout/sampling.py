@@ -19,10 +19,26 @@ ACCEPT, SAMPLE, DRAFT = 0, 1, 2
 _M32 = 0xFFFFFFFF
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+def _mul32_split(x: torch.Tensor, c: int) -> torch.Tensor:
     # (x * c) mod 2**32 for 0 <= x < 2**32 without int64 overflow: split c into 16-bit halves.
     lo, hi = c & 0xFFFF, c >> 16
     return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mul32_wrap(x: torch.Tensor, c: int) -> torch.Tensor:
+    # the product overflows int64, but the kernels wrap (two's complement), so its low 32 bits are exact:
+    # 2 tensor ops instead of 6 (the hash is dispatch-bound on a CPU)
+    return (x * c) & _M32
+
+
+def _wraps() -> bool:
+    """Does int64 multiplication wrap here? Checked once against exact Python integers."""
+    xs = [0, 1, 0x7FFFFFFF, 0xFFFFFFFF, 0x9E3779B9, 123456789]
+    got = _mul32_wrap(torch.tensor(xs, dtype=torch.long), 0xC2B2AE35).tolist()
+    return got == [(x * 0xC2B2AE35) & _M32 for x in xs]
+
+
+_mul32 = _mul32_wrap if _wraps() else _mul32_split
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -42,9 +58,26 @@ def seed_mix(seed: torch.Tensor) -> torch.Tensor:
 
 def uniforms(key: torch.Tensor, pos: torch.Tensor, stream: int) -> torch.Tensor:
     """U[0, 1) float64 with 24 random bits for each (key [B], pos [B, T]) pair in `stream`."""
-    h = _fmix32(key[:, None] ^ _fmix32((pos << 2) | stream))
+    return uniforms_at(key, (pos << 2) | stream)
+
+
+def uniforms_at(key: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """`uniforms` for codes [B, T] = (pos << 2) | stream: several streams and positions in one call (the
+    hash is ~40 tensor ops, each a fixed dispatch cost on a CPU)."""
+    h = _fmix32(key[:, None] ^ _fmix32(codes))
     h = _fmix32(h ^ 0x9E3779B9)
     return (h >> 8).to(torch.float64) * (1.0 / (1 << 24))
+
+
+def step_uniforms(key: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every uniform one decode step at draft length k uses, for rows with `lengths` [B] (the verify
+    positions are lengths .. lengths + k), in one call: (draft [B, k] DRAFT stream at positions
+    lengths + j, accept [B, k] ACCEPT stream, sample [B, k+1] SAMPLE stream). The same numbers as
+    `uniforms` per stream."""
+    j = torch.arange(k + 1, device=lengths.device)
+    offs = torch.cat([(j[:k] << 2) | DRAFT, (j[:k] << 2) | ACCEPT, (j << 2) | SAMPLE])
+    u = uniforms_at(key, (lengths[:, None] << 2) + offs[None])
+    return u[:, :k], u[:, k : 2 * k], u[:, 2 * k :]
 
 
 def process(

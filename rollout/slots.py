@@ -34,6 +34,7 @@ class Batch:
     any_sampled: bool
     any_greedy: bool
     any_truncated: bool
+    u_draft: torch.Tensor | None = None  # [n, k] this step's DRAFT-stream uniforms, set by the engine
 
 
 class SlotTable:

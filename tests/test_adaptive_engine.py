@@ -40,11 +40,18 @@ def mid_sequence_switches(step_log) -> int:
 def test_cost_model_warmup_on_the_real_engine(policy):
     eng = Engine(policy, NgramDrafter(), max_batch=8, max_seq_len=256, k_max=3)
     acc = AcceptanceTracker(k_max=3)
-    cost = cost_model.measure(eng, task_prompts(8), buckets=[1, 4, 8], ks=[0, 1, 3], steps=3, on_step=acc.observe)
+    cost = cost_model.measure(eng, task_prompts(8), buckets=[1, 4, 8], ks=[0, 1, 3], steps=3,
+                              block=1, settle=1, on_step=acc.observe)
     assert acc.updates == 2 * 3 * 3  # every timed step with k > 0 (2 strategies x 3 buckets x 3 steps)
     assert set(cost.table) == {(b, k) for b in (1, 4, 8) for k in (0, 1, 3)}
     assert all(0 < t < 5 for t in cost.table.values())
     assert not eng.has_unfinished() and eng.choose_k(1, eng.stats) == 0  # left idle, hook restored
+    # the strategies took turns on one batch per bucket (not one batch per strategy, run one after another)
+    ks_at_8 = [k for b, k, _ in eng.step_log if b == 8]
+    assert sum(a != b for a, b in itertools.pairwise(ks_at_8)) >= 4
+    eng.add_request(task_prompts(1)[0], SamplingParams(max_tokens=8))
+    eng.step()
+    assert eng.abort_all() == 1 and not eng.has_unfinished()
     with pytest.raises(ValueError, match="max_batch"):
         cost_model.measure(eng, task_prompts(2), buckets=[16], ks=[0])
 

@@ -66,9 +66,10 @@ def feed(sel: AdaptiveSelector, batch: int, alpha: float, steps: int, rng: rando
     return chosen
 
 
-def make(epsilon=0.0, hysteresis=0.05, seed=0, prior=0.5) -> AdaptiveSelector:
+def make(epsilon=0.0, hysteresis=0.05, seed=0, prior=0.5, cost: CostModel | None = None) -> AdaptiveSelector:
     return AdaptiveSelector(
-        synthetic_cost(), AcceptanceTracker(k_max=8, prior=prior), epsilon=epsilon, hysteresis=hysteresis, seed=seed
+        cost or synthetic_cost(), AcceptanceTracker(k_max=8, prior=prior), epsilon=epsilon, hysteresis=hysteresis,
+        seed=seed,
     )
 
 
@@ -104,14 +105,24 @@ def test_adapts_when_acceptance_drops():
     assert high >= 4
     feed(sel, 2, 0.1, 300, random.Random(4))
     assert sel.k <= 1 < high, f"after acceptance fell to 0.1 it still runs k={sel.k}"
-    assert sel.k == true_best(2, 0.1)
+    def true_tps(k):  # at 0.1, k = 1 is within 4% of the best (k = 0): either is a right answer
+        return 2 * (1 + sum(0.1 ** (j + 1) for j in range(k))) / synthetic_time(2, k)
+
+    assert true_tps(sel.k) >= 0.95 * true_tps(true_best(2, 0.1))
 
 
 def test_hysteresis_prevents_thrashing_on_noisy_timings():
     """Two strategies tied within 0.1% (k = 1, 2 at alpha 0.61) and +-40% timing noise: the committed
-    strategy stays put, while the same selector without hysteresis flips many times (so the check can fail)."""
+    strategy stays put, while the same selector without hysteresis flips many times (so the check can fail).
+    The cost model remembers only ~16 steps (one tuned to follow drift fast), so noise keeps moving its estimates."""
     alpha = 0.61
-    calm, jumpy = make(hysteresis=0.05), make(hysteresis=0.0)
+
+    def short_memory() -> CostModel:
+        c = synthetic_cost()
+        c.memory_steps = 16.0
+        return c
+
+    calm, jumpy = make(hysteresis=0.05, cost=short_memory()), make(hysteresis=0.0, cost=short_memory())
     a = feed(calm, 8, alpha, 600, random.Random(5), noise=0.4)
     b = feed(jumpy, 8, alpha, 600, random.Random(5), noise=0.4)
     flips = lambda ks: sum(x != y for x, y in itertools.pairwise(ks))
@@ -142,7 +153,7 @@ def test_candidates_include_zero_and_each_alphas_best():
 
 def test_schedule_shape_matches_vllm_rules():
     sel = make()
-    feed(sel, 4, 0.7, 200, random.Random(8))
+    feed(sel, 4, 0.6, 200, random.Random(8))  # at 0.6, k = 0 beats k = 1 at batch 64 by 8% (at 0.7 by 2%)
     sched = sel.schedule(64)
     check_schedule(sched)
     assert sched[0][0] == 1 and sched[-1][1] == 64
@@ -235,3 +246,44 @@ def test_cost_model_monotone_projection_removes_one_sided_noise():
         for k in KS:
             assert fixed.table[(b, k)] <= noisy[(b, k)]
     assert all(fixed.table[(b, k)] == true[(b, k)] for b, k in true if (b, k) not in {(4, 1), (16, 0)})
+
+
+def test_cost_model_a_few_real_steps_fix_a_spoiled_warm_up_entry():
+    """A burst of load spoiled one warm-up entry (+30%): a dozen real steps of that shape bring it within 8%,
+    while strategies run at their table times keep the shared level close to where it was."""
+    true = synthetic_cost()
+    noisy = dict(true.table)
+    noisy[(4, 1)] *= 1.3
+    cost = CostModel(BUCKETS, KS, noisy)
+    for i in range(12):
+        for _ in range(10):  # the committed strategy, exactly as measured
+            cost.observe(4, 3, synthetic_time(4, 3))
+        cost.observe(4, 1, synthetic_time(4, 1))  # one explored step
+    assert cost.t(4, 1) == pytest.approx(synthetic_time(4, 1), rel=0.08)
+    assert cost.t(4, 1) < 1.15 * synthetic_time(4, 1) < cost.base(4, 1)
+    assert cost.load == pytest.approx(1.0, rel=0.05)  # the spoiled entry's steps nudge it a little
+    assert cost.t(4, 3) == pytest.approx(synthetic_time(4, 3), rel=0.05)
+    assert cost.samples(4, 1) == pytest.approx(12, rel=0.2) and cost.samples(16, 1) == 0
+
+
+def test_acceptance_keeps_what_is_particular_to_each_k():
+    """On structured text where a step starts depends on k: here drafts at k = 1 pass 97% of the time, while
+    running k = 2 measures 89% at its first position (the task's real figures). After a stretch of k = 1 and a
+    longer stretch of k = 2, the estimate for k = 1 is still its own, though the per-position rates (what a
+    pure chain model would use) now say 0.89."""
+    rng = random.Random(11)
+    acc = AcceptanceTracker(k_max=4)
+
+    def run(k: int, alphas: list[float], steps: int, rows: int = 4) -> None:
+        for _ in range(steps):
+            reach, alive = [], rows
+            for j in range(k):
+                alive = sum(rng.random() < alphas[j] for _ in range(alive))
+                reach.append(alive)
+            acc.update(k, rows, sum(reach), reach)
+
+    run(1, [0.97], 100)
+    run(2, [0.89, 0.6], 150)
+    assert acc.position_model(1) == pytest.approx(0.89, abs=0.04)  # the chain model alone would be wrong
+    assert acc.expected_tokens(1) == pytest.approx(1.97, abs=0.035)
+    assert acc.expected_tokens(2) == pytest.approx(1 + 0.89 + 0.89 * 0.6, abs=0.06)

@@ -161,3 +161,28 @@ def test_eagle3_adapter_matches_the_module(policy):
             assert torch.allclose(eng.drafter.next_logits[row], lg[0, -1], atol=1e-4), f"row {row} at length {L}"
             checked += 1
     assert checked >= 12
+
+
+def test_hash_arithmetic_and_one_call_step_uniforms():
+    """The counter-based uniforms: the 32-bit multiply is exact (both the wrapping and the split form), and
+    a step's one-call uniforms are the same numbers as one call per stream."""
+    import random
+
+    from tailspec.rollout import sampling
+
+    rng = random.Random(0)
+    xs = [rng.randrange(2**32) for _ in range(2000)] + [0, 2**32 - 1]
+    x = torch.tensor(xs, dtype=torch.long)
+    for c in (0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F):
+        want = [(v * c) % 2**32 for v in xs]
+        assert sampling._mul32(x, c).tolist() == want
+        assert sampling._mul32_split(x, c).tolist() == want
+    key = sampling.seed_mix(torch.tensor([3, 2**40 + 7, 0], dtype=torch.long))
+    lengths = torch.tensor([5, 17, 300])
+    for k in (0, 1, 4):
+        pos = lengths[:, None] + torch.arange(k + 1)
+        u_draft, u_acc, u_smp = sampling.step_uniforms(key, lengths, k)
+        assert torch.equal(u_draft, sampling.uniforms(key, pos[:, :k], sampling.DRAFT))
+        assert torch.equal(u_acc, sampling.uniforms(key, pos[:, :k], sampling.ACCEPT))
+        assert torch.equal(u_smp, sampling.uniforms(key, pos, sampling.SAMPLE))
+        assert ((u_smp >= 0) & (u_smp < 1)).all()
