@@ -122,11 +122,8 @@ class AcceptanceTracker:
         self.updates = 0
 
     # -- estimates -------------------------------------------------------------------------------------------
-    def alphas(self, prior: bool = True) -> list[float]:
-        """alpha_j for j < k_max; a position with few trials falls back to the one before it. Without the
-        prior: the observed rates alone (0 where nothing was tried)."""
-        if not prior:
-            return [a / t if t > 0 else 0.0 for a, t in zip(self.pos_acc, self.pos_trials)]
+    def alphas(self) -> list[float]:
+        """alpha_j for j < k_max; a position with few trials falls back to the one before it."""
         out, fallback, w = [], self.prior, self.prior_weight
         for a, t in zip(self.pos_acc, self.pos_trials):
             alpha = (a + w * fallback) / (t + w)
@@ -134,10 +131,10 @@ class AcceptanceTracker:
             fallback = alpha
         return out
 
-    def position_model(self, k: int, prior: bool = True) -> float:
+    def position_model(self, k: int) -> float:
         """E[accepted drafts per row | k] from the per-position rates."""
         total, run = 0.0, 1.0
-        for alpha in self.alphas(prior)[:k]:
+        for alpha in self.alphas()[:k]:
             run *= alpha
             total += run
         return total

@@ -130,7 +130,7 @@ class CostModel:
         self.observed += 1
 
     def samples(self, b: int, k: int) -> float:
-        """Decayed count of online observations behind t(b, k) (the selector explores the least known)."""
+        """Decayed count of the online observations behind t(b, k)'s factor (0: the warm-up table alone)."""
         return self._n.get((self.bucket(b), k), 0.0)
 
     def monotone(self) -> CostModel:

@@ -86,7 +86,7 @@ class Worker:
             self.acceptance.set_version(item.drafter_version, item.policy_version)
             if self.cost is None:
                 prompts = [r.prompt_ids for r in item.requests[:8]]
-                buckets = [b for b in cost_model.default_buckets(len(item.requests))]
+                buckets = cost_model.default_buckets(len(item.requests))
                 self.cost = cost_model.measure(engine, prompts, buckets=buckets, ks=cost_model.default_ks(k_max),
                                                steps=3, on_step=self.acceptance.observe)
                 engine.step_log.clear()  # the warm-up is not part of the rollout's strategy mix
