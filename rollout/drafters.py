@@ -167,7 +167,7 @@ class Eagle3Drafter(Drafter):
     """Runs a `drafter_trainer.model.Eagle3Drafter` inside the engine.
 
     The forward is our own over the module's weights and a bucketed slice of a compacted per-slot cache
-    (the module's cached forward gathers the whole cache per call); `tests/test_engine_eagle3.py` checks it
+    (the module's cached forward gathers the whole cache per call); `tests/test_engine_misc.py` checks it
     against the module's forward. After each verify, `observe` catches up the pairs (target aux state at
     t, token at t+1) for the verified positions and keeps the output at the last one: the first draft of
     the next step comes from it without another forward.
@@ -201,10 +201,14 @@ class Eagle3Drafter(Drafter):
             self.gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight])
             pos = torch.arange(cache_len, device=w.device)[None]
             cos, sin = d.rotary(pos, self.dtype)
-        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
-        shape = (max_slots, self.Hk, cache_len, self.D)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=w.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=w.device)
+        # the target runner's layout and RoPE form (rollout.model_runner): RoPE over all of q|k|v with v's
+        # cos 1 / sin 0, rotate_half as a roll, k|v heads in one cache tensor written once per step
+        half = self.D // 2
+        cos, sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
+        nq, nkv = self.Hq + self.Hk, self.Hk
+        self.cos = torch.cat([cos[:, None].expand(-1, nq, -1), torch.ones_like(cos)[:, None].expand(-1, nkv, -1)], 1)
+        self.sin = torch.cat([sin[:, None].expand(-1, nq, -1), torch.zeros_like(sin)[:, None].expand(-1, nkv, -1)], 1)
+        self.kv_cache = torch.zeros((max_slots, 2 * self.Hk, cache_len, self.D), dtype=self.dtype, device=w.device)
         self.next_logits = torch.zeros(max_slots, cfg.draft_vocab_size, dtype=torch.float32, device=w.device)
         self.next_hidden = torch.zeros(max_slots, self.H, dtype=self.dtype, device=w.device)
         self.draft_ids = d.draft_ids_in_target()
@@ -223,24 +227,17 @@ class Eagle3Drafter(Drafter):
             F.rms_norm(emb, (H,), ml.input_layernorm.weight, ml.input_layernorm.eps),
             F.rms_norm(hidden, (H,), ml.hidden_norm.weight, ml.hidden_norm.eps),
         ], -1)
-        qkv = F.linear(x, self.qkv_w)
-        qs, ks = self.Hq * D, self.Hk * D
-        q = qkv[..., :qs].view(B, T, self.Hq, D)
-        k = qkv[..., qs : qs + ks].view(B, T, self.Hk, D)
-        v = qkv[..., qs + ks :].view(B, T, self.Hk, D)
-        cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]
-        half = D // 2
-        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
-        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
-        kc, vc = self.k_cache[slot0 : slot0 + B], self.v_cache[slot0 : slot0 + B]
+        Hq, Hk = self.Hq, self.Hk
+        qkv = F.linear(x, self.qkv_w).view(B, T, Hq + 2 * Hk, D)
+        qkv = torch.addcmul(qkv * self.cos[pos], qkv.roll(D // 2, -1), self.sin[pos])
+        kv = self.kv_cache[slot0 : slot0 + B]
         rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
-        kc[rows, :, pos] = k
-        vc[rows, :, pos] = v
+        kv[rows, :, pos] = qkv[:, :, Hq:]
         max_pos = int(pos.max()) if max_pos is None else max_pos
         Lk = min(self.cache_len, (max_pos // 64 + 1) * 64)
         mask = (torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, :, None])[:, None]
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), kc[:, :, :Lk], vc[:, :, :Lk], attn_mask=mask, enable_gqa=self.Hq != self.Hk
+            qkv[:, :, :Hq].transpose(1, 2), kv[:, :Hk, :Lk], kv[:, Hk:, :Lk], attn_mask=mask, enable_gqa=Hq != Hk
         )
         out = hidden + F.linear(o.transpose(1, 2).reshape(B, T, self.Hq * D), ml.self_attn.o_proj.weight)
         h = F.rms_norm(out, (H,), ml.post_attention_layernorm.weight, ml.post_attention_layernorm.eps)
@@ -276,7 +273,8 @@ class Eagle3Drafter(Drafter):
     def observe(self, batch, k, tokens, n_acc, aux) -> None:
         n = batch.n
         pos = batch.lengths[:, None] - 1 + torch.arange(k + 1, device=tokens.device)
-        logits, out = self.step(self.drafter.project(aux), tokens, pos, max_pos=batch.max_length - 1 + k)
+        hidden = F.linear(aux.to(self.dtype), self.drafter.fc.weight)  # = drafter.project, minus the module call
+        logits, out = self.step(hidden, tokens, pos, max_pos=batch.max_length - 1 + k)
         rows = torch.arange(n, device=tokens.device)
         self.next_logits[:n] = logits[rows, n_acc]
         self.next_hidden[:n] = out[rows, n_acc]
@@ -296,5 +294,5 @@ class Eagle3Drafter(Drafter):
         return torch.stack(drafts, 1), torch.stack(qs, 1)
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for t in (self.k_cache, self.v_cache, self.next_logits, self.next_hidden):
+        for t in (self.kv_cache, self.next_logits, self.next_hidden):
             t[dst] = t[src]

@@ -81,6 +81,7 @@ class Engine:
         self._batch: Batch | None = None
         self._max_length = 0
         self._arange = torch.arange(k_max + 2, device=self.device)
+        self._fwd_drafted = torch.tensor([[1, k] for k in range(k_max + 1)], device=self.device)
 
     # -- requests ------------------------------------------------------------------------------------------
     def validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
@@ -272,14 +273,12 @@ class Engine:
         s.logprobs[:n, 0].scatter_(1, lp_pos, raw_lp)
         s.logprobs[:n, 1].scatter_(1, lp_pos, smp_lp)
         accepted = torch.minimum(n_acc, n_emit)
-        # one fused update of the int columns GEN, LEN, FWD, DRAFTED, ACCEPTED
-        s.ints[:n, GEN] += n_emit
-        s.ints[:n, LEN] += n_emit
-        s.ints[:n, FWD] += 1
-        s.ints[:n, DRAFTED] += k
+        # the int columns in three ops: LEN|GEN side by side, FWD|DRAFTED by a constant, ACCEPTED
+        s.ints[:n, LEN : GEN + 1] += n_emit[:, None]
+        s.ints[:n, FWD : DRAFTED + 1] += self._fwd_drafted[k]
         s.ints[:n, ACCEPTED] += accepted
 
-        head = torch.stack([done.any().long(), accepted.sum(), L.max()])
+        head = torch.stack([done.sum(), accepted.sum(), L.max()])
         if k > 0:  # rows whose draft j was accepted, j < k: the selector's per-position acceptance
             head = torch.cat([head, (n_acc[:, None] > j[None, :k]).sum(0)])
         any_done, acc_sum, max_len, *reach = head.tolist()

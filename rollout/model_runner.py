@@ -2,8 +2,8 @@
 
 Why not HF's forward: HF's cache API keeps one position per batch, while speculative decoding leaves every
 row at its own position after ragged acceptance. Here every row carries its own start position, and the
-KV cache is one pre-allocated tensor per layer, `[max_slots, kv_heads, cache_len, head_dim]`: a row writes
-k/v at its positions and attends to every cached position <= its own. Rollback is free: rejected drafts'
+KV cache is one pre-allocated tensor per layer, `[max_slots, 2 * kv_heads, cache_len, head_dim]` (k heads,
+then v heads): a row writes k/v at its positions and attends to every cached position <= its own. Rollback is free: rejected drafts'
 k/v sit beyond the row's length and are overwritten by the next forward before anything attends to them.
 
 Rows of a forward are a contiguous range of slots (`slot0 .. slot0 + B - 1`): the engine keeps running
@@ -117,9 +117,15 @@ class ModelRunner:
             cos, sin = inner.rotary_emb(self.embed[:1][None], pos)
             self.cos = cos[0].to(self.dtype).contiguous()  # [cache_len, D]
             self.sin = sin[0].to(self.dtype).contiguous()
-        shape = (max_slots, self.num_kv_heads, cache_len, self.head_dim)
-        self.k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
+            # rotate_half(x) * sin == roll(x, D/2) * sin_signed: one roll instead of two slices, neg, cat
+            half = self.cos.shape[-1] // 2
+            self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], -1)
+        # One cache tensor per layer, k heads then v heads: a forward writes a layer's k and v with one
+        # index_put (the qkv projection already lays k and v out side by side). k_cache / v_cache are views.
+        shape = (max_slots, 2 * self.num_kv_heads, cache_len, self.head_dim)
+        self.kv_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
+        self.k_cache = [kv[:, : self.num_kv_heads] for kv in self.kv_cache]
+        self.v_cache = [kv[:, self.num_kv_heads :] for kv in self.kv_cache]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self._gqa = self.num_heads != self.num_kv_heads
@@ -128,9 +134,8 @@ class ModelRunner:
     # -- cache bookkeeping ---------------------------------------------------------------------------------
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the caches of slots src into slots dst (compaction after requests finish)."""
-        for k, v in zip(self.k_cache, self.v_cache):
-            k[dst] = k[src]
-            v[dst] = v[src]
+        for kv in self.kv_cache:
+            kv[dst] = kv[src]
 
     def _attn_len(self, max_pos: int) -> int:
         # Attend over a bucketed prefix of the cache rather than all of it: the work follows the longest
@@ -138,9 +143,8 @@ class ModelRunner:
         b = self.attn_bucket
         return min(self.cache_len, ((max_pos + b) // b) * b)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., : self._half], x[..., self._half :]
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(x * cos, x.roll(self._half, -1), sin_signed)
 
     # -- forward ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -159,10 +163,13 @@ class ModelRunner:
         L = self._attn_len(max_pos)
         key_pos = torch.arange(L, device=start.device)
         mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,L]
-        cos = self.cos[pos][:, :, None]  # [B,T,1,D]
-        sin = self.sin[pos][:, :, None]
-        rows = torch.arange(B, device=start.device)[:, None].expand(B, T)
         H, Hq, Hk, D = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        # RoPE over every head of the qkv output at once, v heads with cos 1 and sin 0: q, k and v stay in
+        # one tensor, so k|v go to the cache in one write. Built once per forward, not per layer.
+        cos, sin = self.cos[pos][:, :, None], self.sin_signed[pos][:, :, None]  # [B,T,1,D]
+        cos = torch.cat([cos.expand(B, T, Hq + Hk, D), cos.new_ones(1, 1, 1, 1).expand(B, T, Hk, D)], 2)
+        sin = torch.cat([sin.expand(B, T, Hq + Hk, D), sin.new_zeros(1, 1, 1, 1).expand(B, T, Hk, D)], 2)
+        rows = torch.arange(B, device=start.device)[:, None].expand(B, T)
 
         x = F.embedding(input_ids, self.embed)
         aux = [] if (want_aux and self.aux_layer_ids) else None
@@ -171,21 +178,18 @@ class ModelRunner:
             aux.append((0, x))
         for i, ly in enumerate(self.layers):
             h = F.rms_norm(x, (H,), ly.in_norm, self.eps)
-            qkv = F.linear(h, ly.qkv_w, ly.qkv_b)
-            v = qkv[..., self.q_size + self.kv_size :].view(B, T, Hk, D)
-            if ly.q_norm is not None:
-                q = F.rms_norm(qkv[..., : self.q_size].view(B, T, Hq, D), (D,), ly.q_norm, self.eps)
-                k = F.rms_norm(qkv[..., self.q_size : self.q_size + self.kv_size].view(B, T, Hk, D), (D,), ly.k_norm, self.eps)
-                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            else:  # q and k heads side by side: one rotation for both
-                qk = self._rope(qkv[..., : self.q_size + self.kv_size].view(B, T, Hq + Hk, D), cos, sin)
-                q, k = qk[:, :, :Hq], qk[:, :, Hq:]
-            kc = self.k_cache[i][slot0 : slot0 + B]
-            vc = self.v_cache[i][slot0 : slot0 + B]
-            kc[rows, :, pos] = k
-            vc[rows, :, pos] = v
+            qkv = F.linear(h, ly.qkv_w, ly.qkv_b).view(B, T, Hq + 2 * Hk, D)
+            if ly.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+                qkv = torch.cat([
+                    F.rms_norm(qkv[:, :, :Hq], (D,), ly.q_norm, self.eps),
+                    F.rms_norm(qkv[:, :, Hq : Hq + Hk], (D,), ly.k_norm, self.eps),
+                    qkv[:, :, Hq + Hk :],
+                ], 2)
+            qkv = self._rope(qkv, cos, sin)
+            kv = self.kv_cache[i][slot0 : slot0 + B]
+            kv[rows, :, pos] = qkv[:, :, Hq:]
             o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), kc[:, :, :L], vc[:, :, :L], attn_mask=mask, enable_gqa=self._gqa
+                qkv[:, :, :Hq].transpose(1, 2), kv[:, :Hk, :L], kv[:, Hk:, :L], attn_mask=mask, enable_gqa=self._gqa
             )
             o = o.transpose(1, 2).reshape(B, T, Hq * D)
             x = x + F.linear(o, ly.o_w, ly.o_b)

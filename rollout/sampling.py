@@ -14,6 +14,7 @@ positions <= t only, so the numbers at positions > t are still fresh.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 ACCEPT, SAMPLE, DRAFT = 0, 1, 2
 _M32 = 0xFFFFFFFF
@@ -63,10 +64,24 @@ def uniforms(key: torch.Tensor, pos: torch.Tensor, stream: int) -> torch.Tensor:
 
 def uniforms_at(key: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """`uniforms` for codes [B, T] = (pos << 2) | stream: several streams and positions in one call (the
-    hash is ~40 tensor ops, each a fixed dispatch cost on a CPU)."""
+    hash is ~25 tensor ops, each a fixed dispatch cost on a CPU)."""
+    # fmix32 is a bijection with full avalanche: mixing the code, folding in the (already mixed) key and
+    # mixing again gives independent-looking bits per (key, code). A third round would be a bijection of
+    # this one and add nothing: distinct (key, code) pairs collide exactly as often either way.
     h = _fmix32(key[:, None] ^ _fmix32(codes))
-    h = _fmix32(h ^ 0x9E3779B9)
     return (h >> 8).to(torch.float64) * (1.0 / (1 << 24))
+
+
+_OFFSETS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _step_offsets(k: int, device: torch.device) -> torch.Tensor:
+    """[1, 3k+1] codes of a step's uniforms relative to `lengths << 2` (cached: they depend on k only)."""
+    key = (k, torch.device(device))
+    if key not in _OFFSETS:
+        j = torch.arange(k + 1, device=device)
+        _OFFSETS[key] = torch.cat([(j[:k] << 2) | DRAFT, (j[:k] << 2) | ACCEPT, (j << 2) | SAMPLE])[None]
+    return _OFFSETS[key]
 
 
 def step_uniforms(key: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,9 +89,7 @@ def step_uniforms(key: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[tor
     positions are lengths .. lengths + k), in one call: (draft [B, k] DRAFT stream at positions
     lengths + j, accept [B, k] ACCEPT stream, sample [B, k+1] SAMPLE stream). The same numbers as
     `uniforms` per stream."""
-    j = torch.arange(k + 1, device=lengths.device)
-    offs = torch.cat([(j[:k] << 2) | DRAFT, (j[:k] << 2) | ACCEPT, (j << 2) | SAMPLE])
-    u = uniforms_at(key, (lengths[:, None] << 2) + offs[None])
+    u = uniforms_at(key, (lengths[:, None] << 2) + _step_offsets(k, lengths.device))
     return u[:, :k], u[:, k : 2 * k], u[:, 2 * k :]
 
 
@@ -100,8 +113,8 @@ def process(
     B, T, V = logits.shape
     if not any_sampled:
         return F_one_hot(logits.argmax(-1), V)
-    greedy = temperature == 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    greedy = temperature == 0 if any_greedy else None
+    t = torch.where(greedy, 1.0, temperature) if any_greedy else temperature
     x = logits / t[:, None, None]
     if any_truncated:
         srt, idx = x.sort(-1, descending=True)
@@ -153,27 +166,22 @@ def verify(
     """
     B, K1, V = p.shape
     k = K1 - 1
-    rows = torch.arange(B, device=p.device)
     if k == 0:
         return sample(p[:, 0], u_sample[:, 0])[:, None], torch.zeros(B, dtype=torch.long, device=p.device)
     px = p[:, :k].gather(-1, drafts[..., None])[..., 0]
     if q is None:
         accept = u_accept < px.double()
+        q = F_one_hot(drafts, V)
     else:
         qx = q.gather(-1, drafts[..., None])[..., 0]
         accept = u_accept * qx.double() < px.double()
     n_acc = accept.long().cumprod(-1).sum(-1)  # leading accepted drafts
-    p_sel = p[rows, n_acc]  # [B, V]
-    rejected = (n_acc < k)[:, None]
-    d_sel = drafts.gather(-1, n_acc.clamp(max=k - 1)[:, None])[:, 0]
-    if q is None:
-        q_sel = F_one_hot(d_sel, V)
-    else:
-        q_sel = q[rows, n_acc.clamp(max=k - 1)]
-    resid = torch.where(rejected, (p_sel - q_sel).clamp_(min=0), p_sel)
+    # Residuals max(0, p_j - q_j) at every position, with q = 0 past the drafts so the last row is the bonus
+    # distribution p_k itself; then the row at n_acc. (Cheaper than selecting p and q rows separately.)
+    resid = (p - F.pad(q, (0, 0, 0, 1))).clamp_(min=0)
     # Mathematically a rejection implies residual mass > 0; guard the float corner where it rounds to 0.
-    empty = resid.sum(-1, keepdim=True) <= 0
-    resid = torch.where(empty, p_sel, resid)
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p)
+    resid = resid.gather(1, n_acc[:, None, None].expand(B, 1, V))[:, 0]
     final = sample(resid, u_sample.gather(-1, n_acc[:, None])[:, 0])
-    tokens = torch.cat([drafts, drafts[:, :1]], dim=1).scatter_(1, n_acc[:, None], final[:, None])
+    tokens = F.pad(drafts, (0, 1)).scatter_(1, n_acc[:, None], final[:, None])
     return tokens, n_acc

@@ -14,6 +14,8 @@ import torch
 # int64 columns of SlotTable.ints
 LEN, GEN, PROMPT_LEN, MAX_TOKENS, TOP_K, KEY, FWD, DRAFTED, ACCEPTED = range(9)
 NUM_INT = 9
+# the engine updates LEN|GEN and FWD|DRAFTED as column pairs
+assert GEN == LEN + 1 and DRAFTED == FWD + 1
 # float32 columns of SlotTable.floats
 TEMP, TOP_P = range(2)
 NUM_FLOAT = 2
