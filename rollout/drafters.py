@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tailspec.rollout.model_runner import ModelRunner
+from tailspec.rollout.model_runner import ModelRunner, unit_rms_norm
 from tailspec.rollout.sampling import DRAFT, process, sample, uniforms
 from tailspec.rollout.slots import Batch
 
@@ -196,9 +196,18 @@ class Eagle3Drafter(Drafter):
         w = d.fc.weight
         self.dtype = w.dtype
         a, m = d.midlayer.self_attn, d.midlayer.mlp
+        ml = d.midlayer
+        eps = {ml.input_layernorm.eps, ml.hidden_norm.eps, ml.post_attention_layernorm.eps}
+        if len(eps) != 1:
+            raise ValueError(f"EAGLE-3 midlayer norms with different eps {sorted(eps)} are not supported")
+        self.eps = eps.pop()
         with torch.no_grad():
-            self.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-            self.gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+            # the norm weights are folded into the next matmul's columns (as in rollout.model_runner): the
+            # embedding and hidden norms into qkv (its input is their concatenation), the post-attention
+            # norm into gate/up
+            in_w = torch.cat([ml.input_layernorm.weight, ml.hidden_norm.weight])
+            self.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) * in_w
+            self.gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight]) * ml.post_attention_layernorm.weight
             pos = torch.arange(cache_len, device=w.device)[None]
             cos, sin = d.rotary(pos, self.dtype)
         # the target runner's layout and RoPE form (rollout.model_runner): RoPE over all of q|k|v with v's
@@ -214,19 +223,19 @@ class Eagle3Drafter(Drafter):
         self.draft_ids = d.draft_ids_in_target()
         self.vocab_size = cfg.vocab_size
         self.cache_len = cache_len
+        self._arange = torch.arange(cache_len, device=w.device)
 
     @torch.inference_mode()
-    def step(self, hidden, input_ids, pos, slot0: int = 0, max_pos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Our forward of the drafter: → (draft logits [B,T,Vd] float32, hidden_out [B,T,H])."""
+    def step(self, hidden, input_ids, pos, slot0: int = 0, max_pos: int | None = None) -> torch.Tensor:
+        """Our forward of the drafter up to its hidden output [B,T,H] (the pre-norm residual); `head` turns
+        the rows that are needed into logits."""
         d = self.drafter
         ml = d.midlayer
         B, T = input_ids.shape
         H, D = self.H, self.D
         emb = F.embedding(input_ids, d.embed_tokens.weight).to(self.dtype)
-        x = torch.cat([
-            F.rms_norm(emb, (H,), ml.input_layernorm.weight, ml.input_layernorm.eps),
-            F.rms_norm(hidden, (H,), ml.hidden_norm.weight, ml.hidden_norm.eps),
-        ], -1)
+        # both halves normalised in one pass over [B, T, 2, H]; their weights live in qkv_w
+        x = unit_rms_norm(torch.stack([emb, hidden], 2), self.eps).view(B, T, 2 * H)
         Hq, Hk = self.Hq, self.Hk
         qkv = F.linear(x, self.qkv_w).view(B, T, Hq + 2 * Hk, D)
         qkv = torch.addcmul(qkv * self.cos[pos], qkv.roll(D // 2, -1), self.sin[pos])
@@ -240,11 +249,14 @@ class Eagle3Drafter(Drafter):
             qkv[:, :, :Hq].transpose(1, 2), kv[:, :Hk, :Lk], kv[:, Hk:, :Lk], attn_mask=mask, enable_gqa=Hq != Hk
         )
         out = hidden + F.linear(o.transpose(1, 2).reshape(B, T, self.Hq * D), ml.self_attn.o_proj.weight)
-        h = F.rms_norm(out, (H,), ml.post_attention_layernorm.weight, ml.post_attention_layernorm.eps)
-        g, u = F.linear(h, self.gate_up_w).chunk(2, -1)
-        out = out + F.linear(F.silu(g) * u, ml.mlp.down_proj.weight)
-        logits = F.linear(F.rms_norm(out, (H,), d.norm.weight, d.norm.eps), d.lm_head.weight).float()
-        return logits, out
+        g, u = F.linear(unit_rms_norm(out, self.eps), self.gate_up_w).chunk(2, -1)
+        return out + F.linear(F.silu(g) * u, ml.mlp.down_proj.weight)
+
+    def head(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft logits (float32, draft vocabulary) from hidden outputs: only of the rows a draft is taken
+        from, since the draft vocabulary's lm_head is the drafter's largest matmul."""
+        d = self.drafter
+        return F.linear(unit_rms_norm(out, d.norm.eps) * d.norm.weight, d.lm_head.weight).float()
 
     def _to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
         if draft_logits.shape[-1] == self.vocab_size:
@@ -263,21 +275,21 @@ class Eagle3Drafter(Drafter):
         # pairs (aux state at t, token t+1) for t = 0..T-2; rows shorter than T hold garbage past L-2
         hidden = self.drafter.project(aux[:, : T - 1])
         pos = torch.arange(T - 1, device=tokens.device)[None].expand(n, T - 1)
-        logits, out = self.step(hidden, tokens[:, 1:], pos, slot0)
+        out = self.step(hidden, tokens[:, 1:], pos, slot0)
         last = (lengths - 2).clamp(min=0)
-        rows = torch.arange(n, device=tokens.device)
-        self.next_logits[slot0 : slot0 + n] = logits[rows, last]
-        self.next_hidden[slot0 : slot0 + n] = out[rows, last]
+        out = out[torch.arange(n, device=tokens.device), last]
+        self.next_logits[slot0 : slot0 + n] = self.head(out)
+        self.next_hidden[slot0 : slot0 + n] = out
 
     @torch.inference_mode()
     def observe(self, batch, k, tokens, n_acc, aux) -> None:
         n = batch.n
-        pos = batch.lengths[:, None] - 1 + torch.arange(k + 1, device=tokens.device)
+        pos = (batch.lengths - 1)[:, None] + self._arange[: k + 1]
         hidden = F.linear(aux.to(self.dtype), self.drafter.fc.weight)  # = drafter.project, minus the module call
-        logits, out = self.step(hidden, tokens, pos, max_pos=batch.max_length - 1 + k)
-        rows = torch.arange(n, device=tokens.device)
-        self.next_logits[:n] = logits[rows, n_acc]
-        self.next_hidden[:n] = out[rows, n_acc]
+        out = self.step(hidden, tokens, pos, max_pos=batch.max_length - 1 + k)
+        out = out.gather(1, n_acc[:, None, None].expand(n, 1, self.H))[:, 0]  # at the last accepted position
+        self.next_logits[:n] = self.head(out)
+        self.next_hidden[:n] = out
 
     @torch.inference_mode()
     def propose(self, batch: Batch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,9 +298,8 @@ class Eagle3Drafter(Drafter):
         hidden = self.next_hidden[:n]
         drafts, qs = [d], [q]
         for j in range(1, k):
-            logits, out = self.step(hidden[:, None], d[:, None], (L + j - 2)[:, None], max_pos=batch.max_length + j - 2)
-            hidden = out[:, 0]
-            d, q = _draw(self._to_target(logits[:, 0]), batch, j)
+            hidden = self.step(hidden[:, None], d[:, None], (L + j - 2)[:, None], max_pos=batch.max_length + j - 2)[:, 0]
+            d, q = _draw(self._to_target(self.head(hidden)), batch, j)
             drafts.append(d)
             qs.append(q)
         return torch.stack(drafts, 1), torch.stack(qs, 1)

@@ -3,14 +3,17 @@
 Why not HF's forward: HF's cache API keeps one position per batch, while speculative decoding leaves every
 row at its own position after ragged acceptance. Here every row carries its own start position, and the
 KV cache is one pre-allocated tensor per layer, `[max_slots, 2 * kv_heads, cache_len, head_dim]` (k heads,
-then v heads): a row writes k/v at its positions and attends to every cached position <= its own. Rollback is free: rejected drafts'
-k/v sit beyond the row's length and are overwritten by the next forward before anything attends to them.
+then v heads): a row writes k/v at its positions and attends to every cached position <= its own.
+Rollback is free: rejected drafts' k/v sit beyond the row's length and are overwritten by the next forward
+before anything attends to them.
 
 Rows of a forward are a contiguous range of slots (`slot0 .. slot0 + B - 1`): the engine keeps running
 requests compacted at the front of the cache, so a decode step reads a plain slice of it.
 
 Weights are the HF module's own tensors (no copy), except q/k/v and gate/up, which are concatenated once
-so that one matmul replaces three (or two) — the per-op dispatch cost dominates tiny models on a CPU.
+so that one matmul replaces three (or two), with the RMSNorm weight in front of each folded into its
+columns — the per-op dispatch cost dominates tiny models on a CPU. Those copies are taken at construction:
+after a policy update, build a new runner (the demo's rollout worker builds an Engine per phase).
 """
 
 from __future__ import annotations
@@ -25,16 +28,21 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 @dataclass
 class _Layer:
-    in_norm: torch.Tensor
     qkv_w: torch.Tensor
     qkv_b: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o_w: torch.Tensor
     o_b: torch.Tensor | None
-    post_norm: torch.Tensor
     gate_up_w: torch.Tensor
     down_w: torch.Tensor
+
+
+def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without its weight (folded into the next matmul, or applied by the caller). Four ops;
+    F.rms_norm dispatches about twelve on a CPU, and at these sizes every dispatch costs more than the
+    arithmetic."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def check_supported(config) -> None:
@@ -98,17 +106,18 @@ class ModelRunner:
             for layer in inner.layers:
                 a, m = layer.self_attn, layer.mlp
                 bias = a.q_proj.bias is not None
+                # The RMSNorm weights before qkv and gate/up are folded into those (already concatenated)
+                # matrices' columns: rms(x) * w @ W.T == rms(x) @ (W * w).T, one op less per norm.
+                in_w, post_w = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
                 self.layers.append(
                     _Layer(
-                        in_norm=layer.input_layernorm.weight,
-                        qkv_w=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                        qkv_w=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) * in_w,
                         qkv_b=torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if bias else None,
                         q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
                         k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
                         o_w=a.o_proj.weight,
                         o_b=a.o_proj.bias,
-                        post_norm=layer.post_attention_layernorm.weight,
-                        gate_up_w=torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+                        gate_up_w=torch.cat([m.gate_proj.weight, m.up_proj.weight]) * post_w,
                         down_w=m.down_proj.weight,
                     )
                 )
@@ -177,7 +186,7 @@ class ModelRunner:
         if aux is not None and 0 in ids:
             aux.append((0, x))
         for i, ly in enumerate(self.layers):
-            h = F.rms_norm(x, (H,), ly.in_norm, self.eps)
+            h = unit_rms_norm(x, self.eps)
             qkv = F.linear(h, ly.qkv_w, ly.qkv_b).view(B, T, Hq + 2 * Hk, D)
             if ly.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
                 qkv = torch.cat([
@@ -193,13 +202,13 @@ class ModelRunner:
             )
             o = o.transpose(1, 2).reshape(B, T, Hq * D)
             x = x + F.linear(o, ly.o_w, ly.o_b)
-            h = F.rms_norm(x, (H,), ly.post_norm, self.eps)
+            h = unit_rms_norm(x, self.eps)
             gu = F.linear(h, ly.gate_up_w)
             g, u = gu.chunk(2, dim=-1)
             x = x + F.linear(F.silu(g) * u, ly.down_w)
             if aux is not None and (i + 1) in ids:
                 aux.append((i + 1, x))
-        x = F.rms_norm(x, (H,), self.final_norm, self.eps)
+        x = unit_rms_norm(x, self.eps) * self.final_norm
         logits = F.linear(x, self.lm_head).float()
         aux_out = None
         if aux is not None:

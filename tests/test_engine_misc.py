@@ -141,7 +141,8 @@ def test_eagle3_adapter_matches_the_module(policy):
     pos = torch.tensor([[0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8]])
     with torch.no_grad():
         ref_logits, ref_out = head(hid, ids, pos, cache, torch.tensor([0, 1]))
-    logits, out = ad.step(hid, ids, pos)
+    out = ad.step(hid, ids, pos)
+    logits = ad.head(out)
     assert torch.allclose(logits, ref_logits, atol=1e-5) and torch.allclose(out, ref_out, atol=1e-5)
 
     eng = Engine(policy, Eagle3Drafter(head), choose_k=lambda b, s: [2, 0, 3][s.steps % 3], max_batch=3, max_seq_len=128)
