@@ -58,7 +58,7 @@ def _draw(logits: torch.Tensor, batch: Batch, j: int) -> tuple[torch.Tensor, tor
     drawn from it with the DRAFT-stream uniform of that position (the engine's precomputed one when set)."""
     q = process(
         logits[:, None], batch.temperature, batch.top_k, batch.top_p,
-        batch.any_sampled, batch.any_greedy, batch.any_truncated,
+        batch.any_sampled, batch.any_greedy, batch.any_truncated, batch.any_scaled,
     )[:, 0]
     if not batch.any_sampled:  # all greedy: q is one-hot, no randomness needed
         return q.argmax(-1), q
@@ -302,6 +302,8 @@ class Eagle3Drafter(Drafter):
             d, q = _draw(self._to_target(self.head(hidden)), batch, j)
             drafts.append(d)
             qs.append(q)
+        if k == 1:  # views, not copies
+            return d[:, None], q[:, None]
         return torch.stack(drafts, 1), torch.stack(qs, 1)
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:

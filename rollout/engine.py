@@ -199,13 +199,16 @@ class Engine:
             s.temps.append(float(sp.temperature))
             s.truncated.append(sp.top_k > 0 or sp.top_p < 1)
         ints = torch.tensor(int_rows, dtype=torch.long)
-        ints[:, KEY] = sampling.seed_mix(torch.tensor(seeds, dtype=torch.long))
+        keys = sampling.seed_mix(torch.tensor(seeds, dtype=torch.long))
+        ints[:, KEY] = keys
         toks = torch.tensor(tok_rows, dtype=torch.long, device=self.device)
         rows = slice(slot0, slot0 + m)
         s.tokens[rows, :T] = toks
         s.ints[rows] = ints.to(self.device)
         s.floats[rows] = torch.tensor(float_rows, dtype=torch.float32, device=self.device)
         s.stop_ids[rows] = torch.tensor(stop_rows, dtype=torch.long, device=self.device)
+        if any(sp.temperature > 0 for _, _, sp in reqs):  # greedy rows draw nothing
+            s.uniforms[rows] = sampling.uniform_table(keys.to(self.device), s.tokens.shape[1])
         s.n += m
         lengths = s.ints[rows, LEN]
         aux = None
@@ -236,8 +239,8 @@ class Engine:
 
         L = batch.lengths
         last = batch.tokens.gather(1, (L - 1)[:, None])
-        if batch.any_sampled:  # every uniform of the step in one hash call
-            batch.u_draft, u_acc, u_smp = sampling.step_uniforms(batch.key, L, k)
+        if batch.any_sampled:  # every uniform of the step in one gather from the rows' tables
+            batch.u_draft, u_acc, u_smp = sampling.step_uniforms_from(batch.uniforms, L, k)
         else:
             batch.u_draft = None
             u_acc = torch.zeros(n, k, dtype=torch.float64, device=self.device)
@@ -250,7 +253,8 @@ class Engine:
         need_aux = self.drafter is not None and self.drafter.needs_aux
         logits, aux = self.verify_forward(inp, L - 1, max_pos=self._max_length - 1 + k, want_aux=need_aux)
         p = sampling.process(
-            logits, batch.temperature, batch.top_k, batch.top_p, batch.any_sampled, batch.any_greedy, batch.any_truncated
+            logits, batch.temperature, batch.top_k, batch.top_p, batch.any_sampled, batch.any_greedy, batch.any_truncated,
+            batch.any_scaled,
         )
         j = self._arange[: k + 1]
         pos = L[:, None] + j  # positions of the k+1 candidate tokens
@@ -259,7 +263,10 @@ class Engine:
             self.drafter.observe(batch, k, out, n_acc, aux)
 
         raw_lp = torch.log_softmax(logits, -1).gather(-1, out[..., None])[..., 0]
-        smp_lp = p.gather(-1, out[..., None])[..., 0].log()
+        if batch.any_greedy or batch.any_scaled or batch.any_truncated:
+            smp_lp = p.gather(-1, out[..., None])[..., 0].log()
+        else:  # every row samples the raw distribution: the sampling logprob is the raw one
+            smp_lp = raw_lp
         is_stop = (out[..., None] == s.stop_ids[:n, None, :]).any(-1) & (j[None] <= n_acc[:, None])
         first_stop = torch.where(is_stop, j[None], k + 1).amin(-1)
         gen = s.ints[:n, GEN]

@@ -93,6 +93,19 @@ def step_uniforms(key: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[tor
     return u[:, :k], u[:, k : 2 * k], u[:, 2 * k :]
 
 
+def uniform_table(key: torch.Tensor, positions: int) -> torch.Tensor:
+    """Every uniform a request can use, [B, 4 * positions] float64 indexed by code (pos << 2) | stream, for
+    keys [B]: hashed once at admission so that a decode step only gathers (see `step_uniforms_from`)."""
+    codes = torch.arange(4 * positions, device=key.device)[None]
+    return uniforms_at(key, codes)
+
+
+def step_uniforms_from(table: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`step_uniforms` read from the rows' `uniform_table` [B, 4 * positions]: one gather."""
+    u = table.gather(1, (lengths[:, None] << 2) + _step_offsets(k, lengths.device))
+    return u[:, :k], u[:, k : 2 * k], u[:, 2 * k :]
+
+
 def process(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -101,6 +114,7 @@ def process(
     any_sampled: bool = True,
     any_greedy: bool = True,
     any_truncated: bool = True,
+    any_scaled: bool = True,
 ) -> torch.Tensor:
     """Processed distribution [B, T, V] from logits [B, T, V] and per-row params [B].
 
@@ -108,14 +122,18 @@ def process(
     top-p (keep the smallest prefix of tokens by descending probability whose mass reaches top_p).
     temperature == 0 means greedy: a one-hot on the argmax (first index on ties), so greedy rows go through
     the same speculative rule (accept iff the draft is the argmax). top_k 0 and top_p 1 mean off.
-    The `any_*` flags are the caller's host-side knowledge of the batch, to skip work without a sync.
+    The `any_*` flags are the caller's host-side knowledge of the batch, to skip work without a sync
+    (`any_scaled`: some row's temperature is neither 0 nor 1).
     """
     B, T, V = logits.shape
     if not any_sampled:
         return F_one_hot(logits.argmax(-1), V)
     greedy = temperature == 0 if any_greedy else None
-    t = torch.where(greedy, 1.0, temperature) if any_greedy else temperature
-    x = logits / t[:, None, None]
+    if any_scaled:
+        t = torch.where(greedy, 1.0, temperature) if any_greedy else temperature
+        x = logits / t[:, None, None]
+    else:
+        x = logits
     if any_truncated:
         srt, idx = x.sort(-1, descending=True)
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
@@ -175,7 +193,7 @@ def verify(
     else:
         qx = q.gather(-1, drafts[..., None])[..., 0]
         accept = u_accept * qx.double() < px.double()
-    n_acc = accept.long().cumprod(-1).sum(-1)  # leading accepted drafts
+    n_acc = accept[:, 0].long() if k == 1 else accept.long().cumprod(-1).sum(-1)  # leading accepted drafts
     # Residuals max(0, p_j - q_j) at every position, with q = 0 past the drafts so the last row is the bonus
     # distribution p_k itself; then the row at n_acc. (Cheaper than selecting p and q rows separately.)
     resid = (p - F.pad(q, (0, 0, 0, 1))).clamp_(min=0)

@@ -33,9 +33,11 @@ class Batch:
     top_k: torch.Tensor  # [n] int64
     top_p: torch.Tensor  # [n] float32
     key: torch.Tensor  # [n] int64 random key (from the request's seed)
+    uniforms: torch.Tensor  # [n, 4 * token_width] float64: the rows' sampling.uniform_table
     any_sampled: bool
     any_greedy: bool
     any_truncated: bool
+    any_scaled: bool = True  # some row samples at a temperature other than 1 (0 = greedy is not scaled)
     u_draft: torch.Tensor | None = None  # [n, k] this step's DRAFT-stream uniforms, set by the engine
 
 
@@ -48,6 +50,9 @@ class SlotTable:
         # [slot, 2, position]: raw logprobs, sampling logprobs of emitted tokens
         self.logprobs = torch.zeros(max_slots, 2, out_width, dtype=torch.float32, device=device)
         self.stop_ids = torch.full((max_slots, max_stop), -1, dtype=torch.long, device=device)
+        # every uniform a request can draw, by code (position << 2) | stream (sampling.uniform_table), so a
+        # decode step gathers its random numbers instead of hashing them
+        self.uniforms = torch.zeros(max_slots, 4 * token_width, dtype=torch.float64, device=device)
         self.n = 0
         # host mirrors (one entry per running slot) so batch-wide flags never need a device sync
         self.request_ids: list[int] = []
@@ -68,7 +73,7 @@ class SlotTable:
         if dst:
             si = torch.tensor(src, device=self.ints.device)
             di = torch.tensor(dst, device=self.ints.device)
-            for t in (self.ints, self.floats, self.tokens, self.logprobs, self.stop_ids):
+            for t in (self.ints, self.floats, self.tokens, self.logprobs, self.stop_ids, self.uniforms):
                 t[di] = t[si]
             for lst in (self.request_ids, self.prompts, self.temps, self.truncated):
                 for a, b in zip(src, dst):
@@ -89,7 +94,9 @@ class SlotTable:
             top_k=self.ints[:n, TOP_K],
             top_p=self.floats[:n, TOP_P],
             key=self.ints[:n, KEY],
+            uniforms=self.uniforms[:n],
             any_sampled=any(t > 0 for t in self.temps),
             any_greedy=any(t == 0 for t in self.temps),
             any_truncated=any(self.truncated),
+            any_scaled=any(t not in (0.0, 1.0) for t in self.temps),
         )

@@ -166,7 +166,8 @@ def test_eagle3_adapter_matches_the_module(policy):
 
 def test_hash_arithmetic_and_one_call_step_uniforms():
     """The counter-based uniforms: the 32-bit multiply is exact (both the wrapping and the split form), and
-    a step's one-call uniforms are the same numbers as one call per stream."""
+    a step's one-call uniforms, and the same read from the per-request table hashed at admission, are the
+    same numbers as one call per stream."""
     import random
 
     from tailspec.rollout import sampling
@@ -187,3 +188,6 @@ def test_hash_arithmetic_and_one_call_step_uniforms():
         assert torch.equal(u_acc, sampling.uniforms(key, pos[:, :k], sampling.ACCEPT))
         assert torch.equal(u_smp, sampling.uniforms(key, pos, sampling.SAMPLE))
         assert ((u_smp >= 0) & (u_smp < 1)).all()
+        table = sampling.uniform_table(key, 310)
+        for got, want in zip(sampling.step_uniforms_from(table, lengths, k), (u_draft, u_acc, u_smp)):
+            assert torch.equal(got, want)
