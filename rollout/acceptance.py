@@ -14,6 +14,8 @@ token was the target's own bonus token), so the positions' rates measured while 
 another: on the task, alpha_0 measured while running k = 2 is 0.89, while running k = 1 0.97. A strategy's
 own mean forgets at the full rate as steps at its k arrive and `other_memory` times slower while other
 strategies run, so what exploration and the warm-up measured for a strategy run rarely is not lost at once.
+The first step after a change of k is still in the previous strategy's phase, so it updates the position
+rates but not the strategy's own mean (the selector explores in runs of two steps for this reason).
 
 Position counts decay by exp(-rows / memory_rows) per informative step (k > 0): the estimate remembers about
 `memory_rows` drafted rows whatever the batch size (a batch-1 tail needs more steps than a batch-64 start for
@@ -46,6 +48,7 @@ class AcceptanceTracker:
     k_rows: dict[int, float] = field(default_factory=dict)
     updates: int = 0
     dropped: int = 0  # inconsistent updates refused
+    last_k: int | None = None  # k of the previous step (a step at another k is a switch step)
 
     def __post_init__(self) -> None:
         if self.k_max < 0:
@@ -62,6 +65,8 @@ class AcceptanceTracker:
     def update(self, k: int, rows: int, accepted: int, reach: list[int] | None = None) -> None:
         """One decode step: `rows` rows drafted k tokens each, `accepted` drafts accepted in all;
         reach[j] = rows whose draft j was accepted. Inconsistent input is dropped (a counted no-op)."""
+        switch = self.last_k is not None and k != self.last_k
+        self.last_k = k
         if k <= 0:
             return  # plain decoding: nothing to learn
         if rows <= 0 or k > self.k_max or not 0 <= accepted <= k * rows:
@@ -90,8 +95,9 @@ class AcceptanceTracker:
                 trials = r
                 if trials == 0:
                     break
-        self.k_acc[k] = self.k_acc.get(k, 0.0) + accepted
-        self.k_rows[k] = self.k_rows.get(k, 0.0) + rows
+        if not switch:
+            self.k_acc[k] = self.k_acc.get(k, 0.0) + accepted
+            self.k_rows[k] = self.k_rows.get(k, 0.0) + rows
         self.updates += 1
 
     def observe(self, stats) -> None:
@@ -120,6 +126,7 @@ class AcceptanceTracker:
         self.scale(0.0)
         self.k_acc, self.k_rows = {}, {}
         self.updates = 0
+        self.last_k = None
 
     # -- estimates -------------------------------------------------------------------------------------------
     def alphas(self) -> list[float]:

@@ -5,9 +5,11 @@ exposes `schedule(max_batch)`: the (start, end, k) inclusive batch-size ranges i
 shape of vLLM's `num_speculative_tokens_per_batch_size`, for the vLLM backend.
 
 - `adaptive`: argmax over k of b * E[tokens per row per step | k] / t(b, k) (expected tokens/s), from the
-  measured cost model and the online acceptance estimates; epsilon-greedy exploration among the strategies
-  it can pick at that batch bucket; hysteresis (switch only for a clear gain) against thrashing on noisy
-  timings.
+  measured cost model and the online acceptance estimates; epsilon-greedy exploration, half of it among the
+  near-ties (candidates whose estimate is within `explore_margin` of the best: those a few percent of error
+  can overturn), in runs of `explore_run` steps because the first
+  step after a switch still measures the previous strategy's phase; hysteresis (switch only for a clear
+  gain) against thrashing on noisy timings.
 - `fixed`: one k at every batch size.
 - `beg`: TLT's fixed default table (draft-token groups 48/32/16/8 on batch ranges starting 1, 2, 5, 21, off
   above 32), mapped onto chain draft lengths as k = round(k_max * tokens / 48).
@@ -124,9 +126,11 @@ class AdaptiveSelector:
     cost: CostModel
     acceptance: AcceptanceTracker
     ks: list[int] | None = None  # strategies allowed (default: the cost model's)
-    epsilon: float = 0.05
+    epsilon: float = 0.05  # share of steps that explore
     hysteresis: float = 0.05  # switch only when the best beats the current by this fraction
     margin: float = 0.1  # candidate_ks margin
+    explore_margin: float = 0.15  # explore only strategies estimated within this fraction of the best
+    explore_run: int = 2  # steps per exploration
     seed: int = 0
     learn_cost: bool = True
     name: str = "adaptive"
@@ -137,10 +141,16 @@ class AdaptiveSelector:
     _cands: dict[int, list[int]] = field(init=False, repr=False, default_factory=dict)
     _stats_id: int = field(init=False, repr=False, default=0)
     _seen: int = field(init=False, repr=False, default=0)
+    _exploring: tuple[int, int] | None = field(init=False, repr=False, default=None)  # (k, steps left)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.epsilon <= 1 or self.hysteresis < 0 or self.margin < 0:
-            raise ValueError(f"need 0 <= epsilon <= 1, hysteresis >= 0, margin >= 0; got {self.epsilon}, {self.hysteresis}, {self.margin}")
+        if not 0 <= self.epsilon <= 1 or self.hysteresis < 0 or self.margin < 0 or self.explore_margin < 0:
+            raise ValueError(
+                f"need 0 <= epsilon <= 1, hysteresis >= 0, margin >= 0, explore_margin >= 0; got {self.epsilon}, "
+                f"{self.hysteresis}, {self.margin}, {self.explore_margin}"
+            )
+        if self.explore_run < 1:
+            raise ValueError(f"explore_run must be >= 1, got {self.explore_run}")
         self.ks = sorted(set(self.cost.ks if self.ks is None else self.ks))
         bad = [k for k in self.ks if k not in self.cost.ks or k > self.acceptance.k_max]
         if bad:
@@ -175,15 +185,29 @@ class AdaptiveSelector:
         if stats is not None:
             self.observe(stats)
         cands = self.candidates(batch_size)
+        if self._exploring is not None:  # finish the exploration run (if the strategy is still allowed here)
+            k, left = self._exploring
+            self._exploring = (k, left - 1) if left > 1 else None
+            if k in cands:
+                self.explored += 1
+                return k
+            self._exploring = None
         best = self.best(batch_size)
         if self.k not in cands:
             self.k = best
         elif best != self.k and self.score(batch_size, best) > (1 + self.hysteresis) * self.score(batch_size, self.k):
             self.k = best
             self.switches += 1
-        if self.epsilon > 0 and len(cands) > 1 and self._rng.random() < self.epsilon:
+        if self.epsilon > 0 and len(cands) > 1 and self._rng.random() < self.epsilon / self.explore_run:
+            others = [k for k in cands if k != self.k]
+            top = max(self.score(batch_size, k) for k in cands)
+            near = [k for k in others if self.score(batch_size, k) * (1 + self.explore_margin) >= top]
+            # half the explorations go to the near-ties; the rest to any candidate, so that a strategy whose
+            # estimate is far off (a pessimistic prior, a spoiled warm-up entry) still gets tried
+            k = self._rng.choice(near if near and self._rng.random() < 0.5 else others)
             self.explored += 1
-            return self._rng.choice([k for k in cands if k != self.k])
+            self._exploring = (k, self.explore_run - 1) if self.explore_run > 1 else None
+            return k
         return self.k
 
     def schedule(self, max_batch: int) -> Schedule:
