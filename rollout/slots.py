@@ -1,7 +1,7 @@
 """Per-slot request state as preallocated tensors, kept compacted: running requests occupy slots 0..n-1.
 
 A decode step reads plain slices (`[:n]`) of these tensors — no gather, no per-row Python. When a request
-finishes, the last running slot is moved into its place (one copy per tensor, a few KB), so the batch
+finishes, the last running slot is moved into its place (one copy per tensor, tens of KB), so the batch
 stays contiguous while it shrinks through the long tail.
 """
 
