@@ -5,7 +5,9 @@ left-padded), HF assisted generation (batch 1 only: HF refuses more), the engine
 engine with SD for each k and each available drafter (n-gram; draft model = the `micro` policy trained
 on the same task; EAGLE-3 when --eagle3 points at a drafter checkpoint). Acceptance length = tokens
 emitted per target forward. Every configuration is measured in this process, interleaved per repeat
-(noisy shared machines drift), and reported as the median of the repeats.
+(noisy shared machines drift), and reported as the median of the repeats. Engine rows also carry the wall
+time per decode step, set beside the device's memory floor for one step (`memory_floor`: weight bytes over
+the measured copy bandwidth; on a GPU, the HBM floor).
 """
 
 from __future__ import annotations
@@ -73,8 +75,10 @@ def _hf_generate(model, prompts, params, batch: int, pad_id: int, eos_id: int, a
     return tokens, time.perf_counter() - t0
 
 
-def _engine_run(engine, prompts, params) -> tuple[int, float, float]:
+def _engine_run(engine, prompts, params) -> tuple[int, float, float, int]:
+    """(tokens, seconds, tokens per target forward, decode steps) of one run to completion."""
     dev = engine.device
+    steps0 = engine.stats.steps
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     if dev.type == "cuda":
@@ -82,7 +86,32 @@ def _engine_run(engine, prompts, params) -> tuple[int, float, float]:
     dt = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     forwards = sum(o.stats.target_forwards for o in outs)
-    return tokens, dt, tokens / max(forwards, 1)
+    return tokens, dt, tokens / max(forwards, 1), engine.stats.steps - steps0
+
+
+def memory_floor(model, device: str, nbytes: int | None = None, repeats: int = 10) -> dict:
+    """The bandwidth floor of one decode step: the target's weight bytes over the measured copy bandwidth
+    (bytes read + written per second by a large device-to-device copy). Every decode step reads every weight
+    once, so no step can be faster than this on the device; the measured step time is set beside it."""
+    dev = torch.device(device)
+    nbytes = nbytes or ((512 << 20) if dev.type == "cuda" else (128 << 20))
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    dst.copy_(src)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    sync()
+    bw = 2 * nbytes * repeats / (time.perf_counter() - t0)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"weight_bytes": weight_bytes, "copy_bandwidth_gb_s": round(bw / 1e9, 2),
+            "floor_ms_per_step": round(weight_bytes / bw * 1e3, 4)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -123,6 +152,9 @@ def run(args: argparse.Namespace) -> dict:
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
     log(f"bench engine: policy={args.policy} drafters={drafter_names} batches={batches} ks={ks} "
         f"T={args.temperature} device={machine()}")
+    floor = memory_floor(model, args.device)
+    log(f"memory floor: {floor['weight_bytes'] / 1e6:.1f} MB of weights at {floor['copy_bandwidth_gb_s']} GB/s "
+        f"copy bandwidth = {floor['floor_ms_per_step']:.3f} ms per decode step")
     rows = []
     for b in batches:
         n = max(4, args.prompts_per_batch * b)
@@ -151,15 +183,21 @@ def run(args: argparse.Namespace) -> dict:
                     tokens, dt = _hf_generate(model, prompts, params, 1, pad_id, eos_id, assistant=draft_model)
                     acc = float("nan")
                 else:
-                    tokens, dt, acc = _engine_run(eng, prompts, params)
-                samples[i].append((tokens / dt, acc))
+                    tokens, dt, acc, steps = _engine_run(eng, prompts, params)
+                    samples[i].append((tokens / dt, acc, dt / max(steps, 1)))
+                    continue
+                samples[i].append((tokens / dt, acc, float("nan")))
         for i, (method, name, k, _) in enumerate(configs):
             tps = statistics.median(s[0] for s in samples[i])
             acc = statistics.median(s[1] for s in samples[i])
+            step = statistics.median(s[2] for s in samples[i])
             row = {"batch": b, "method": method, "drafter": name, "k": k, "tokens_per_s": round(tps, 1),
                    "acceptance_length": None if acc != acc else round(acc, 3)}
+            if method == "engine":  # wall time per decode step (admissions' prefill included)
+                row["step_ms"] = round(step * 1e3, 3)
             rows.append(row)
-            log(f"  b={b:<3} {method:<12} {name!s:<12} k={k!s:<4} {tps:9.1f} tok/s  accept_len={row['acceptance_length']}")
+            log(f"  b={b:<3} {method:<12} {name!s:<12} k={k!s:<4} {tps:9.1f} tok/s  accept_len={row['acceptance_length']}"
+                + (f"  step {row['step_ms']:.3f} ms (floor {floor['floor_ms_per_step']:.3f} ms)" if "step_ms" in row else ""))
 
     def tps(b, method, spec=None):
         sel = [r for r in rows if r["batch"] == b and r["method"] == method
@@ -183,4 +221,5 @@ def run(args: argparse.Namespace) -> dict:
         if sd is not None:
             summary[f"best_spec_vs_nospec_batch{b}"] = round(sd / nos, 3)
     log(f"summary: {summary}")
-    return {"device": machine(), "policy": args.policy, "temperature": args.temperature, "rows": rows, "summary": summary}
+    return {"device": machine(), "policy": args.policy, "temperature": args.temperature, "rows": rows, "summary": summary,
+            "memory_floor": floor}
