@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tailspec.rollout.model_runner import ModelRunner, unit_rms_norm
+from tailspec.rollout.model_runner import ModelRunner, qkv_rope_tables, rope, signed_sin, unit_rms_norm
 from tailspec.rollout.sampling import DRAFT, process, sample, uniforms
 from tailspec.rollout.slots import Batch
 
@@ -195,8 +195,8 @@ class Eagle3Drafter(Drafter):
         self.H, self.Hq, self.Hk, self.D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         w = d.fc.weight
         self.dtype = w.dtype
-        a, m = d.midlayer.self_attn, d.midlayer.mlp
         ml = d.midlayer
+        a, m = ml.self_attn, ml.mlp
         eps = {ml.input_layernorm.eps, ml.hidden_norm.eps, ml.post_attention_layernorm.eps}
         if len(eps) != 1:
             raise ValueError(f"EAGLE-3 midlayer norms with different eps {sorted(eps)} are not supported")
@@ -210,13 +210,10 @@ class Eagle3Drafter(Drafter):
             self.gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight]) * ml.post_attention_layernorm.weight
             pos = torch.arange(cache_len, device=w.device)[None]
             cos, sin = d.rotary(pos, self.dtype)
-        # the target runner's layout and RoPE form (rollout.model_runner): RoPE over all of q|k|v with v's
-        # cos 1 / sin 0, rotate_half as a roll, k|v heads in one cache tensor written once per step
-        half = self.D // 2
-        cos, sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
-        nq, nkv = self.Hq + self.Hk, self.Hk
-        self.cos = torch.cat([cos[:, None].expand(-1, nq, -1), torch.ones_like(cos)[:, None].expand(-1, nkv, -1)], 1)
-        self.sin = torch.cat([sin[:, None].expand(-1, nq, -1), torch.zeros_like(sin)[:, None].expand(-1, nkv, -1)], 1)
+        # the target runner's layout and RoPE form (rollout.model_runner): RoPE over all of q|k|v, k|v heads in
+        # one cache tensor written once per step. The per-head tables are kept for every position (a drafter
+        # step is small, and building them per call would cost two cats each time)
+        self.cos, self.sin = qkv_rope_tables(cos[0], signed_sin(sin[0]), self.Hq + self.Hk, self.Hk)
         self.kv_cache = torch.zeros((max_slots, 2 * self.Hk, cache_len, self.D), dtype=self.dtype, device=w.device)
         self.next_logits = torch.zeros(max_slots, cfg.draft_vocab_size, dtype=torch.float32, device=w.device)
         self.next_hidden = torch.zeros(max_slots, self.H, dtype=self.dtype, device=w.device)
@@ -238,7 +235,7 @@ class Eagle3Drafter(Drafter):
         x = unit_rms_norm(torch.stack([emb, hidden], 2), self.eps).view(B, T, 2 * H)
         Hq, Hk = self.Hq, self.Hk
         qkv = F.linear(x, self.qkv_w).view(B, T, Hq + 2 * Hk, D)
-        qkv = torch.addcmul(qkv * self.cos[pos], qkv.roll(D // 2, -1), self.sin[pos])
+        qkv = rope(qkv, self.cos[pos], self.sin[pos])
         kv = self.kv_cache[slot0 : slot0 + B]
         rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
         kv[rows, :, pos] = qkv[:, :, Hq:]

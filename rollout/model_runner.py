@@ -45,6 +45,28 @@ def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+# RoPE in the form both our forwards use. rotate_half(x) * sin == roll(x, D/2) * signed_sin(sin): one roll
+# instead of two slices, a negation and a cat. And RoPE runs over every head of the qkv projection at once,
+# the v heads with cos 1 / sin 0, so q, k and v stay in one tensor and k|v go to the cache in one write.
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], -1)
+
+
+def qkv_rope_tables(cos: torch.Tensor, sin_signed: torch.Tensor, n_rot: int, n_pass: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / signed sin [..., D] -> [..., n_rot + n_pass, D]: the first n_rot heads rotated, the rest passed."""
+    *lead, D = cos.shape
+    rot, keep = (*lead, n_rot, D), (*lead, n_pass, D)
+    return (
+        torch.cat([cos.unsqueeze(-2).expand(rot), cos.new_ones(()).expand(keep)], -2),
+        torch.cat([sin_signed.unsqueeze(-2).expand(rot), sin_signed.new_zeros(()).expand(keep)], -2),
+    )
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
+
+
 def check_supported(config) -> None:
     """Raise ValueError naming what this forward cannot run (before any weights are touched)."""
     mt = getattr(config, "model_type", None)
@@ -125,20 +147,14 @@ class ModelRunner:
             pos = torch.arange(cache_len, device=self.device)[None]
             cos, sin = inner.rotary_emb(self.embed[:1][None], pos)
             self.cos = cos[0].to(self.dtype).contiguous()  # [cache_len, D]
-            self.sin = sin[0].to(self.dtype).contiguous()
-            # rotate_half(x) * sin == roll(x, D/2) * sin_signed: one roll instead of two slices, neg, cat
-            half = self.cos.shape[-1] // 2
-            self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], -1)
+            self.sin_signed = signed_sin(sin[0].to(self.dtype))
         # One cache tensor per layer, k heads then v heads: a forward writes a layer's k and v with one
         # index_put (the qkv projection already lays k and v out side by side). k_cache / v_cache are views.
         shape = (max_slots, 2 * self.num_kv_heads, cache_len, self.head_dim)
         self.kv_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
         self.k_cache = [kv[:, : self.num_kv_heads] for kv in self.kv_cache]
         self.v_cache = [kv[:, self.num_kv_heads :] for kv in self.kv_cache]
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         self._gqa = self.num_heads != self.num_kv_heads
-        self._half = self.head_dim // 2
 
     # -- cache bookkeeping ---------------------------------------------------------------------------------
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -151,9 +167,6 @@ class ModelRunner:
         # running row, and the few distinct widths keep shapes friendly to graph capture later.
         b = self.attn_bucket
         return min(self.cache_len, ((max_pos + b) // b) * b)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        return torch.addcmul(x * cos, x.roll(self._half, -1), sin_signed)
 
     # -- forward ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -173,11 +186,8 @@ class ModelRunner:
         key_pos = torch.arange(L, device=start.device)
         mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,L]
         H, Hq, Hk, D = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        # RoPE over every head of the qkv output at once, v heads with cos 1 and sin 0: q, k and v stay in
-        # one tensor, so k|v go to the cache in one write. Built once per forward, not per layer.
-        cos, sin = self.cos[pos][:, :, None], self.sin_signed[pos][:, :, None]  # [B,T,1,D]
-        cos = torch.cat([cos.expand(B, T, Hq + Hk, D), cos.new_ones(1, 1, 1, 1).expand(B, T, Hk, D)], 2)
-        sin = torch.cat([sin.expand(B, T, Hq + Hk, D), sin.new_zeros(1, 1, 1, 1).expand(B, T, Hk, D)], 2)
+        # RoPE tables for every qkv head at these positions: built once per forward, not per layer
+        cos, sin = qkv_rope_tables(self.cos[pos], self.sin_signed[pos], Hq + Hk, Hk)  # [B,T,Hq+2Hk,D]
         rows = torch.arange(B, device=start.device)[:, None].expand(B, T)
 
         x = F.embedding(input_ids, self.embed)
@@ -194,7 +204,7 @@ class ModelRunner:
                     F.rms_norm(qkv[:, :, Hq : Hq + Hk], (D,), ly.k_norm, self.eps),
                     qkv[:, :, Hq + Hk :],
                 ], 2)
-            qkv = self._rope(qkv, cos, sin)
+            qkv = rope(qkv, cos, sin)
             kv = self.kv_cache[i][slot0 : slot0 + B]
             kv[rows, :, pos] = qkv[:, :, Hq:]
             o = F.scaled_dot_product_attention(

@@ -84,15 +84,6 @@ def _step_offsets(k: int, device: torch.device) -> torch.Tensor:
     return _OFFSETS[key]
 
 
-def step_uniforms(key: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every uniform one decode step at draft length k uses, for rows with `lengths` [B] (the verify
-    positions are lengths .. lengths + k), in one call: (draft [B, k] DRAFT stream at positions
-    lengths + j, accept [B, k] ACCEPT stream, sample [B, k+1] SAMPLE stream). The same numbers as
-    `uniforms` per stream."""
-    u = uniforms_at(key, (lengths[:, None] << 2) + _step_offsets(k, lengths.device))
-    return u[:, :k], u[:, k : 2 * k], u[:, 2 * k :]
-
-
 def uniform_table(key: torch.Tensor, positions: int) -> torch.Tensor:
     """Every uniform a request can use, [B, 4 * positions] float64 indexed by code (pos << 2) | stream, for
     keys [B]: hashed once at admission so that a decode step only gathers (see `step_uniforms_from`)."""
@@ -101,7 +92,10 @@ def uniform_table(key: torch.Tensor, positions: int) -> torch.Tensor:
 
 
 def step_uniforms_from(table: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`step_uniforms` read from the rows' `uniform_table` [B, 4 * positions]: one gather."""
+    """Every uniform one decode step at draft length k uses, for rows with `lengths` [B] (the verify
+    positions are lengths .. lengths + k), read from the rows' `uniform_table` [B, 4 * positions] in one
+    gather: (draft [B, k] DRAFT stream at positions lengths + j, accept [B, k] ACCEPT stream, sample
+    [B, k+1] SAMPLE stream). The same numbers as `uniforms` per stream."""
     u = table.gather(1, (lengths[:, None] << 2) + _step_offsets(k, lengths.device))
     return u[:, :k], u[:, k : 2 * k], u[:, 2 * k :]
 
