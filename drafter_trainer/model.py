@@ -533,7 +533,7 @@ def write_dir_atomic(path: Path, write) -> Path:
     hidden `.name.tmp*` / `.name.old*` sibling, which the next write cleans up."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.tmp*"):
+    for stale in [*path.parent.glob(f".{path.name}.tmp*"), *path.parent.glob(f".{path.name}.old*")]:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=path.parent))
     try:
