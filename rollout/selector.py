@@ -7,9 +7,8 @@ shape of vLLM's `num_speculative_tokens_per_batch_size`, for the vLLM backend.
 - `adaptive`: argmax over k of b * E[tokens per row per step | k] / t(b, k) (expected tokens/s), from the
   measured cost model and the online acceptance estimates; epsilon-greedy exploration, half of it among the
   near-ties (candidates whose estimate is within `explore_margin` of the best: those a few percent of error
-  can overturn), in runs of `explore_run` steps because the first
-  step after a switch still measures the previous strategy's phase; hysteresis (switch only for a clear
-  gain) against thrashing on noisy timings.
+  can overturn), in runs of `explore_run` steps because the first step after a switch still measures the
+  previous strategy's phase; hysteresis (switch only for a clear gain) against thrashing on noisy timings.
 - `fixed`: one k at every batch size.
 - `beg`: TLT's fixed default table (draft-token groups 48/32/16/8 on batch ranges starting 1, 2, 5, 21, off
   above 32), mapped onto chain draft lengths as k = round(k_max * tokens / 48).
@@ -129,7 +128,7 @@ class AdaptiveSelector:
     epsilon: float = 0.05  # share of steps that explore
     hysteresis: float = 0.05  # switch only when the best beats the current by this fraction
     margin: float = 0.1  # candidate_ks margin
-    explore_margin: float = 0.15  # explore only strategies estimated within this fraction of the best
+    explore_margin: float = 0.15  # half the explorations go to strategies estimated within this of the best
     explore_run: int = 2  # steps per exploration
     seed: int = 0
     learn_cost: bool = True

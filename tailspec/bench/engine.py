@@ -176,6 +176,7 @@ def run(args: argparse.Namespace) -> dict:
         samples: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(configs))}
         for rep in range(args.repeats):
             for i, (method, name, k, eng) in enumerate(configs):
+                step_s = float("nan")  # per decode step: engine rows only
                 if method == "hf_generate":
                     tokens, dt = _hf_generate(model, prompts, params, b, pad_id, eos_id)
                     acc = 1.0
@@ -184,9 +185,8 @@ def run(args: argparse.Namespace) -> dict:
                     acc = float("nan")
                 else:
                     tokens, dt, acc, steps = _engine_run(eng, prompts, params)
-                    samples[i].append((tokens / dt, acc, dt / max(steps, 1)))
-                    continue
-                samples[i].append((tokens / dt, acc, float("nan")))
+                    step_s = dt / max(steps, 1)
+                samples[i].append((tokens / dt, acc, step_s))
         for i, (method, name, k, _) in enumerate(configs):
             tps = statistics.median(s[0] for s in samples[i])
             acc = statistics.median(s[1] for s in samples[i])
