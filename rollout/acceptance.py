@@ -12,8 +12,10 @@ model by `k_weight` rows. It catches what the chain formula misses: stop-token t
 text the phase of the drafts. Where a step starts depends on k (after an all-accepted k = 1 step every other
 token was the target's own bonus token), so the positions' rates measured while running one k mis-predict
 another: on the task, alpha_0 measured while running k = 2 is 0.89, while running k = 1 0.97. A strategy's
-own mean forgets at the full rate as steps at its k arrive and `other_memory` times slower while other
-strategies run, so what exploration and the warm-up measured for a strategy run rarely is not lost at once.
+own mean forgets by rows as steps at its k arrive (it holds about `memory_rows` of its own rows), and by
+steps while other strategies run (`other_memory_steps`): what the warm-up and exploration measured for a
+strategy run rarely must survive a stretch of another one. Counting those in rows instead wiped a strategy's
+warm-up out within a few batch-64 steps of the others (its estimate then rested on a few dozen rows, 3% low).
 The first step after a change of k is still in the previous strategy's phase, so it updates the position
 rates but not the strategy's own mean (the selector explores in runs of two steps for this reason).
 
@@ -39,7 +41,7 @@ class AcceptanceTracker:
     prior_weight: float = 8.0  # pseudo-trials behind the prior (and behind each position's fallback)
     policy_decay: float = 0.25
     k_weight: float = 16.0  # rows behind the position model in a strategy's estimate (noise must not stick)
-    other_memory: float = 2.0  # a strategy's own mean forgets this many times slower while others run
+    other_memory_steps: float = 256.0  # a strategy's own mean forgets by exp(-1/this) per step of another k
     drafter_version: str | int | None = None
     policy_version: str | int | None = None
     pos_acc: list[float] = field(default_factory=list)
@@ -49,12 +51,14 @@ class AcceptanceTracker:
     updates: int = 0
     dropped: int = 0  # inconsistent updates refused
     last_k: int | None = None  # k of the previous step (a step at another k is a switch step)
+    _tokens: list[float] | None = field(default=None, init=False, repr=False)  # expected_tokens by k, until the next change
 
     def __post_init__(self) -> None:
         if self.k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {self.k_max}")
-        if not self.memory_rows > 0 or not 0 <= self.policy_decay <= 1:
-            raise ValueError(f"need memory_rows > 0 and 0 <= policy_decay <= 1, got {self.memory_rows}, {self.policy_decay}")
+        if not self.memory_rows > 0 or not self.other_memory_steps > 0 or not 0 <= self.policy_decay <= 1:
+            raise ValueError(f"need memory_rows > 0, other_memory_steps > 0 and 0 <= policy_decay <= 1, got "
+                             f"{self.memory_rows}, {self.other_memory_steps}, {self.policy_decay}")
         if not 0 <= self.prior <= 1 or self.prior_weight <= 0:
             raise ValueError(f"need prior in [0, 1] and prior_weight > 0, got {self.prior}, {self.prior_weight}")
         if not self.pos_acc:
@@ -76,12 +80,17 @@ class AcceptanceTracker:
             self.dropped += 1
             reach = None
         d = math.exp(-rows / self.memory_rows)
+        # every position forgets at each informative step, also those the step did not reach: after a drop in
+        # acceptance the later positions are rarely reached, and what they measured before must not keep
+        # promising long drafts; a position without news falls back to the one before it (optimistic after
+        # a long run of k = 1; exploring the longer k corrects that, an overestimate gets tried)
         for j in range(self.k_max):
             self.pos_acc[j] *= d
             self.pos_trials[j] *= d
-        # a strategy's own mean forgets fast as that strategy brings news and slowly otherwise: what
+        # a strategy's own mean forgets by rows as that strategy brings news, and by steps otherwise: what
         # exploration measured for a strategy run rarely survives a long stretch of another one
-        d_other = math.exp(-rows / (self.memory_rows * self.other_memory))
+        d_other = math.exp(-1.0 / self.other_memory_steps)
+        self._tokens = None
         for key in self.k_acc:
             f = d if key == k else d_other
             self.k_acc[key] *= f
@@ -117,6 +126,7 @@ class AcceptanceTracker:
         return changed
 
     def scale(self, f: float) -> None:
+        self._tokens = None
         self.pos_acc = [a * f for a in self.pos_acc]
         self.pos_trials = [t * f for t in self.pos_trials]
         self.k_acc = {k: a * f for k, a in self.k_acc.items()}
@@ -124,6 +134,7 @@ class AcceptanceTracker:
 
     def reset(self) -> None:
         self.scale(0.0)
+        self._tokens = None
         self.k_acc, self.k_rows = {}, {}
         self.updates = 0
         self.last_k = None
@@ -160,6 +171,19 @@ class AcceptanceTracker:
     def expected_tokens(self, k: int) -> float:
         """E[tokens emitted per row per step | k] (1 for plain decoding)."""
         return 1.0 + self.expected_accepted(k)
+
+    def token_table(self) -> list[float]:
+        """expected_tokens(k) for k = 0..k_max, computed once per change of the counts (the selector reads it
+        for every candidate at every step; recomputing the chain per read cost more than the rest of it)."""
+        if self._tokens is None:
+            self._tokens = [1.0] + [0.0] * self.k_max
+            total, run = 0.0, 1.0
+            for k, alpha in enumerate(self.alphas(), start=1):
+                run *= alpha
+                total += run
+                rows = self.k_rows.get(k, 0.0)
+                self._tokens[k] = 1.0 + (self.k_acc.get(k, 0.0) + self.k_weight * total) / (rows + self.k_weight)
+        return self._tokens
 
     def summary(self) -> dict:
         return {

@@ -56,6 +56,7 @@ class CostModel:
     observed: int = 0
     _logsum: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
     _n: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
+    _base: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict, repr=False)  # (b, k) -> (bucket, base)
 
     def __post_init__(self) -> None:
         if not self.buckets or sorted(set(self.buckets)) != list(self.buckets) or self.buckets[0] < 1:
@@ -107,19 +108,30 @@ class CostModel:
 
     def t(self, b: int, k: int) -> float:
         """Predicted seconds of one decode step at batch b with draft length k."""
-        return self.base(b, k) * self.load * self.factor.get((self.bucket(b), k), 1.0)
+        bucket, base = self._lookup(b, k)
+        return base * self.load * self.factor.get((bucket, k), 1.0)
+
+    def _lookup(self, b: int, k: int) -> tuple[int, float]:
+        """(bucket(b), base(b, k)), computed once per shape: the table never changes after construction."""
+        hit = self._base.get((b, k))
+        if hit is None:
+            hit = self._base[(b, k)] = (self.bucket(b), self.base(b, k))
+        return hit
 
     # -- online refresh ----------------------------------------------------------------------------------------
     def observe(self, b: int, k: int, seconds: float) -> None:
         """Fold one real step's wall time into the (bucket(b), k) correction factor. Bad values are dropped."""
         if b < 1 or k not in self.ks or not (seconds > 0 and math.isfinite(seconds)):
             return
-        key = (self.bucket(b), k)
-        base = self.base(b, k)
+        bucket, base = self._lookup(b, k)
+        key = (bucket, k)
         # in log space (a ratio of 2 and one of 1/2 cancel): the shared load level follows the ratio of
         # every observed step to its warm-up entry (slowly: what the strategies being run say about the
         # machine), then this entry's factor becomes the decayed mean of its own ratios to base * load,
-        # shrunk toward 1 (the warm-up table) by prior_steps
+        # shrunk toward 1 (the warm-up table) by prior_steps. So an entry's factor is its time relative to
+        # the strategies run around it, which drift on a shared machine does not move; the price is that
+        # the committed entry's own warm-up error moves into the load, and only exploring the others
+        # corrects their estimates relative to it
         ratio = min(max(seconds / (base * self.load), 1 / self.clip), self.clip)
         self.load *= ratio ** (self.ema / 2)
         own = min(max(math.log(seconds / (base * self.load)), -math.log(self.clip)), math.log(self.clip))
@@ -177,8 +189,11 @@ def measure(
     block: int = 3,
     max_tokens: int = 256,
     settle: int = 2,
+    rows: int = 48,
 ) -> CostModel:
-    """Warm-up: time `steps` decode steps of the real engine at every (bucket, k), keep the median.
+    """Warm-up: time `steps` decode steps of the real engine at every (bucket, k), keep the median. A small
+    bucket times more steps, enough for `rows` rows (batch 1: 48 steps at the default): one row's step time
+    and acceptance vary with its content far more than a batch's average, and a step there costs little.
 
     For each bucket, one batch of `bucket` requests runs like a rollout: a request that stops is replaced at
     once by the next prompt (cycled, each with its own seed), so the batch stays full and its rows sit at
@@ -201,9 +216,9 @@ def measure(
         raise RuntimeError("cost model warm-up needs an idle engine (requests are still running)")
     if not prompts:
         raise ValueError("cost model warm-up needs at least one prompt")
-    if steps < 1 or passes < 1 or block < 1 or max_tokens < 1 or settle < 0:
-        raise ValueError(f"need steps, passes, block, max_tokens >= 1 and settle >= 0; got {steps}, {passes}, "
-                         f"{block}, {max_tokens}, {settle}")
+    if steps < 1 or passes < 1 or block < 1 or max_tokens < 1 or settle < 0 or rows < 0:
+        raise ValueError(f"need steps, passes, block, max_tokens >= 1 and settle, rows >= 0; got {steps}, {passes}, "
+                         f"{block}, {max_tokens}, {settle}, {rows}")
     buckets = sorted(set(buckets or default_buckets(engine.max_batch)))
     ks = sorted(set(ks if ks is not None else default_ks(engine.k_max)))
     if engine.drafter is None:
@@ -230,12 +245,13 @@ def measure(
     try:
         for _ in range(passes):
             for b in buckets:
+                n_steps = max(steps, -(-rows // b))
                 times: dict[int, list[float]] = {k: [] for k in ks}
-                while any(len(t) < steps for t in times.values()):
+                while any(len(t) < n_steps for t in times.values()):
                     for k in ks:
                         engine.choose_k = fixed_k(k)
                         settled, tries = 0, 0
-                        while len(times[k]) < steps and tries < settle + block + 4:
+                        while len(times[k]) < n_steps and tries < settle + block + 4:
                             top_up(b)
                             engine.step()
                             tries += 1

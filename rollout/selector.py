@@ -5,10 +5,12 @@ exposes `schedule(max_batch)`: the (start, end, k) inclusive batch-size ranges i
 shape of vLLM's `num_speculative_tokens_per_batch_size`, for the vLLM backend.
 
 - `adaptive`: argmax over k of b * E[tokens per row per step | k] / t(b, k) (expected tokens/s), from the
-  measured cost model and the online acceptance estimates; epsilon-greedy exploration, half of it among the
-  near-ties (candidates whose estimate is within `explore_margin` of the best: those a few percent of error
-  can overturn), in runs of `explore_run` steps because the first step after a switch still measures the
-  previous strategy's phase; hysteresis (switch only for a clear gain) against thrashing on noisy timings.
+  measured cost model and the online acceptance estimates; epsilon-greedy exploration, three quarters of it
+  among the near-ties (candidates whose estimate is within `explore_margin` of the best: those a few percent
+  of error can overturn), in runs of `explore_run` steps because the first step after a switch still measures
+  the previous strategy's phase; hysteresis (switch only for a clear gain) against thrashing on noisy
+  timings, per batch bucket. The estimates fold the noted steps in and the pick is re-decided every
+  `decide_every` steps, or at once when the batch size changes.
 - `fixed`: one k at every batch size.
 - `beg`: TLT's fixed default table (draft-token groups 48/32/16/8 on batch ranges starting 1, 2, 5, 21, off
   above 32), mapped onto chain draft lengths as k = round(k_max * tokens / 48).
@@ -128,12 +130,15 @@ class AdaptiveSelector:
     epsilon: float = 0.05  # share of steps that explore
     hysteresis: float = 0.05  # switch only when the best beats the current by this fraction
     margin: float = 0.1  # candidate_ks margin
-    explore_margin: float = 0.15  # half the explorations go to strategies estimated within this of the best
+    explore_margin: float = 0.15  # near-ties: strategies estimated within this of the best
+    explore_near: float = 0.75  # share of the explorations that go to the near-ties (when there are any)
     explore_run: int = 2  # steps per exploration
+    decide_every: int = 8  # steps between decisions at an unchanged batch size (a new batch size decides at once)
     seed: int = 0
     learn_cost: bool = True
     name: str = "adaptive"
-    k: int | None = None  # the committed strategy
+    k: int | None = None  # the committed strategy at the current batch size's bucket
+    committed: dict[int, int] = field(default_factory=dict)  # bucket -> its committed strategy
     switches: int = 0
     explored: int = 0
     _rng: random.Random = field(init=False, repr=False)
@@ -141,15 +146,18 @@ class AdaptiveSelector:
     _stats_id: int = field(init=False, repr=False, default=0)
     _seen: int = field(init=False, repr=False, default=0)
     _exploring: tuple[int, int] | None = field(init=False, repr=False, default=None)  # (k, steps left)
+    _pending: list[tuple] = field(init=False, repr=False, default_factory=list)  # steps seen, not yet folded in
+    _decided_at: tuple[int, int] = field(init=False, repr=False, default=(0, 0))  # (batch size, steps left)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.epsilon <= 1 or self.hysteresis < 0 or self.margin < 0 or self.explore_margin < 0:
+        if (not 0 <= self.epsilon <= 1 or self.hysteresis < 0 or self.margin < 0 or self.explore_margin < 0
+                or not 0 <= self.explore_near <= 1):
             raise ValueError(
-                f"need 0 <= epsilon <= 1, hysteresis >= 0, margin >= 0, explore_margin >= 0; got {self.epsilon}, "
-                f"{self.hysteresis}, {self.margin}, {self.explore_margin}"
+                f"need 0 <= epsilon <= 1, hysteresis >= 0, margin >= 0, explore_margin >= 0, 0 <= explore_near <= 1; "
+                f"got {self.epsilon}, {self.hysteresis}, {self.margin}, {self.explore_margin}, {self.explore_near}"
             )
-        if self.explore_run < 1:
-            raise ValueError(f"explore_run must be >= 1, got {self.explore_run}")
+        if self.explore_run < 1 or self.decide_every < 1:
+            raise ValueError(f"explore_run and decide_every must be >= 1, got {self.explore_run}, {self.decide_every}")
         self.ks = sorted(set(self.cost.ks if self.ks is None else self.ks))
         bad = [k for k in self.ks if k not in self.cost.ks or k > self.acceptance.k_max]
         if bad:
@@ -157,28 +165,50 @@ class AdaptiveSelector:
         self._rng = random.Random(self.seed)
 
     def candidates(self, batch_size: int) -> list[int]:
-        bucket = self.cost.bucket(batch_size)
-        if bucket not in self._cands:
-            self._cands[bucket] = candidate_ks(self.cost, bucket, self.ks, self.margin)
-        return self._cands[bucket]
+        cands = self._cands.get(batch_size)
+        if cands is None:  # the plan's strategies for this batch size's bucket (the warm-up table's, fixed)
+            bucket = self.cost.bucket(batch_size)
+            cands = next((c for b, c in self._cands.items() if self.cost.bucket(b) == bucket), None)
+            cands = self._cands[batch_size] = cands or candidate_ks(self.cost, bucket, self.ks, self.margin)
+        return cands
 
     def score(self, batch_size: int, k: int) -> float:
         """Expected tokens/s of strategy k at this batch size."""
-        return batch_size * self.acceptance.expected_tokens(k) / self.cost.t(batch_size, k)
+        self.flush()
+        return batch_size * self.acceptance.token_table()[k] / self.cost.t(batch_size, k)
 
-    def best(self, batch_size: int) -> int:
-        return max(self.candidates(batch_size), key=lambda k: (self.score(batch_size, k), -k))
+    def scores(self, batch_size: int) -> dict[int, float]:
+        """score() of every candidate at this batch size (one read of the estimates for all of them)."""
+        self.flush()
+        tokens, t = self.acceptance.token_table(), self.cost.t
+        return {k: batch_size * tokens[k] / t(batch_size, k) for k in self.candidates(batch_size)}
+
+    def best(self, batch_size: int, scores: dict[int, float] | None = None) -> int:
+        scores = scores or self.scores(batch_size)
+        return max(scores, key=lambda k: (scores[k], -k))
 
     def observe(self, stats) -> None:
-        """Learn from the step the engine just ran (acceptance, and its wall time for the cost model)."""
+        """Note the step the engine just ran; `flush` folds it into the acceptance and cost estimates.
+
+        Only a tuple is kept per step: the fold and the decision run every `decide_every` steps, where the
+        code is hot. Run at every step between two torch forwards, the same Python cost ~40 us (1.9% of a
+        batch-1 step on the CPU), three times its cost in a tight loop."""
         if id(stats) != self._stats_id:  # a new engine (or stats object): its step counter starts over
             self._stats_id, self._seen = id(stats), 0
         if stats.steps <= self._seen:
             return
         self._seen = stats.steps
-        self.acceptance.observe(stats)
-        if self.learn_cost and stats.last_batch > 0:
-            self.cost.observe(stats.last_batch, stats.last_k, stats.last_step_s)
+        self._pending.append((stats.last_k, stats.last_batch, stats.last_accepted, stats.last_reach, stats.last_step_s))
+
+    def flush(self) -> None:
+        """Fold the steps noted since the last flush into the estimates, in order."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        for k, rows, accepted, reach, seconds in pending:
+            self.acceptance.update(k, rows, accepted, list(reach) or None)
+            if self.learn_cost and rows > 0:
+                self.cost.observe(rows, k, seconds)
 
     def __call__(self, batch_size: int, stats=None) -> int:
         if stats is not None:
@@ -191,19 +221,34 @@ class AdaptiveSelector:
                 self.explored += 1
                 return k
             self._exploring = None
-        best = self.best(batch_size)
-        if self.k not in cands:
-            self.k = best
-        elif best != self.k and self.score(batch_size, best) > (1 + self.hysteresis) * self.score(batch_size, self.k):
-            self.k = best
-            self.switches += 1
+        decided_b, left = self._decided_at
+        scores = None
+        if left <= 0 or decided_b != batch_size or self.k not in cands:
+            # hysteresis holds a commitment per bucket: the long tail walks the batch down through the
+            # buckets, and a k committed at batch 2 must not need a clear gain to give way at batch 4, where
+            # the argmax is another (that cost 13% there)
+            scores = self.scores(batch_size)
+            best = self.best(batch_size, scores)
+            bucket = self.cost.bucket(batch_size)
+            k = self.committed.get(bucket)
+            if k not in cands:
+                k = best
+            elif best != k and scores[best] > (1 + self.hysteresis) * scores[k]:
+                k = best
+                self.switches += 1
+            self.k = self.committed[bucket] = k
+            left = self.decide_every
+        self._decided_at = (batch_size, left - 1)
         if self.epsilon > 0 and len(cands) > 1 and self._rng.random() < self.epsilon / self.explore_run:
+            scores = scores or self.scores(batch_size)
             others = [k for k in cands if k != self.k]
-            top = max(self.score(batch_size, k) for k in cands)
-            near = [k for k in others if self.score(batch_size, k) * (1 + self.explore_margin) >= top]
-            # half the explorations go to the near-ties; the rest to any candidate, so that a strategy whose
-            # estimate is far off (a pessimistic prior, a spoiled warm-up entry) still gets tried
-            k = self._rng.choice(near if near and self._rng.random() < 0.5 else others)
+            top = max(scores.values())
+            near = [k for k in others if scores[k] * (1 + self.explore_margin) >= top]
+            # most explorations go to the near-ties: they cost little (a few percent a step) and decide the
+            # pick, where a warm-up error of a few percent is likely; the rest go to any candidate, so that a
+            # strategy whose estimate is far off (a pessimistic prior, a spoiled warm-up entry) still gets
+            # tried, at up to 40% of a step each (k = 0 or k = 6 at batch 1)
+            k = self._rng.choice(near if near and self._rng.random() < self.explore_near else others)
             self.explored += 1
             self._exploring = (k, self.explore_run - 1) if self.explore_run > 1 else None
             return k

@@ -41,8 +41,9 @@ def test_cost_model_warmup_on_the_real_engine(policy):
     eng = Engine(policy, NgramDrafter(), max_batch=8, max_seq_len=256, k_max=3)
     acc = AcceptanceTracker(k_max=3)
     cost = cost_model.measure(eng, task_prompts(8), buckets=[1, 4, 8], ks=[0, 1, 3], steps=3,
-                              block=1, settle=1, on_step=acc.observe)
-    assert acc.updates == 2 * 3 * 3  # every timed step with k > 0 (2 strategies x 3 buckets x 3 steps)
+                              block=1, settle=1, rows=8, on_step=acc.observe)
+    # every timed step with k > 0: 2 strategies x (8 steps at bucket 1, enough for 8 rows; 3 at buckets 4, 8)
+    assert acc.updates == 2 * (8 + 3 + 3)
     assert set(cost.table) == {(b, k) for b in (1, 4, 8) for k in (0, 1, 3)}
     assert all(0 < t < 5 for t in cost.table.values())
     assert not eng.has_unfinished() and eng.choose_k(1, eng.stats) == 0  # left idle, hook restored

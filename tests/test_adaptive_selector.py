@@ -310,8 +310,8 @@ def test_a_switch_step_does_not_count_for_the_strategy_it_switched_to():
 
 
 def test_exploration_runs_two_steps_and_favours_near_ties():
-    """Exploration runs `explore_run` = 2 steps of one strategy, and half of the runs go to the strategies
-    estimated within `explore_margin` of the best (the rest to any candidate). Estimates are frozen here (no
+    """Exploration runs `explore_run` = 2 steps of one strategy, and three quarters of the runs go to the
+    strategies estimated within `explore_margin` of the best (the rest to any candidate). Estimates are frozen here (no
     step statistics are fed), so the near-tie set is fixed and the shares can be checked exactly."""
     sel = make(epsilon=0.3, seed=4, prior=0.8)
     chosen = [sel(1) for _ in range(6000)]
@@ -322,7 +322,69 @@ def test_exploration_runs_two_steps_and_favours_near_ties():
     top = max(sel.score(1, k) for k in sel.candidates(1))
     near = {k for k in others if sel.score(1, k) * 1.15 >= top}
     assert near and len(near) < len(others)
-    want = 0.5 + 0.5 * len(near) / len(others)  # uniform over the others would give len(near) / len(others)
+    want = 0.75 + 0.25 * len(near) / len(others)  # uniform over the others would give len(near) / len(others)
     share = sum(k in near for k, _ in runs) / len(runs)
     assert abs(share - want) < 0.06, (share, want, len(near) / len(others))
     assert {k for k, _ in runs} == set(others)  # every candidate is still tried
+
+
+def _run_chain(acc: AcceptanceTracker, rng: random.Random, k: int, alphas: list[float], steps: int, rows: int) -> None:
+    for _ in range(steps):
+        reach, alive = [], rows
+        for j in range(k):
+            alive = sum(rng.random() < alphas[j] for _ in range(alive))
+            reach.append(alive)
+        acc.update(k, rows, sum(reach), reach)
+
+
+def test_a_large_batch_stretch_of_one_k_does_not_wipe_out_another():
+    """Warm-up and exploration data of a strategy survive a stretch of another one at batch 64: a strategy's
+    own mean forgets by steps of the others, not by their rows (by rows, 30 steps at batch 64 kept 2% of it
+    and k = 1's estimate fell to the 0.89 that running k = 2 measures at position 0)."""
+    rng = random.Random(5)
+    acc = AcceptanceTracker(k_max=2)
+    _run_chain(acc, rng, 1, [0.97], 20, 64)
+    _run_chain(acc, rng, 2, [0.89, 0.6], 30, 64)
+    assert acc.position_model(1) == pytest.approx(0.89, abs=0.02)
+    assert acc.expected_tokens(1) == pytest.approx(1.97, abs=0.015)
+
+
+def test_each_bucket_holds_its_own_commitment():
+    """Hysteresis applies within a batch bucket: entering another bucket takes that bucket's argmax (or what
+    it committed to before), not the previous bucket's k. With an unreachable hysteresis a single global
+    commitment would keep batch 1's k at batch 64."""
+    sel = make(hysteresis=10.0)
+    feed(sel, 1, 0.8, 50, random.Random(9))
+    k1 = sel.k
+    first_at_64 = feed(sel, 64, 0.8, 1, random.Random(10))[0]
+    assert first_at_64 == sel.best(64) != k1
+    assert feed(sel, 1, 0.8, 1, random.Random(11))[0] == k1 == sel.committed[1]
+    assert sel.committed[64] == first_at_64
+
+
+def test_noted_steps_fold_in_as_if_each_were_observed_at_once():
+    """The selector keeps a tuple per step and folds them in at its next decision: after a flush the estimates
+    are exactly those of folding every step as it came (same order, same values)."""
+    rng = random.Random(12)
+    sel = make(epsilon=0.0)
+    ref_acc, ref_cost = AcceptanceTracker(k_max=8, prior=0.5), synthetic_cost()
+    stats = StepStats()
+    for i in range(50):
+        k = [1, 2, 2, 3, 0][i % 5]
+        reach, alive = [], 8
+        for _j in range(k):
+            alive = sum(rng.random() < 0.7 for _ in range(alive))
+            reach.append(alive)
+        stats.steps += 1
+        stats.last_batch, stats.last_k, stats.last_reach = 8, k, reach
+        stats.last_accepted, stats.last_step_s = sum(reach), synthetic_time(8, k) * (1 + 0.3 * rng.random())
+        sel.observe(stats)
+        sel.observe(stats)  # the same step seen twice counts once
+        ref_acc.observe(stats)
+        ref_cost.observe(8, k, stats.last_step_s)
+    assert sel.acceptance.updates == 0  # nothing folded yet
+    sel.flush()
+    assert sel.acceptance.token_table() == ref_acc.token_table()
+    # the cached table is expected_tokens for every k
+    assert ref_acc.token_table() == pytest.approx([ref_acc.expected_tokens(k) for k in range(9)], rel=1e-12)
+    assert sel.cost.factor == ref_cost.factor and sel.cost.load == ref_cost.load
