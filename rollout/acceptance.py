@@ -160,21 +160,20 @@ class AcceptanceTracker:
     def expected_accepted(self, k: int) -> float:
         """E[accepted drafts per row | k]: the strategy's own decayed mean, shrunk toward the position model
         by `k_weight` rows."""
-        if k <= 0:
-            return 0.0
-        if k > self.k_max:
-            raise ValueError(f"k={k} exceeds k_max={self.k_max}")
-        model = self.position_model(k)
-        rows = self.k_rows.get(k, 0.0)
-        return (self.k_acc.get(k, 0.0) + self.k_weight * model) / (rows + self.k_weight)
+        return self.expected_tokens(k) - 1.0
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens emitted per row per step | k] (1 for plain decoding)."""
-        return 1.0 + self.expected_accepted(k)
+        if k <= 0:
+            return 1.0
+        if k > self.k_max:
+            raise ValueError(f"k={k} exceeds k_max={self.k_max}")
+        return self.token_table()[k]
 
     def token_table(self) -> list[float]:
-        """expected_tokens(k) for k = 0..k_max, computed once per change of the counts (the selector reads it
-        for every candidate at every step; recomputing the chain per read cost more than the rest of it)."""
+        """1 + E[accepted | k] for k = 0..k_max: each strategy's own mean shrunk toward the position model,
+        computed once per change of the counts (the selector reads it for every candidate at every decision;
+        recomputing the chain per read cost more than the rest of it)."""
         if self._tokens is None:
             self._tokens = [1.0] + [0.0] * self.k_max
             total, run = 0.0, 1.0

@@ -47,6 +47,21 @@ def true_best(b: int, alpha: float) -> int:
     return max(KS, key=tps)
 
 
+def sample_reach(rng: random.Random, k: int, rows: int, alphas: list[float]) -> list[int]:
+    """reach[j]: rows whose draft j was accepted, drafts passing position j with probability alphas[j]."""
+    reach, alive = [], rows
+    for j in range(k):
+        alive = sum(rng.random() < alphas[j] for _ in range(alive))
+        reach.append(alive)
+    return reach
+
+
+def run_chain(acc: AcceptanceTracker, rng: random.Random, k: int, alphas: list[float], steps: int, rows: int) -> None:
+    for _ in range(steps):
+        reach = sample_reach(rng, k, rows, alphas)
+        acc.update(k, rows, sum(reach), reach)
+
+
 def feed(sel: AdaptiveSelector, batch: int, alpha: float, steps: int, rng: random.Random, noise: float = 0.0) -> list[int]:
     """Drive the selector like the engine does: ask k, 'run' the step (sampled acceptance, noisy time)."""
     stats = StepStats()
@@ -54,10 +69,7 @@ def feed(sel: AdaptiveSelector, batch: int, alpha: float, steps: int, rng: rando
     for _ in range(steps):
         k = sel(batch, stats)
         chosen.append(k)
-        reach, alive = [], batch
-        for _j in range(k):
-            alive = sum(rng.random() < alpha for _ in range(alive))
-            reach.append(alive)
+        reach = sample_reach(rng, k, batch, [alpha] * k)
         stats.steps += 1
         stats.last_batch, stats.last_k = batch, k
         stats.last_reach = reach
@@ -278,17 +290,8 @@ def test_acceptance_keeps_what_is_particular_to_each_k():
     pure chain model would use) now say 0.89."""
     rng = random.Random(11)
     acc = AcceptanceTracker(k_max=4)
-
-    def run(k: int, alphas: list[float], steps: int, rows: int = 4) -> None:
-        for _ in range(steps):
-            reach, alive = [], rows
-            for j in range(k):
-                alive = sum(rng.random() < alphas[j] for _ in range(alive))
-                reach.append(alive)
-            acc.update(k, rows, sum(reach), reach)
-
-    run(1, [0.97], 100)
-    run(2, [0.89, 0.6], 150)
+    run_chain(acc, rng, 1, [0.97], 100, 4)
+    run_chain(acc, rng, 2, [0.89, 0.6], 150, 4)
     assert acc.position_model(1) == pytest.approx(0.89, abs=0.04)  # the chain model alone would be wrong
     assert acc.expected_tokens(1) == pytest.approx(1.97, abs=0.035)
     assert acc.expected_tokens(2) == pytest.approx(1 + 0.89 + 0.89 * 0.6, abs=0.06)
@@ -328,23 +331,14 @@ def test_exploration_runs_two_steps_and_favours_near_ties():
     assert {k for k, _ in runs} == set(others)  # every candidate is still tried
 
 
-def _run_chain(acc: AcceptanceTracker, rng: random.Random, k: int, alphas: list[float], steps: int, rows: int) -> None:
-    for _ in range(steps):
-        reach, alive = [], rows
-        for j in range(k):
-            alive = sum(rng.random() < alphas[j] for _ in range(alive))
-            reach.append(alive)
-        acc.update(k, rows, sum(reach), reach)
-
-
 def test_a_large_batch_stretch_of_one_k_does_not_wipe_out_another():
     """Warm-up and exploration data of a strategy survive a stretch of another one at batch 64: a strategy's
     own mean forgets by steps of the others, not by their rows (by rows, 30 steps at batch 64 kept 2% of it
     and k = 1's estimate fell to the 0.89 that running k = 2 measures at position 0)."""
     rng = random.Random(5)
     acc = AcceptanceTracker(k_max=2)
-    _run_chain(acc, rng, 1, [0.97], 20, 64)
-    _run_chain(acc, rng, 2, [0.89, 0.6], 30, 64)
+    run_chain(acc, rng, 1, [0.97], 20, 64)
+    run_chain(acc, rng, 2, [0.89, 0.6], 30, 64)
     assert acc.position_model(1) == pytest.approx(0.89, abs=0.02)
     assert acc.expected_tokens(1) == pytest.approx(1.97, abs=0.015)
 
@@ -371,10 +365,7 @@ def test_noted_steps_fold_in_as_if_each_were_observed_at_once():
     stats = StepStats()
     for i in range(50):
         k = [1, 2, 2, 3, 0][i % 5]
-        reach, alive = [], 8
-        for _j in range(k):
-            alive = sum(rng.random() < 0.7 for _ in range(alive))
-            reach.append(alive)
+        reach = sample_reach(rng, k, 8, [0.7] * k)
         stats.steps += 1
         stats.last_batch, stats.last_k, stats.last_reach = 8, k, reach
         stats.last_accepted, stats.last_step_s = sum(reach), synthetic_time(8, k) * (1 + 0.3 * rng.random())
@@ -385,6 +376,9 @@ def test_noted_steps_fold_in_as_if_each_were_observed_at_once():
     assert sel.acceptance.updates == 0  # nothing folded yet
     sel.flush()
     assert sel.acceptance.token_table() == ref_acc.token_table()
-    # the cached table is expected_tokens for every k
-    assert ref_acc.token_table() == pytest.approx([ref_acc.expected_tokens(k) for k in range(9)], rel=1e-12)
+    # the cached table is each strategy's own mean shrunk toward the chain model of the positions
+    a = ref_acc
+    own = [1.0] + [1 + (a.k_acc.get(k, 0.0) + a.k_weight * a.position_model(k)) / (a.k_rows.get(k, 0.0) + a.k_weight)
+                   for k in range(1, 9)]
+    assert a.token_table() == pytest.approx(own, rel=1e-12)
     assert sel.cost.factor == ref_cost.factor and sel.cost.load == ref_cost.load
