@@ -190,6 +190,8 @@ class WorkItem(_Payload):
     temperature: float = Field(1.0, ge=0)
     max_tokens: int = Field(512, ge=1)
     requests: list[WorkRequest] = Field(default_factory=list)
+    warmup: bool = Field(False, description="load the policy and drafter and time the cost model on these "
+                         "requests, then answer with no outputs (an engine's start-up, before the first rollout)")
     stop: bool = False
 
 

@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-first", type=int, default=1,
-                   help="steps left out of the step-time mean (the first pays worker start-up and cost warm-up; default 1)")
+                   help="steps left out of the step-time mean (default 1: the first runs on cold caches; the engines' "
+                        "warm-up runs before step 0 and is in no step)")
     p.add_argument("--out", metavar="DIR", help="keep the three run directories here (default: a temp dir)")
 
 

@@ -97,7 +97,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     with Live(render(), console=console, refresh_per_second=4, transient=False) as live:
         def on_progress(step, results):
-            status["text"] = f"step {step}: rollout — {len(results)}/{opts.workers} workers done"
+            what = "engine warm-up (policy, drafter, cost model)" if step == "warm-up" else f"step {step}: rollout"
+            status["text"] = f"{what} — {len(results)}/{opts.workers} workers done"
             live.update(render())
 
         def on_row(r):

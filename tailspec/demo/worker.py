@@ -100,6 +100,8 @@ class Worker:
         self._load_policy(item)
         self._load_drafter(item)
         engine = self._engine(item)
+        if item.warmup:
+            return WorkResult(worker=self.name, step=item.step, outputs=[], started_at=started, finished_at=time.time())
         n = len(item.requests)
         rid_of: dict[int, int] = {}
         for req in item.requests:
