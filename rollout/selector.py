@@ -143,7 +143,7 @@ class AdaptiveSelector:
     explored: int = 0
     _rng: random.Random = field(init=False, repr=False)
     _cands: dict[int, list[int]] = field(init=False, repr=False, default_factory=dict)
-    _stats_id: int = field(init=False, repr=False, default=0)
+    _stats: object = field(init=False, repr=False, default=None)
     _seen: int = field(init=False, repr=False, default=0)
     _exploring: tuple[int, int] | None = field(init=False, repr=False, default=None)  # (k, steps left)
     _pending: list[tuple] = field(init=False, repr=False, default_factory=list)  # steps seen, not yet folded in
@@ -193,8 +193,10 @@ class AdaptiveSelector:
         Only a tuple is kept per step: the fold and the decision run every `decide_every` steps, where the
         code is hot. Run at every step between two torch forwards, the same Python cost ~40 us (1.9% of a
         batch-1 step on the CPU), three times its cost in a tight loop."""
-        if id(stats) != self._stats_id:  # a new engine (or stats object): its step counter starts over
-            self._stats_id, self._seen = id(stats), 0
+        # a new engine (or stats object): its step counter starts over. Held, not compared by id(): a freed
+        # stats object's id is reused by the next one, whose first steps were then dropped as already seen
+        if stats is not self._stats:
+            self._stats, self._seen = stats, 0
         if stats.steps <= self._seen:
             return
         self._seen = stats.steps

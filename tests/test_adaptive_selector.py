@@ -382,3 +382,20 @@ def test_noted_steps_fold_in_as_if_each_were_observed_at_once():
                    for k in range(1, 9)]
     assert a.token_table() == pytest.approx(own, rel=1e-12)
     assert sel.cost.factor == ref_cost.factor and sel.cost.load == ref_cost.load
+
+
+def test_a_new_stats_object_is_observed_from_its_first_step():
+    """Each engine brings its own StepStats, counting from 0. Told apart by id(), a new one that reused a
+    freed one's memory (CPython does, for the same type) had its first steps dropped as already seen: the
+    drop of acceptance after a feed() with a fresh stats object went unnoticed in CI."""
+    sel = make()
+    for i in range(20):
+        stats = StepStats()
+        for _ in range(5):
+            stats.steps += 1
+            stats.last_batch, stats.last_k, stats.last_reach, stats.last_accepted = 1, 2, [1, 0], 1
+            stats.last_step_s = synthetic_time(1, 2)
+            sel.observe(stats)
+        sel.flush()
+        assert sel.acceptance.updates == 5 * (i + 1)
+        del stats
