@@ -16,8 +16,12 @@ own mean forgets by rows as steps at its k arrive (it holds about `memory_rows` 
 steps while other strategies run (`other_memory_steps`): what the warm-up and exploration measured for a
 strategy run rarely must survive a stretch of another one. Counting those in rows instead wiped a strategy's
 warm-up out within a few batch-64 steps of the others (its estimate then rested on a few dozen rows, 3% low).
-The first step after a change of k is still in the previous strategy's phase, so it updates the position
-rates but not the strategy's own mean (the selector explores in runs of two steps for this reason).
+The first `settle_steps` steps after a change of k are still settling into its phase (on the task, after a
+stretch of k = 2, k = 1 accepts 0.89, 0.80, 0.84 drafts per row in its first three steps, then 0.955; k = 2
+after k = 1: 1.59, 1.37, 1.48, then 1.50): they update the position rates but not the strategy's own mean.
+The selector explores in runs of `settle_steps` + 2 steps for this reason; counting the second step of a
+two-step run measured an explored k = 1 8% short of its tokens per step, and the selector kept k = 2 where
+k = 1 was 6-8% faster.
 
 Position counts decay by exp(-rows / memory_rows) per informative step (k > 0): the estimate remembers about
 `memory_rows` drafted rows whatever the batch size (a batch-1 tail needs more steps than a batch-64 start for
@@ -42,6 +46,7 @@ class AcceptanceTracker:
     policy_decay: float = 0.25
     k_weight: float = 16.0  # rows behind the position model in a strategy's estimate (noise must not stick)
     other_memory_steps: float = 256.0  # a strategy's own mean forgets by exp(-1/this) per step of another k
+    settle_steps: int = 3  # steps after a change of k that do not count for the strategy's own mean
     drafter_version: str | int | None = None
     policy_version: str | int | None = None
     pos_acc: list[float] = field(default_factory=list)
@@ -51,11 +56,12 @@ class AcceptanceTracker:
     updates: int = 0
     dropped: int = 0  # inconsistent updates refused
     last_k: int | None = None  # k of the previous step (a step at another k is a switch step)
+    run: int = 0  # consecutive steps at last_k
     _tokens: list[float] | None = field(default=None, init=False, repr=False)  # expected_tokens by k, until the next change
 
     def __post_init__(self) -> None:
-        if self.k_max < 0:
-            raise ValueError(f"k_max must be >= 0, got {self.k_max}")
+        if self.k_max < 0 or self.settle_steps < 0:
+            raise ValueError(f"k_max and settle_steps must be >= 0, got {self.k_max}, {self.settle_steps}")
         if not self.memory_rows > 0 or not self.other_memory_steps > 0 or not 0 <= self.policy_decay <= 1:
             raise ValueError(f"need memory_rows > 0, other_memory_steps > 0 and 0 <= policy_decay <= 1, got "
                              f"{self.memory_rows}, {self.other_memory_steps}, {self.policy_decay}")
@@ -66,11 +72,15 @@ class AcceptanceTracker:
             self.pos_trials = [0.0] * self.k_max
 
     # -- updates ---------------------------------------------------------------------------------------------
-    def update(self, k: int, rows: int, accepted: int, reach: list[int] | None = None) -> None:
+    def update(self, k: int, rows: int, accepted: int, reach: list[int] | None = None, run: int | None = None) -> None:
         """One decode step: `rows` rows drafted k tokens each, `accepted` drafts accepted in all;
-        reach[j] = rows whose draft j was accepted. Inconsistent input is dropped (a counted no-op)."""
-        switch = self.last_k is not None and k != self.last_k
-        self.last_k = k
+        reach[j] = rows whose draft j was accepted; `run` = consecutive steps at k, this one included (the
+        engine's StepStats.last_run; None: counted here from the updates, which assumes no step was left
+        out). Inconsistent input is dropped (a counted no-op)."""
+        if run is None:
+            run = self.run + 1 if k == self.last_k else 1 if self.last_k is not None else self.settle_steps + 1
+        self.last_k, self.run = k, run
+        settled = run > self.settle_steps
         if k <= 0:
             return  # plain decoding: nothing to learn
         if rows <= 0 or k > self.k_max or not 0 <= accepted <= k * rows:
@@ -104,14 +114,15 @@ class AcceptanceTracker:
                 trials = r
                 if trials == 0:
                     break
-        if not switch:
+        if settled:
             self.k_acc[k] = self.k_acc.get(k, 0.0) + accepted
             self.k_rows[k] = self.k_rows.get(k, 0.0) + rows
         self.updates += 1
 
     def observe(self, stats) -> None:
         """Fold the engine's StepStats of the step that just ran."""
-        self.update(stats.last_k, stats.last_batch, stats.last_accepted, list(stats.last_reach) or None)
+        self.update(stats.last_k, stats.last_batch, stats.last_accepted, list(stats.last_reach) or None,
+                    stats.last_run or None)
 
     def set_version(self, drafter_version=None, policy_version=None) -> bool:
         """Tell the tracker which drafter / policy the next steps run. Returns True if anything changed."""
@@ -137,7 +148,7 @@ class AcceptanceTracker:
         self._tokens = None
         self.k_acc, self.k_rows = {}, {}
         self.updates = 0
-        self.last_k = None
+        self.last_k, self.run = None, 0
 
     # -- estimates -------------------------------------------------------------------------------------------
     def alphas(self) -> list[float]:

@@ -188,7 +188,7 @@ def measure(
     on_step=None,
     block: int = 3,
     max_tokens: int = 256,
-    settle: int = 2,
+    settle: int = 3,
     rows: int = 48,
 ) -> CostModel:
     """Warm-up: time `steps` decode steps of the real engine at every (bucket, k), keep the median. A small

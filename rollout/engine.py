@@ -172,6 +172,13 @@ class Engine:
         return [done[i] for i in ids]
 
     # -- admission -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def admit(self) -> None:
+        """Prefill waiting requests into the free slots now. `step` does this itself first; calling it before
+        lets a caller keep prefill out of a decode step's timing (the benchmarks' tokens/s at a batch size)."""
+        if self.waiting and self.slots.n < self.max_batch:
+            self._admit()
+
     def _admit(self) -> None:
         s = self.slots
         m = min(len(self.waiting), self.max_batch - s.n)
@@ -292,6 +299,7 @@ class Engine:
         self._max_length = max_len
         st = self.stats
         st.steps += 1
+        st.last_run = st.last_run + 1 if k == st.last_k and st.steps > 1 else 1
         st.last_batch, st.last_k, st.last_accepted = n, k, acc_sum
         st.last_reach, st.last_step_s = reach, time.perf_counter() - t_step
         st.drafted += k * n

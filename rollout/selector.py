@@ -7,8 +7,8 @@ shape of vLLM's `num_speculative_tokens_per_batch_size`, for the vLLM backend.
 - `adaptive`: argmax over k of b * E[tokens per row per step | k] / t(b, k) (expected tokens/s), from the
   measured cost model and the online acceptance estimates; epsilon-greedy exploration, three quarters of it
   among the near-ties (candidates whose estimate is within `explore_margin` of the best: those a few percent
-  of error can overturn), in runs of `explore_run` steps because the first step after a switch still measures
-  the previous strategy's phase; hysteresis (switch only for a clear gain) against thrashing on noisy
+  of error can overturn), in runs of `explore_run` steps (the acceptance tracker's `settle_steps` + 2) because
+  the first steps after a switch still settle into the new strategy's phase; hysteresis (switch only for a clear gain) against thrashing on noisy
   timings, per batch bucket. The estimates fold the noted steps in and the pick is re-decided every
   `decide_every` steps, or at once when the batch size changes.
 - `fixed`: one k at every batch size.
@@ -132,7 +132,7 @@ class AdaptiveSelector:
     margin: float = 0.1  # candidate_ks margin
     explore_margin: float = 0.15  # near-ties: strategies estimated within this of the best
     explore_near: float = 0.75  # share of the explorations that go to the near-ties (when there are any)
-    explore_run: int = 2  # steps per exploration
+    explore_run: int | None = None  # steps per exploration (default: acceptance.settle_steps + 2 counted ones)
     decide_every: int = 8  # steps between decisions at an unchanged batch size (a new batch size decides at once)
     seed: int = 0
     learn_cost: bool = True
@@ -156,6 +156,8 @@ class AdaptiveSelector:
                 f"need 0 <= epsilon <= 1, hysteresis >= 0, margin >= 0, explore_margin >= 0, 0 <= explore_near <= 1; "
                 f"got {self.epsilon}, {self.hysteresis}, {self.margin}, {self.explore_margin}, {self.explore_near}"
             )
+        if self.explore_run is None:
+            self.explore_run = self.acceptance.settle_steps + 2
         if self.explore_run < 1 or self.decide_every < 1:
             raise ValueError(f"explore_run and decide_every must be >= 1, got {self.explore_run}, {self.decide_every}")
         self.ks = sorted(set(self.cost.ks if self.ks is None else self.ks))
@@ -200,15 +202,16 @@ class AdaptiveSelector:
         if stats.steps <= self._seen:
             return
         self._seen = stats.steps
-        self._pending.append((stats.last_k, stats.last_batch, stats.last_accepted, stats.last_reach, stats.last_step_s))
+        self._pending.append((stats.last_k, stats.last_batch, stats.last_accepted, stats.last_reach, stats.last_step_s,
+                              stats.last_run))
 
     def flush(self) -> None:
         """Fold the steps noted since the last flush into the estimates, in order."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        for k, rows, accepted, reach, seconds in pending:
-            self.acceptance.update(k, rows, accepted, list(reach) or None)
+        for k, rows, accepted, reach, seconds, run in pending:
+            self.acceptance.update(k, rows, accepted, list(reach) or None, run or None)
             if self.learn_cost and rows > 0:
                 self.cost.observe(rows, k, seconds)
 

@@ -17,6 +17,7 @@ class StepStats:
     steps: int = 0  # decode steps so far
     last_batch: int = 0
     last_k: int = 0
+    last_run: int = 0  # consecutive steps at last_k, the last one included (1: k just changed)
     last_accepted: int = 0  # accepted draft tokens summed over the batch in the last step
     drafted: int = 0  # totals since the engine started
     accepted: int = 0

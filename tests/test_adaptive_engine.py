@@ -57,6 +57,25 @@ def test_cost_model_warmup_on_the_real_engine(policy):
         cost_model.measure(eng, task_prompts(2), buckets=[16], ks=[0])
 
 
+def test_stats_count_the_run_of_each_k(policy):
+    """StepStats.last_run = consecutive steps at last_k, the last included: what the acceptance tracker
+    uses to leave a new strategy's settling steps out of its own mean."""
+    pattern = [2, 2, 2, 1, 3, 3, 0, 0, 2]
+    seen = []
+
+    def choose(batch_size, stats):
+        if stats.steps:
+            seen.append((stats.last_k, stats.last_run))
+        return pattern[stats.steps % len(pattern)]
+
+    eng = Engine(policy, NgramDrafter(), choose_k=choose, max_batch=2, max_seq_len=256, k_max=3)
+    eng.generate(task_prompts(2), SamplingParams(max_tokens=60, temperature=0.0))
+    seen.append((eng.stats.last_k, eng.stats.last_run))
+    ks = [k for _, k, _ in eng.step_log]
+    want = [(k, 1 + next((i for i in range(j) if ks[j - 1 - i] != k), j)) for j, k in enumerate(ks)]
+    assert seen == want and max(r for _, r in want) >= 3
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
 def test_adaptive_switching_k_greedy_matches_hf(policy, reference, drafter):
     prompts, refs = reference
@@ -65,7 +84,8 @@ def test_adaptive_switching_k_greedy_matches_hf(policy, reference, drafter):
     # Equal costs keep every k a candidate whatever the machine's load (a measured table made this test
     # depend on timing: under load k > 0 dropped out and nothing switched); measuring has its own test above.
     cost = cost_model.CostModel([1, 2, 4, 5], [0, 1, 2, 4], {(b, k): 1e-3 for b in (1, 2, 4, 5) for k in (0, 1, 2, 4)})
-    sel = AdaptiveSelector(cost, AcceptanceTracker(k_max=4), epsilon=0.5, hysteresis=0.0, seed=3)
+    # one-step explorations: as many switches as the selector can make (its default runs are 5 steps)
+    sel = AdaptiveSelector(cost, AcceptanceTracker(k_max=4), epsilon=0.5, hysteresis=0.0, explore_run=1, seed=3)
     eng.choose_k = sel
     outs = eng.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0) for m in MAX_TOKENS])
     for i, (o, r) in enumerate(zip(outs, refs)):
@@ -84,7 +104,7 @@ def test_adaptive_switching_k_sampling_is_exact():
     setting = SETTINGS["t0.7-p0.9"]
     eng = Engine(target, DraftModelDrafter(poor), max_batch=N, max_seq_len=len(PROMPT) + 3, k_max=2)
     cost = cost_model.CostModel([1], [0, 1, 2], {(1, 0): 1.0, (1, 1): 1.0, (1, 2): 1.0})
-    sel = AdaptiveSelector(cost, AcceptanceTracker(k_max=2), epsilon=0.5, learn_cost=False, seed=4)
+    sel = AdaptiveSelector(cost, AcceptanceTracker(k_max=2), epsilon=0.5, learn_cost=False, explore_run=1, seed=4)
     ks = []
 
     def choose(n, stats):

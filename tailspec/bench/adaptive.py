@@ -2,8 +2,11 @@
 
 Everything runs side by side in one process on the same models: for each batch size, every policy runs in
 turn inside each repeat (round robin, so load on a shared machine hits them alike) and the median over
-repeats is reported. A run at batch b keeps b requests running (a queue refills finished slots, prefill
-included in the time) and times `steps` decode steps after `warmup` untimed ones.
+repeats is reported. A run at batch b keeps b requests running (a queue refills finished slots between
+steps; their prefill is not timed) and times max(`steps`, `rows` / b) decode steps after `warmup` untimed
+ones, enough at small batch to cover several whole responses. Its requests start at their prompts;
+`--start mid` starts them at a random depth of responses the policy wrote beforehand instead (a
+sensitivity check: it weighs the later tokens of a response more than a rollout does).
 
 Then one long-tail rollout: a batch of task prompts whose response lengths follow the task's heavy-tailed
 distribution, run to completion under each policy, end to end (greedy by default: every policy emits the
@@ -30,9 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,2,4,8,16,32,64")
     p.add_argument("--ks", default="0,1,2,3,4,6", help="fixed strategies (draft lengths) to compare")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per run (at least --rows / batch)")
+    p.add_argument("--rows", type=int, default=192,
+                   help="timed rows per run: small batches time more steps (a batch-1 step is short and noisy)")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per run")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the per-batch runs")
+    p.add_argument("--start", choices=["fresh", "mid"], default="fresh",
+                   help="where the per-batch runs' requests start: fresh = at the prompt (default), mid = at a random "
+                        "depth of a response the policy wrote (a sensitivity check: later tokens weigh more)")
     p.add_argument("--longtail-n", type=int, default=64, help="requests in the long-tail rollout (0: skip)")
     p.add_argument("--longtail-temperature", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=512)
@@ -81,10 +89,30 @@ def _prompts(tok, n: int, seed: int, task_cfg):
     return [encode_prompt(tok, p.prompt) for p in sample_problems(n, task_cfg, seed=seed)]
 
 
+def _mid_response(make_engine, prompts, max_tokens: int, max_seq: int, temperature: float, seed: int):
+    """(prompt + the first d tokens of a response the policy wrote, tokens left) per prompt, d uniform over the
+    response. A rollout at batch b runs its rows at every depth of their responses (the long tail's last
+    rows deep into long ones); runs from fresh prompts would time only each response's first ~100 tokens at
+    small batch, where acceptance and context length differ from the rest."""
+    import random
+
+    from tailspec.rollout.sequence import SamplingParams
+
+    eng = make_engine(min(64, len(prompts)), 0)
+    params = [SamplingParams(max_tokens=min(max_tokens, max_seq - len(p)), temperature=temperature, seed=seed + i)
+              for i, p in enumerate(prompts)]
+    rng = random.Random(seed)
+    out = []
+    for p, sp, o in zip(prompts, params, eng.generate(prompts, params)):
+        d = rng.randrange(len(o.token_ids)) if o.token_ids else 0
+        out.append((list(p) + list(o.token_ids[:d]), sp.max_tokens - d))
+    return out
+
+
 def _steady_tps(make_engine, choose_k, batch: int, prompts, params, warmup: int, steps: int,
                 mix: Counter | None = None) -> float:
-    """Tokens/s over `steps` decode steps with `batch` requests kept running (finished slots refilled);
-    `mix` counts the k of each timed step."""
+    """Decode tokens/s over `steps` steps with `batch` requests kept running (finished slots refilled
+    between steps, their prefill untimed); `mix` counts the k of each timed step."""
     from tailspec.rollout.slots import GEN
 
     eng = make_engine(batch, choose_k)
@@ -97,6 +125,7 @@ def _steady_tps(make_engine, choose_k, batch: int, prompts, params, warmup: int,
         return done_tokens + (int(eng.slots.ints[:n, GEN].sum()) if n else 0)
 
     for i in range(warmup + steps):
+        eng.admit()  # refills' prefill stays out of the timed decode step (a rollout prefills each prompt once)
         before = produced()
         t0 = time.perf_counter()
         outs = eng.step()
@@ -187,6 +216,13 @@ def run(args: argparse.Namespace) -> dict:
     for b in cost.buckets:
         print(f"  {b:>5} " + "".join(f"{cost.table[(b, k)] * 1e3:8.2f}" for k in cost.ks), file=out)
 
+    starts = [(list(p), args.max_tokens) for p in pool_prompts[:256]]
+    if args.start == "mid":
+        t0 = time.perf_counter()
+        starts = _mid_response(make_engine, pool_prompts[:256], args.max_tokens, max_seq, args.temperature, seed=7)
+        print(f"per-batch runs start mid-response ({time.perf_counter() - t0:.1f}s to write 256 responses; mean depth "
+              f"{statistics.mean(len(p) - len(q) for (p, _), q in zip(starts, pool_prompts)):.0f} tokens)", file=out)
+
     adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=cfg.rollout.epsilon, seed=0)
     policies = {f"k{k}": fixed_selector(k) for k in ks}
     policies |= {"adaptive": adaptive, "beg": beg_selector(k_max), "threshold": threshold_selector(min(4, k_max))}
@@ -194,15 +230,17 @@ def run(args: argparse.Namespace) -> dict:
     per_batch = []
     for b in batches:
         n_req = max(4 * b, b + 8)
+        steps = max(args.steps, -(-args.rows // b))
         runs: dict[str, list[float]] = {name: [] for name in policies}
         adaptive_mix: Counter = Counter()
         for rep in range(args.repeats):
-            prompts = pool_prompts[(rep * n_req) % 256:][:n_req]
-            prompts = (prompts * (n_req // max(len(prompts), 1) + 1))[:n_req]
-            params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=1000 * rep + i)
-                      for i in range(n_req)]
+            chosen = starts[(rep * n_req) % 256:][:n_req]
+            chosen = (chosen * (n_req // max(len(chosen), 1) + 1))[:n_req]
+            prompts = [p for p, _ in chosen]
+            params = [SamplingParams(max_tokens=max(1, left), temperature=args.temperature, seed=1000 * rep + i)
+                      for i, (_, left) in enumerate(chosen)]
             for name, pol in policies.items():
-                runs[name].append(_steady_tps(make_engine, pol, b, prompts, params, args.warmup, args.steps,
+                runs[name].append(_steady_tps(make_engine, pol, b, prompts, params, args.warmup, steps,
                                               mix=adaptive_mix if name == "adaptive" else None))
         med = {name: statistics.median(v) for name, v in runs.items()}
         oracle_k = max(ks, key=lambda k: med[f"k{k}"])
@@ -212,6 +250,8 @@ def run(args: argparse.Namespace) -> dict:
             "threshold_tps": round(med["threshold"], 1), "nospec_tps": round(med["k0"], 1),
             "fixed_tps": {str(k): round(med[f"k{k}"], 1) for k in ks},
             "adaptive_k": adaptive.best(b),
+            # what the selector expects of each candidate now, to hold against the measured fixed_tps
+            "adaptive_predicted_tps": {str(k): round(v, 1) for k, v in adaptive.scores(b).items()},
             "adaptive_k_mix": {str(k): n for k, n in sorted(adaptive_mix.items())},  # k of its timed steps
         }
         per_batch.append(row)
@@ -240,7 +280,7 @@ def run(args: argparse.Namespace) -> dict:
 
     result = {
         "device": machine(), "target": args.target, "drafter": drafter_label, "temperature": args.temperature,
-        "repeats": args.repeats, "steps": args.steps, "ks": ks,
+        "repeats": args.repeats, "steps": args.steps, "rows": args.rows, "ks": ks, "start": args.start,
         "per_batch": per_batch,
         "adaptive_vs_oracle_min_ratio": round(min(r["adaptive_tps"] / r["oracle_tps"] for r in per_batch), 3),
         "adaptive_vs_nospec_min_ratio": round(min(r["adaptive_tps"] / r["nospec_tps"] for r in per_batch), 3),
