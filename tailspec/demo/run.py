@@ -1,6 +1,9 @@
 """The demo's driver: a real GRPO loop on the tiny policy whose rollouts run on N simulated GPUs, with
 tailspec attached exactly as it would be to verl or NeMo-RL — through the client calls only.
 
+Once, before step 0: every worker warms its engine up (loads the policy and drafter, times the cost
+model), as a real engine does when it starts; no step's time includes it.
+
 Per RL step:
   set_phase(rollout) → work to every worker → workers decode, report progress, drain one by one
   → the scheduler lends drained GPUs to drafter-training sessions while the tail runs
