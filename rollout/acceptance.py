@@ -145,7 +145,6 @@ class AcceptanceTracker:
 
     def reset(self) -> None:
         self.scale(0.0)
-        self._tokens = None
         self.k_acc, self.k_rows = {}, {}
         self.updates = 0
         self.last_k, self.run = None, 0

@@ -176,8 +176,7 @@ class Engine:
     def admit(self) -> None:
         """Prefill waiting requests into the free slots now. `step` does this itself first; calling it before
         lets a caller keep prefill out of a decode step's timing (the benchmarks' tokens/s at a batch size)."""
-        if self.waiting and self.slots.n < self.max_batch:
-            self._admit()
+        self._admit()
 
     def _admit(self) -> None:
         s = self.slots

@@ -8,8 +8,8 @@ shape of vLLM's `num_speculative_tokens_per_batch_size`, for the vLLM backend.
   measured cost model and the online acceptance estimates; epsilon-greedy exploration, three quarters of it
   among the near-ties (candidates whose estimate is within `explore_margin` of the best: those a few percent
   of error can overturn), in runs of `explore_run` steps (the acceptance tracker's `settle_steps` + 2) because
-  the first steps after a switch still settle into the new strategy's phase; hysteresis (switch only for a clear gain) against thrashing on noisy
-  timings, per batch bucket. The estimates fold the noted steps in and the pick is re-decided every
+  the first steps after a switch still settle into the new strategy's phase; hysteresis (switch only for a
+  clear gain) against thrashing on noisy timings, per batch bucket. The estimates fold the noted steps in and the pick is re-decided every
   `decide_every` steps, or at once when the batch size changes.
 - `fixed`: one k at every batch size.
 - `beg`: TLT's fixed default table (draft-token groups 48/32/16/8 on batch ranges starting 1, 2, 5, 21, off

@@ -91,9 +91,8 @@ def _prompts(tok, n: int, seed: int, task_cfg):
 
 def _mid_response(make_engine, prompts, max_tokens: int, max_seq: int, temperature: float, seed: int):
     """(prompt + the first d tokens of a response the policy wrote, tokens left) per prompt, d uniform over the
-    response. A rollout at batch b runs its rows at every depth of their responses (the long tail's last
-    rows deep into long ones); runs from fresh prompts would time only each response's first ~100 tokens at
-    small batch, where acceptance and context length differ from the rest."""
+    response: `--start mid`'s requests. A response's later tokens weigh more in such runs than in a rollout,
+    which writes every response from its first token; the check is whether the pick depends on depth."""
     import random
 
     from tailspec.rollout.sequence import SamplingParams

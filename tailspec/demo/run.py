@@ -124,7 +124,6 @@ class Demo:
         self.export_errors: dict[str, str] = {}
         self.timeline: list[dict] = []
         self.rows: list[StepRow] = []
-        self.warmup_s = 0.0  # the workers' engine start-up before step 0 (not part of any step)
 
     # -- set-up --------------------------------------------------------------------------------------------
     def config(self) -> TailspecConfig:
@@ -273,6 +272,7 @@ class Demo:
 
     def send_work(self, step: int, shares: list[list[WorkRequest]], drafter_path: str | None,
                   drafter_version: int | None, warmup: bool = False) -> None:
+        self.r.delete(state.key(self.cluster, "demo_results"))  # a round's results start from an empty list
         for w, share in enumerate(shares):
             item = WorkItem(step=step, policy_path=self.policy_path, policy_version=self.policy_version,
                             drafter_path=drafter_path, drafter_version=drafter_version,
@@ -298,21 +298,17 @@ class Demo:
             results.append(res)
         return results
 
-    def warm_up_workers(self, on_progress=None) -> float:
+    def warm_up_workers(self, on_progress=None) -> None:
         """Each worker's engine start-up before the first rollout: load the policy and drafter and time the
         cost model (what a real engine does when it starts and captures its graphs). In step 0 it would
         hide step 0's tail behind seconds of measuring and count against the first rollout."""
-        t0 = time.time()
         drafter_path, drafter_version = self.drafter_for_phase()
-        self.r.delete(state.key(self.cluster, "demo_results"))
         self.send_work(0, self.deal(self.requests(0)[1]), drafter_path, drafter_version, warmup=True)
         self.collect(0, None if on_progress is None else lambda _, results: on_progress("warm-up", results))
-        return time.time() - t0
 
     def rollout(self, step: int, reqs: list[WorkRequest], on_progress=None) -> tuple[list[WorkResult], float]:
         drafter_path, drafter_version = self.drafter_for_phase()
         self.current_drafter_version = drafter_version
-        self.r.delete(state.key(self.cluster, "demo_results"))
         self.client.set_phase("rollout", step, self.policy_version, self.policy_path)
         self.client.flush(2.0)
         t0 = time.time()
@@ -441,7 +437,7 @@ class Demo:
             self.frozen_path = self.bootstrap_drafter() if self.o.mode != "nospec" else None
             if self.o.mode == "cotrained":
                 self.seed_version_store()
-            self.warmup_s = self.warm_up_workers(on_progress)
+            self.warm_up_workers(on_progress)
             metrics = open(self.run_dir / "metrics.jsonl", "w")
             for step in range(self.o.steps):
                 row = self.step(step, on_progress)
