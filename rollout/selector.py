@@ -7,10 +7,12 @@ shape of vLLM's `num_speculative_tokens_per_batch_size`, for the vLLM backend.
 - `adaptive`: argmax over k of b * E[tokens per row per step | k] / t(b, k) (expected tokens/s), from the
   measured cost model and the online acceptance estimates; epsilon-greedy exploration, three quarters of it
   among the near-ties (candidates whose estimate is within `explore_margin` of the best: those a few percent
-  of error can overturn), in runs of `explore_run` steps (the acceptance tracker's `settle_steps` + 2) because
-  the first steps after a switch still settle into the new strategy's phase; hysteresis (switch only for a
-  clear gain) against thrashing on noisy timings, per batch bucket. The estimates fold the noted steps in and the pick is re-decided every
-  `decide_every` steps, or at once when the batch size changes.
+  of error can overturn; among them the least known, by the rows behind each estimate, is the likeliest), in
+  runs of `explore_run` steps (the acceptance tracker's `settle_steps` + 2) because the first steps after a
+  switch still settle into the new strategy's phase; hysteresis (switch only for a clear gain) against
+  thrashing on noisy timings, per batch bucket. The estimates fold the noted steps in and the pick is
+  re-decided every `decide_every` steps, or at once when the batch size changes. An engine's first
+  `cold_steps` steps do not time the cost model (they run slow whatever k).
 - `fixed`: one k at every batch size.
 - `beg`: TLT's fixed default table (draft-token groups 48/32/16/8 on batch ranges starting 1, 2, 5, 21, off
   above 32), mapped onto chain draft lengths as k = round(k_max * tokens / 48).
@@ -136,6 +138,7 @@ class AdaptiveSelector:
     decide_every: int = 8  # steps between decisions at an unchanged batch size (a new batch size decides at once)
     seed: int = 0
     learn_cost: bool = True
+    cold_steps: int = 8  # an engine's first steps do not time the cost model (measured: 10-30% slow, see flush)
     name: str = "adaptive"
     k: int | None = None  # the committed strategy at the current batch size's bucket
     committed: dict[int, int] = field(default_factory=dict)  # bucket -> its committed strategy
@@ -158,8 +161,9 @@ class AdaptiveSelector:
             )
         if self.explore_run is None:
             self.explore_run = self.acceptance.settle_steps + 2
-        if self.explore_run < 1 or self.decide_every < 1:
-            raise ValueError(f"explore_run and decide_every must be >= 1, got {self.explore_run}, {self.decide_every}")
+        if self.explore_run < 1 or self.decide_every < 1 or self.cold_steps < 0:
+            raise ValueError(f"need explore_run >= 1, decide_every >= 1 and cold_steps >= 0, got {self.explore_run}, "
+                             f"{self.decide_every}, {self.cold_steps}")
         self.ks = sorted(set(self.cost.ks if self.ks is None else self.ks))
         bad = [k for k in self.ks if k not in self.cost.ks or k > self.acceptance.k_max]
         if bad:
@@ -203,16 +207,19 @@ class AdaptiveSelector:
             return
         self._seen = stats.steps
         self._pending.append((stats.last_k, stats.last_batch, stats.last_accepted, stats.last_reach, stats.last_step_s,
-                              stats.last_run))
+                              stats.last_run, stats.steps))
 
     def flush(self) -> None:
         """Fold the steps noted since the last flush into the estimates, in order."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        for k, rows, accepted, reach, seconds, run in pending:
+        for k, rows, accepted, reach, seconds, run, step in pending:
             self.acceptance.update(k, rows, accepted, list(reach) or None, run or None)
-            if self.learn_cost and rows > 0:
+            # a new engine's first steps are slow whatever k runs (on the CPU, batch 1-8, k = 1-2: the first
+            # step 30% over the steady one, the fifth 5%): timing the committed or an explored k by them made
+            # it look up to 10% dearer, and a near-tie was lost for the rest of the rollout
+            if self.learn_cost and rows > 0 and step > self.cold_steps:
                 self.cost.observe(rows, k, seconds)
 
     def __call__(self, batch_size: int, stats=None) -> int:
@@ -253,11 +260,25 @@ class AdaptiveSelector:
             # pick, where a warm-up error of a few percent is likely; the rest go to any candidate, so that a
             # strategy whose estimate is far off (a pessimistic prior, a spoiled warm-up entry) still gets
             # tried, at up to 40% of a step each (k = 0 or k = 6 at batch 1)
-            k = self._rng.choice(near if near and self._rng.random() < self.explore_near else others)
+            if near and self._rng.random() < self.explore_near:
+                k = self._least_known(batch_size, near)
+            else:
+                k = self._rng.choice(others)
             self.explored += 1
             self._exploring = (k, self.explore_run - 1) if self.explore_run > 1 else None
             return k
         return self.k
+
+    def _least_known(self, batch_size: int, ks: list[int]) -> int:
+        """One of `ks`, drawn with weight 1 / (rows behind its estimate + k_weight): the near-tie whose estimate
+        rests least on its own measurements is the likeliest to be wrong. The acceptance of a strategy run only
+        in explorations rests mostly on the position model, which running another k measures in that k's phase
+        (on the task, k = 1 explored beside a committed k = 2 is estimated 4-6% short: 1.85-1.89 tokens per row
+        against 1.96 measured, enough to lose a 6% near-tie). For k = 0 the acceptance is exact and the rows are
+        those of its timed steps (the cost model's samples times the batch)."""
+        kw = self.acceptance.k_weight
+        rows = [self.acceptance.k_rows.get(k, 0.0) if k > 0 else self.cost.samples(batch_size, 0) * batch_size for k in ks]
+        return self._rng.choices(ks, weights=[1.0 / (r + kw) for r in rows])[0]
 
     def schedule(self, max_batch: int) -> Schedule:
         """What it would pick now (no exploration, no hysteresis) for every batch size 1..max_batch."""
