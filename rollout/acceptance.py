@@ -196,8 +196,11 @@ class AcceptanceTracker:
     def phase_ratio(self, k: int, phase: int | None = None) -> float:
         """What k's settled steps accepted over what the position model predicted for them, while the position
         counts were in `phase` (default: now), shrunk toward 1 by `phase_prior_rows` rows at the model's rate."""
-        key = (k, self.phase() if phase is None else phase)
-        prior = self.phase_prior_rows * max(self.position_model(k), 1e-6)
+        return self._phase_ratio(k, self.phase() if phase is None else phase, self.position_model(k))
+
+    def _phase_ratio(self, k: int, phase: int | None, model: float) -> float:
+        """phase_ratio with the position model's E[accepted | k] given (token_table has it in hand)."""
+        key, prior = (k, phase), self.phase_prior_rows * max(model, 1e-6)
         return (self.phase_acc.get(key, 0.0) + prior) / (self.phase_pred.get(key, 0.0) + prior)
 
     def position_model(self, k: int) -> float:
@@ -232,7 +235,7 @@ class AcceptanceTracker:
                 run *= alpha
                 total += run
                 # the phase's own strategy needs no correction: the position counts were measured in its phase
-                fallback = total if k == phase else min(total * self.phase_ratio(k, phase), float(k))
+                fallback = total if k == phase else min(total * self._phase_ratio(k, phase, total), float(k))
                 rows = self.k_rows.get(k, 0.0)
                 self._tokens[k] = 1.0 + (self.k_acc.get(k, 0.0) + self.k_weight * fallback) / (rows + self.k_weight)
         return self._tokens

@@ -202,9 +202,9 @@ def measure(
     over that strategy's accepted tokens, and the phase of the drafts, see `acceptance`), then `block` timed
     steps, round after round until every k has `steps` timed steps. Six and six: at batch 2, k = 1 measured
     1.90 tokens per row after 3 settling steps and 1.95 after 8 (1.96 in steady runs), at the same share of
-    untimed steps as three and three. Taking turns gives every k the same contexts and the same machine load (a burst of
-    load on a shared machine lands on all of them); the time of admissions (prefill) is not in a step's
-    time. With `passes` > 1 the whole sweep repeats and each entry keeps the median over passes. The result
+    untimed steps as three and three. Taking turns gives every k the same contexts and the same machine
+    load (a burst of load on a shared machine lands on all of them); the time of admissions (prefill) is not
+    in a step's time. With `passes` > 1 the whole sweep repeats and each entry keeps the median over passes. The result
     is projected onto monotone costs (`CostModel.monotone`). `on_step(stats)` sees every timed step's
     StepStats (e.g. `AcceptanceTracker.observe`: those are real drafts on real responses). The engine must be
     idle and is left idle (the requests still running at the end are aborted); its strategy hook is

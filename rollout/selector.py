@@ -272,10 +272,10 @@ class AdaptiveSelector:
     def _least_known(self, batch_size: int, ks: list[int]) -> int:
         """One of `ks`, drawn with weight 1 / (rows behind its estimate + k_weight): the near-tie whose estimate
         rests least on its own measurements is the likeliest to be wrong. The acceptance of a strategy run only
-        in explorations rests mostly on the position model, which running another k measures in that k's phase
-        (on the task, k = 1 explored beside a committed k = 2 is estimated 4-6% short: 1.85-1.89 tokens per row
-        against 1.96 measured, enough to lose a 6% near-tie). For k = 0 the acceptance is exact and the rows are
-        those of its timed steps (the cost model's samples times the batch)."""
+        in explorations rests mostly on the position model, which running another k measures in that k's phase;
+        only its explored steps teach its phase ratio (without it, k = 1 explored beside a committed k = 2 was
+        estimated 4-6% short on the task). For k = 0 the acceptance is exact and the rows are those of its timed
+        steps (the cost model's samples times the batch)."""
         kw = self.acceptance.k_weight
         rows = [self.acceptance.k_rows.get(k, 0.0) if k > 0 else self.cost.samples(batch_size, 0) * batch_size for k in ks]
         return self._rng.choices(ks, weights=[1.0 / (r + kw) for r in rows])[0]
