@@ -72,12 +72,13 @@ def write_text_atomic(path: Path, text: str) -> None:
     fsync_path(path.parent)
 
 
-def save_checkpoint(root: str | Path, drafter: Eagle3Drafter, optimizer_state: dict | None, trainer_state: dict,
-                    keep: int = 2) -> Path:
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    step = int(trainer_state["step"])
-    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+def write_checkpoint_dir(path: str | Path, drafter: Eagle3Drafter, optimizer_state: dict | None, trainer_state: dict,
+                         tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write one checkpoint directory atomically (the lineage's heads use the same format). `tensors`
+    replaces the drafter's own state_dict (a merged head's weights), same names."""
+    if tensors is None:
+        tensors = drafter.state_dict()
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     opt_tensors, opt_meta = flatten_optimizer_state(optimizer_state) if optimizer_state else ({}, None)
     meta = {"format_version": 1, "config": drafter.config.to_dict(), "extra": {}}
 
@@ -90,7 +91,15 @@ def save_checkpoint(root: str | Path, drafter: Eagle3Drafter, optimizer_state: d
             save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "optimizer": opt_meta}, indent=2))
 
-    path = write_dir_atomic(root / f"ckpt-{step:08d}", write)
+    return write_dir_atomic(Path(path), write)
+
+
+def save_checkpoint(root: str | Path, drafter: Eagle3Drafter, optimizer_state: dict | None, trainer_state: dict,
+                    keep: int = 2) -> Path:
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    step = int(trainer_state["step"])
+    path = write_checkpoint_dir(root / f"ckpt-{step:08d}", drafter, optimizer_state, trainer_state)
     write_text_atomic(root / LATEST, path.name)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -4,6 +4,12 @@ Only ids, rewards and versions travel (DESIGN.md); hidden states are recomputed 
 sample is dropped and counted by reason (locally and in the cluster's `dropped` hash, as
 `trainer_<reason>`), never raised: one bad writer must not stop a session.
 
+Fresh samples first: a new reader starts at the newest end of the stream (XREVRANGE back to the oldest
+policy version the buffer keeps) and then follows new entries forward, so a session never spends its
+lease on samples of a policy that no longer exists. Within the buffer a sample n policy versions older
+than the newest is drawn with weight `stale_version_weight`^n (0: the newest version only). The teacher
+is always the current policy, so an older sample's targets are current; only its prefixes are off-policy.
+
 Held-out split: a sample goes to the validation set when a hash of its ids falls in the held-out
 fraction, so the split is stable whatever the arrival order and a sample is never in both sets.
 """
@@ -63,6 +69,7 @@ class SampleBuffer:
     mode: Mode = "reward"
     w_min: float = 0.1
     w_max: float = 5.0
+    stale_version_weight: float = 0.5
     train: deque = field(default_factory=deque)
     holdout: deque = field(default_factory=deque)
     versions: list[int] = field(default_factory=list)  # distinct policy versions kept, ascending
@@ -97,10 +104,24 @@ class SampleBuffer:
                                            self.mode, self.w_min, self.w_max)
         return self._weights
 
+    def draw_probs(self) -> np.ndarray | None:
+        """Probability of drawing each training sample (None = uniform): stale_version_weight^age."""
+        newest = self.policy_version()
+        ages = np.fromiter((newest - s.policy_version for s in self.train), dtype=np.float64, count=len(self.train))
+        if not ages.any() or self.stale_version_weight == 1.0:
+            return None
+        p = np.power(self.stale_version_weight, ages) if self.stale_version_weight > 0 else (ages == 0).astype(np.float64)
+        return p / p.sum()
+
     def batch(self, n: int, rng: random.Random) -> tuple[list[Sample], np.ndarray]:
         if not self.train:
             return [], np.zeros(0)
-        idx = [rng.randrange(len(self.train)) for _ in range(n)]
+        p = self.draw_probs()
+        if p is None:
+            idx = [rng.randrange(len(self.train)) for _ in range(n)]
+        else:
+            cum = np.cumsum(p)
+            idx = [min(int(np.searchsorted(cum, rng.random() * cum[-1], side="right")), len(cum) - 1) for _ in range(n)]
         w = self.weights()
         return [self.train[i] for i in idx], w[idx]
 
@@ -117,7 +138,8 @@ class SampleReader:
     buffer: SampleBuffer
     vocab_size: int
     max_seq_len: int
-    last_id: Any = "0"
+    keep_versions: int | None = None  # how far back the first read goes (default: the buffer's window)
+    last_id: Any = None  # None: not read yet (the first poll starts at the newest end)
     dropped: Counter = field(default_factory=Counter)
     added: int = 0
 
@@ -141,14 +163,50 @@ class SampleReader:
         return where
 
     def poll(self, count: int = 1000) -> int:
-        """Read up to `count` new stream entries; returns how many were added to the buffer."""
+        """Read up to `count` new stream entries (the first poll: the newest ones); returns how many were
+        added to the buffer."""
         before = self.added
+        if self.last_id is None:
+            self._read_newest()
+            return self.added - before
         entries, self.last_id = state.read_stream(
             self.redis, state.key(self.cluster, "samples"), Sample, after=self.last_id, count=count,
             on_bad=lambda _id, _err: self.drop("malformed"))
         for _, s in entries:
             self.offer(s)
         return self.added - before
+
+
+    def _read_newest(self, page: int = 500) -> None:
+        """Walk the stream back from its newest entry until the buffer is full or the entries are older
+        than the kept policy versions, then add what was read oldest first."""
+        key = state.key(self.cluster, "samples")
+        keep = self.keep_versions or self.buffer.keep_policy_versions
+        want = self.buffer.capacity + (self.buffer.holdout.maxlen or 0)
+        got: list[Sample] = []
+        newest: int | None = None
+        top, self.last_id = "+", "0"
+        done = False
+        while not done:
+            raw = self.redis.xrevrange(key, max=top, min="-", count=page)
+            if not raw:
+                break
+            if self.last_id == "0":
+                self.last_id = raw[0][0]
+            for entry_id, fields in raw:
+                try:
+                    s = state.decode(Sample, fields.get(b"data") or fields.get("data"), where=key)
+                except state.StateError:
+                    self.drop("malformed")
+                    continue
+                newest = s.policy_version if newest is None else max(newest, s.policy_version)
+                if s.policy_version <= newest - keep or len(got) >= want:
+                    done = True
+                    break
+                got.append(s)
+            top = b"(" + raw[-1][0]
+        for s in reversed(got):
+            self.offer(s)
 
 
 def fill_buffer(buffer: SampleBuffer, samples: Iterable[Sample], vocab_size: int, max_seq_len: int) -> Counter:

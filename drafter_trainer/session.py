@@ -1,5 +1,10 @@
-"""A preemptible training session: load the latest checkpoint, train on the buffer until told to stop,
-save atomically, free memory.
+"""A preemptible training session: start from the lineage head (or the latest checkpoint), train on the
+buffer until told to stop, merge (or save) atomically, free memory.
+
+With a `Lineage` (lineage.py, the cluster path) the session pulls the head, merges its work into it
+every `merge_every_steps` and when it stops, and continues from the merged head; its durable state is
+the lineage, not a checkpoint of its own. Without one it resumes from and saves to `checkpoint_dir`
+(standalone use).
 
 Stopping. `should_continue()` (the scheduler's lease renewal) is called once per step; `request_stop()`
 (thread-safe: a signal handler, another thread, the scheduler's revoke watcher) is also checked between
@@ -18,6 +23,7 @@ import random
 import threading
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,7 +31,8 @@ from typing import Callable
 import torch
 
 from tailspec.config import TrainerConfig
-from tailspec.drafter_trainer.checkpoint import load_latest, save_checkpoint
+from tailspec.drafter_trainer.checkpoint import load_checkpoint, load_latest, save_checkpoint
+from tailspec.drafter_trainer.lineage import FENCED, Lineage, MergeResult, snapshot
 from tailspec.drafter_trainer.loss import StopRequested, ttt_loss
 from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter, vocab_maps_from_counts
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
@@ -99,6 +106,9 @@ class SessionResult:
     seconds: float
     train_seconds: float  # time inside whole steps (teacher + drafter + optimizer)
     step_accuracy: list[float] = field(default_factory=list)
+    merged_steps: int = 0  # optimizer steps this session merged into the lineage head
+    merges: int = 0
+    head: int | None = None  # lineage head number after the session's last merge
 
     @property
     def tokens_per_s(self) -> float:
@@ -114,7 +124,8 @@ class TrainingSession:
                  should_continue: Callable[[], bool] | None = None,
                  on_step: Callable[[int, float, int], object] | None = None,
                  reader: SampleReader | None = None, checkpoint_every_steps: int | None = None,
-                 poll_every_steps: int = 10, report_every_s: float = 0.25, session_id: str | None = None):
+                 poll_every_steps: int = 10, report_every_s: float = 0.25, session_id: str | None = None,
+                 lineage: Lineage | None = None, merge_every_steps: int | None = None):
         self.cfg = cfg
         self.teacher = teacher
         self.buffer = buffer
@@ -130,14 +141,22 @@ class TrainingSession:
         self._stop_reason: str | None = None
         self._stop_at: float | None = None
         self._asked_at = 0.0
+        self.lineage = lineage
+        self.merge_every_steps = merge_every_steps
+        self.merged_steps = self.merges = self._seq = 0
+        self.base = None  # the lineage head the local work started from
+        self.fenced_out = False
 
-        ck = load_latest(self.checkpoint_dir, teacher.embedding(), map_location=str(teacher.device))
+        if lineage is not None:
+            ck = self._pull_or_seed(reader)
+        else:
+            ck = load_latest(self.checkpoint_dir, teacher.embedding(), map_location=str(teacher.device))
         if ck is not None:
             self.drafter = ck.drafter
             self.drafter.check_fits(teacher.config)
             teacher.aux_layer_ids = self.drafter.config.aux_layer_ids
-            self.step = ck.step
-            self.tokens_total = int(ck.trainer_state.get("tokens", 0))
+            self.step = ck.step if self.base is None else self.base.steps
+            self.tokens_total = int(ck.trainer_state.get("tokens", 0)) if self.base is None else self.base.tokens
             self.resumed_from: Path | None = ck.path
         else:
             if reader is not None and not buffer.train:
@@ -149,6 +168,24 @@ class TrainingSession:
         self.backend = make_backend(self.params, self.drafter, cfg)
         if ck is not None and ck.optimizer_state is not None and ck.trainer_state.get("backend", "torch") == self.backend.name:
             self.backend.load_state_dict(ck.optimizer_state)
+        self.base_weights = snapshot(self.drafter)
+        self._steps_since_merge = self._tokens_since_merge = 0
+
+    def _pull_or_seed(self, reader: SampleReader | None):
+        """The lineage head's checkpoint; a lineage without a head is seeded with a new drafter first (if
+        another session seeded it meanwhile, that head is pulled: every session shares one vocab map)."""
+        lin = self.lineage
+        pulled = lin.pull(self.teacher.embedding(), map_location=str(self.teacher.device))
+        if pulled is None:
+            if reader is not None and not self.buffer.train:
+                reader.poll()
+            fresh = new_drafter(self.teacher, self.cfg, self.buffer)
+            lin.seed(fresh.to("cpu"), {"step": 0, "tokens": 0, "backend": self.cfg.backend},
+                     session_id=self.session_id)
+            pulled = lin.pull(self.teacher.embedding(), map_location=str(self.teacher.device))
+        self.base, ck = pulled
+        lin.collect()
+        return ck
 
     # -- stopping ------------------------------------------------------------------------------------
     def request_stop(self, reason: str = "requested") -> None:
@@ -182,7 +219,9 @@ class TrainingSession:
     def train_step(self) -> tuple[float, int, list[float]] | None:
         """One optimizer step on a batch from the buffer → (loss, tokens, per-step accuracy); None if empty."""
         # Seeded by step (and rank, for data parallel): a resumed session draws the batches it would have.
-        rng = random.Random((self.cfg.seed * 1_000_003 + self.step) * 1009 + getattr(self.backend, "rank", 0))
+        # Contributors to one lineage start from the same head step: their session id tells their draws apart.
+        salt = zlib.crc32(self.session_id.encode()) if self.lineage is not None else 0
+        rng = random.Random(((self.cfg.seed * 1_000_003 + self.step) * 1009 + getattr(self.backend, "rank", 0)) ^ salt)
         samples, w = self.buffer.batch(self.cfg.batch_size, rng)
         if not samples:
             return None
@@ -195,9 +234,46 @@ class TrainingSession:
         self.backend.step(res.loss, self._check)
         self.step += 1
         self.tokens_total += batch.tokens
+        self._steps_since_merge += 1
+        self._tokens_since_merge += batch.tokens
         return float(res.loss.detach()), batch.tokens, res.step_accuracy
 
+    def merge(self) -> MergeResult | None:
+        """Merge the steps since the last merge into the lineage head (one compare-and-swap), then
+        continue from the merged head. None when there is nothing to merge."""
+        if self.lineage is None or self._steps_since_merge == 0 or self.fenced_out:
+            return None
+        self._seq += 1
+        state = {"step": self.step, "tokens": self.tokens_total, "backend": self.backend.name,
+                 "session_id": self.session_id, "policy_version": self.teacher.policy_version,
+                 "saved_at": time.time()}
+        res = self.lineage.merge(self.base, self.base_weights, self.drafter, self.backend.state_dict(), state,
+                                 self.session_id, self._seq, self._steps_since_merge, self._tokens_since_merge,
+                                 policy_version=self.teacher.policy_version)
+        if res.merged:
+            self.merged_steps += res.steps
+            self.merges += 1
+            if res.head.number != self.base.number + 1:  # others merged meanwhile: continue from their sum
+                ck = load_checkpoint(res.head.path, self.teacher.embedding(), map_location=str(self.teacher.device))
+                with torch.no_grad():
+                    for n, p in self.drafter.named_parameters():
+                        if p.requires_grad:
+                            p.copy_(ck.drafter.state_dict()[n])
+            self.base = res.head
+            self.base_weights = snapshot(self.drafter)
+            self.step = res.head.steps  # the lineage's step count: what a resumed session would see
+            self._steps_since_merge = self._tokens_since_merge = 0
+        elif res.code == FENCED:
+            # The GPU is no longer ours and no revocation covers us: the local work is discarded whole.
+            self.fenced_out = True
+            log.warning("session %s: merge refused (lease gone); %d local steps discarded", self.session_id,
+                        self._steps_since_merge)
+        return res
+
     def save(self) -> Path:
+        if self.lineage is not None:
+            self.merge()
+            return Path(self.base.path)
         state = {"step": self.step, "tokens": self.tokens_total, "backend": self.backend.name,
                  "session_id": self.session_id, "policy_version": self.teacher.policy_version,
                  "saved_at": time.time()}
@@ -237,7 +313,10 @@ class TrainingSession:
                 if self.on_step is not None and (time.monotonic() - last_report >= self.report_every_s):
                     last_report = time.monotonic()
                     self.on_step(self.step, loss, self.tokens_total)
-                if self.checkpoint_every_steps and self.step % self.checkpoint_every_steps == 0:
+                if self.lineage is not None:
+                    if self.merge_every_steps and self._steps_since_merge >= self.merge_every_steps:
+                        self.merge()
+                elif self.checkpoint_every_steps and self.step % self.checkpoint_every_steps == 0:
                     self.save()
         except StopRequested:
             reason = self._stop_reason or "requested"
@@ -248,7 +327,8 @@ class TrainingSession:
             self.on_step(self.step, losses[-1], self.tokens_total)
         latency = time.monotonic() - self._stop_at if self._stop_at is not None else None
         return SessionResult(self.session_id, steps, self.step, tokens, losses, reason, latency, path,
-                             time.monotonic() - t0, train_s, acc)
+                             time.monotonic() - t0, train_s, acc, self.merged_steps, self.merges,
+                             self.base.number if self.base is not None else None)
 
     def close(self) -> None:
         """Free what the session holds (optimizer state, gradients, accelerator cache)."""

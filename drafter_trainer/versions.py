@@ -1,8 +1,19 @@
-"""Drafter versions: validate a session's candidate, promote it only if it beats the current version.
+"""Drafter versions: validate a session's candidate, promote it only if it is better than the current one.
 
 Validation = expected acceptance length at chain length k (loss.acceptance_rates / expected_length) on
 held-out recent samples, measured for the candidate and the current version on the SAME samples with
-the CURRENT teacher (the policy moves, so the current version's old score is stale).
+the CURRENT teacher in one pass (the policy moves, so the current version's old score is stale).
+
+Promotion is a paired test. The unit is a held-out sample: its mean expected acceptance length over its
+anchors, candidate minus current (anchors of one sample are correlated; samples are not). The candidate
+is promoted when at least `min_pairs` samples were scored and the one-sided lower confidence bound of the
+mean gain at level `level` (Student t: mean − t_{1−level, n−1} · sd / √n) is above zero. An identical
+candidate has gain 0 on every sample, so its bound is 0 and it is never promoted; a worse or
+equal-in-expectation one is promoted with probability at most `level`.
+
+`drafter:current` is written by a compare-and-swap (Lua) against the version the candidate was scored
+against, so two proposers validated against the same version cannot both win; the loser is recorded as
+not promoted with the reason.
 
 Every candidate gets a number (Redis INCR `drafter:counter`, or a local counter without Redis), a
 directory `ROOT/v<N>` in the drafter format plus `version.json`, an entry in the history
@@ -12,7 +23,10 @@ directory `ROOT/v<N>` in the drafter format plus `version.json`, an entry in the
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +39,9 @@ from tailspec.drafter_trainer.checkpoint import write_text_atomic
 from tailspec.drafter_trainer.loss import acceptance_rates, expected_length
 from tailspec.drafter_trainer.model import Eagle3Drafter, write_dir_atomic
 from tailspec.drafter_trainer.teacher import Teacher, collate
-from tailspec.state import DrafterVersion, Sample
+from tailspec.state import DrafterHealth, DrafterVersion, Sample
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +50,142 @@ class Validation:
     alpha: list[float]  # mean per-position acceptance probability α_1..α_k
     anchors: int
     k: int
+
+
+@dataclass
+class Paired:
+    candidate: list[float]  # per held-out sample: mean expected acceptance length over its anchors
+    current: list[float]
+    weights: list[int]  # anchors per sample
+    k: int
+
+    @property
+    def gains(self) -> list[float]:
+        return [a - b for a, b in zip(self.candidate, self.current)]
+
+    @property
+    def anchors(self) -> int:
+        return sum(self.weights)
+
+    def mean(self, which: str) -> float:
+        """Anchor-weighted mean: the same figure `validate` reports."""
+        xs = self.candidate if which == "candidate" else self.current
+        return sum(x * w for x, w in zip(xs, self.weights)) / self.anchors
+
+
+@dataclass
+class Decision:
+    promote: bool
+    pairs: int
+    gain_mean: float
+    gain_lcb: float
+    reason: str
+
+
+def t_cdf(t: float, df: float) -> float:
+    """Student t distribution function (regularized incomplete beta; no scipy in the core install)."""
+    x = df / (df + t * t)
+    tail = 0.5 * _betai(df / 2.0, 0.5, x)
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_ppf(p: float, df: float) -> float:
+    """Quantile of Student t by bisection on t_cdf (|error| < 1e-9)."""
+    lo, hi = -1e3, 1e3
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def _betai(a: float, b: float, x: float) -> float:
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    ln = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(ln) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(ln) * _betacf(b, a, 1.0 - x) / b
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    # Lentz's continued fraction for the incomplete beta function.
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for num in (m * (b - m) * x / ((a + m2 - 1) * (a + m2)), -(a + m) * (a + b + m) * x / ((a + m2) * (a + m2 + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def decide(gains: Sequence[float], level: float = 0.05, min_pairs: int = 16) -> Decision:
+    """Promote when the one-sided (1 − level) lower confidence bound of the mean paired gain is > 0."""
+    n = len(gains)
+    mean = sum(gains) / n if n else 0.0
+    if n < max(2, min_pairs):
+        return Decision(False, n, mean, float("-inf"), f"too few held-out samples ({n} < {min_pairs})")
+    sd = math.sqrt(sum((g - mean) ** 2 for g in gains) / (n - 1))
+    lcb = mean - t_ppf(1.0 - level, n - 1) * sd / math.sqrt(n)
+    if lcb > 0:
+        return Decision(True, n, mean, lcb, f"paired gain {mean:+.4f}, {100 * (1 - level):.0f}% lower bound {lcb:+.4f} > 0")
+    return Decision(False, n, mean, lcb, f"paired gain {mean:+.4f}, {100 * (1 - level):.0f}% lower bound {lcb:+.4f} <= 0")
+
+
+@torch.no_grad()
+def validate_paired(candidate: Eagle3Drafter, current: Eagle3Drafter, teacher: Teacher, samples: Sequence[Sample],
+                    k: int = 4, batch_size: int = 32, temperature: float = 1.0,
+                    check: Callable[[], None] | None = None) -> Paired:
+    """Per held-out sample scores of both drafters from ONE teacher forward per batch (same anchors)."""
+    modes = (candidate.training, current.training)
+    candidate.eval()
+    current.eval()
+    cand, cur, weights = [], [], []
+    try:
+        for s in range(0, len(samples), batch_size):
+            if check is not None:
+                check()
+            batch = collate(samples[s : s + batch_size]).to(teacher.device)
+            out = teacher(batch)
+            scores = []
+            for d in (candidate, current):
+                alpha, valid = acceptance_rates(d, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
+                                                k, temperature)
+                e = expected_length(alpha).double() * valid
+                scores.append((e.sum(1) / valid.sum(1).clamp(min=1)).tolist())
+            counts = valid.sum(1).tolist()
+            cand += [x for x, c in zip(scores[0], counts) if c > 0]
+            cur += [x for x, c in zip(scores[1], counts) if c > 0]
+            weights += [int(c) for c in counts if c > 0]
+    finally:
+        candidate.train(modes[0])
+        current.train(modes[1])
+    if not cand:
+        raise ValueError(f"no held-out sample is long enough to validate at k={k}")
+    return Paired(cand, cur, weights, k)
+
+
+# KEYS: drafter:current. ARGV: expected version (-1 = none), new record. 1 = swapped.
+_PROMOTE = """
+local v = redis.call('GET', KEYS[1])
+local cur = -1
+if v then cur = tonumber(cjson.decode(v)['version']) end
+if cur ~= tonumber(ARGV[1]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+"""
 
 
 @torch.no_grad()
@@ -116,42 +268,97 @@ class VersionStore:
 
     def propose(self, candidate: Eagle3Drafter, teacher: Teacher, holdout: Sequence[Sample], k: int = 4,
                 session_id: str | None = None, note: str | None = None,
-                check: Callable[[], None] | None = None) -> DrafterVersion:
-        """Validate the candidate against the current version on `holdout`; save, record, promote if better."""
-        cand = validate(candidate, teacher, holdout, k, check=check)
+                check: Callable[[], None] | None = None, level: float = 0.05, min_pairs: int = 16,
+                lineage_head: int | None = None, lineage_steps: int | None = None) -> DrafterVersion:
+        """Score the candidate and the current version on `holdout` (paired), save and record the candidate,
+        and promote it if the paired test says it is better — by compare-and-swap against the version it
+        was scored against. Also records the current version's acceptance now (staleness)."""
         cur_info = self.current()
-        baseline = None
+        cur = None
         if cur_info is not None:
             try:
                 cur, _ = self.load(cur_info.version, teacher.embedding())
-                baseline = validate(cur.to(teacher.device), teacher, holdout, k, check=check).acceptance_length
+                cur = cur.to(teacher.device)
             except (FileNotFoundError, ValueError) as e:  # current version unreadable: the candidate may replace it
-                note = f"{note or ''} current version unreadable: {e}".strip()
-        promoted = baseline is None or cand.acceptance_length > baseline
+                note = f"{note or ''} current version {cur_info.version} unreadable: {e}".strip()
+                cur = None
+        if cur is not None:
+            paired = validate_paired(candidate, cur, teacher, holdout, k, check=check)
+            cand_len, baseline = paired.mean("candidate"), paired.mean("current")
+            d = decide(paired.gains, level, min_pairs)
+            self.record_health(DrafterHealth(
+                drafter_version=cur_info.version, policy_version=teacher.policy_version, acceptance_length=baseline,
+                at_promotion=cur_info.acceptance_length, samples=len(paired.current), source="validation"))
+        else:
+            v = validate(candidate, teacher, holdout, k, check=check)
+            cand_len, baseline = v.acceptance_length, None
+            d = Decision(True, v.anchors, 0.0, 0.0, "no readable current version")
         number = self._next_number()
         info = DrafterVersion(
             version=number, path=str(self.path(number).resolve()), policy_version=teacher.policy_version,
-            acceptance_length=cand.acceptance_length, baseline_acceptance_length=baseline, promoted=promoted,
+            acceptance_length=cand_len, baseline_acceptance_length=baseline, promoted=False,
             created_at=time.time(), session_id=session_id, note=note,
+            baseline_version=cur_info.version if cur is not None else None, pairs=d.pairs,
+            gain_mean=d.gain_mean, gain_lcb=d.gain_lcb if math.isfinite(d.gain_lcb) else None, decision=d.reason,
+            lineage_head=lineage_head, lineage_steps=lineage_steps,
         )
         cpu = candidate.to("cpu") if teacher.device.type != "cpu" else candidate
         cpu.save(self.path(number), extra={"version": info.model_dump(mode="json")})
-        write_text_atomic(self.path(number) / "version.json", info.model_dump_json())
         if teacher.device.type != "cpu":
             candidate.to(teacher.device)
+        if d.promote:
+            promoted = info.model_copy(update={"promoted": True})
+            if self._swap_current(cur_info.version if cur_info is not None else -1, promoted):
+                info = promoted
+            else:
+                info = info.model_copy(update={"decision": f"{d.reason}; lost the race: current is no longer "
+                                               f"v{cur_info.version if cur_info else 'none'}"})
+        write_text_atomic(self.path(number) / "version.json", info.model_dump_json())
         self._record(info)
         return info
+
+    def _swap_current(self, expected: int, info: DrafterVersion) -> bool:
+        """drafter:current := info if it is still `expected` (-1 = none); the mirror file follows."""
+        if self.redis is not None:
+            ok = bool(self.redis.register_script(_PROMOTE)(keys=[self._key("drafter_current")],
+                                                           args=[expected, state.encode(info)]))
+            if ok:
+                write_text_atomic(self.root / "CURRENT", info.model_dump_json())
+            return ok
+        with open(self.root / ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                cur = self.current()
+                if (cur.version if cur is not None else -1) != expected:
+                    return False
+                write_text_atomic(self.root / "CURRENT", info.model_dump_json())
+                return True
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def record_health(self, h: DrafterHealth) -> None:
+        """Staleness record (drafter_health stream); best-effort, mirrored to ROOT/health.jsonl."""
+        try:
+            with open(self.root / "health.jsonl", "a") as f:
+                f.write(h.model_dump_json() + "\n")
+            if self.redis is not None:
+                state.append(self.redis, self._key("drafter_health"), h, maxlen=10_000)
+        except Exception as e:  # a view of the drafter, never a reason to fail a validation
+            log.debug("drafter health not recorded: %s", e)
 
     def _record(self, info: DrafterVersion) -> None:
         with open(self.root / "history.jsonl", "a") as f:
             f.write(info.model_dump_json() + "\n")
-        if info.promoted:
-            write_text_atomic(self.root / "CURRENT", info.model_dump_json())
         if self.redis is not None:
             self.redis.rpush(self._key("drafter_versions"), state.encode(info))
-            if info.promoted:
-                state.put(self.redis, self._key("drafter_current"), info)
             kind = "version_promoted" if info.promoted else "version_rejected"
             state.append(self.redis, self._key("events"), state.Event(kind=kind, detail={
                 "version": info.version, "acceptance_length": info.acceptance_length,
-                "baseline_acceptance_length": info.baseline_acceptance_length}))
+                "baseline_acceptance_length": info.baseline_acceptance_length, "gain_lcb": info.gain_lcb,
+                "pairs": info.pairs, "decision": info.decision}))
+
+    def seed(self, info: DrafterVersion) -> None:
+        """Record a version made outside propose (the run's first drafter) and make it current."""
+        if not self._swap_current(-1 if self.current() is None else self.current().version, info):
+            raise RuntimeError("drafter:current changed while seeding the version store")
+        self._record(info)

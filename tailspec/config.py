@@ -73,13 +73,23 @@ class TrainerConfig(_Section):
     max_seq_len: int = Field(1024, ge=8)
     buffer_size: int = Field(4096, ge=1, description="samples kept in the replay buffer")
     keep_policy_versions: int = Field(2, ge=1, description="keep samples of the most recent N policy versions")
+    stale_version_weight: float = Field(
+        0.5, ge=0, le=1, description="a sample n policy versions older than the newest is drawn with weight w^n "
+        "(0 = train on the newest version's samples only)")
     checkpoint_dir: str = "runs/drafter"
     validation_k: int = Field(4, ge=1, le=16)
     seed: int = 0
     holdout_fraction: float = Field(0.1, ge=0, lt=1, description="share of samples held out for validation")
     validation_samples: int = Field(64, ge=1, description="held-out samples a candidate is validated on")
     validate_every_s: float = Field(30.0, gt=0, description="a long session proposes a candidate this often")
-    checkpoint_every_steps: int = Field(0, ge=0, description="0 = save only when the session stops")
+    checkpoint_every_steps: int = Field(0, ge=0, description="0 = save only when the session stops "
+                                        "(standalone sessions; cluster sessions merge into the lineage instead)")
+    merge_every_steps: int = Field(10, ge=0, description="a session merges its work into the lineage head this "
+                                   "often (and when it stops); 0 = only when it stops")
+    merge_outer_lr: float = Field(1.0, gt=0, le=2, description="outer step: head += merge_outer_lr * (local - base)")
+    promotion_level: float = Field(0.05, gt=0, lt=0.5, description="a candidate is promoted when the one-sided "
+                                   "(1 - level) lower confidence bound of its paired gain is above zero")
+    promotion_min_pairs: int = Field(16, ge=2, description="held-out samples a promotion test needs at least")
 
     @model_validator(mode="after")
     def _weights_ordered(self) -> "TrainerConfig":

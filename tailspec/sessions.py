@@ -5,9 +5,11 @@
 policy (`phase.policy_path`), samples come from the cluster's sample stream, checkpoints and versions live
 under `trainer.checkpoint_dir`. It trains while `ctx.should_continue()` (the lease renewal) holds, reports
 progress through `ctx.report(step, loss, tokens)`, and proposes candidates to the version store:
-- first, the previous session's final checkpoint if it was never validated (a session that was revoked
-  had no time left to validate; validation needs the GPU, so it runs while a lease is held);
-- then every `trainer.validate_every_s` of training.
+- first, the lineage head if it was never proposed (a session that was revoked had no time left to
+  validate; validation needs the GPU, so it runs while a lease is held);
+- then every `trainer.validate_every_s` of training, right after the session's merge.
+Every session contributes to one drafter lineage (drafter_trainer/lineage.py): it starts from the head,
+merges its work into it (fenced by its lease) and proposes heads, not private copies.
 Validation is itself interruptible by the stop check, so the stop deadline holds throughout.
 """
 
@@ -22,6 +24,7 @@ import torch
 from tailspec import state
 from tailspec.config import TailspecConfig
 from tailspec.drafter_trainer.checkpoint import write_text_atomic
+from tailspec.drafter_trainer.lineage import Fence, Lineage
 from tailspec.drafter_trainer.loss import StopRequested
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
 from tailspec.drafter_trainer.session import SessionResult, TrainingSession
@@ -30,7 +33,7 @@ from tailspec.drafter_trainer.versions import VersionStore
 from tailspec.state import DrafterVersion, PhaseInfo
 
 log = logging.getLogger(__name__)
-PROPOSED = "PROPOSED_STEP"
+PROPOSED = "PROPOSED_HEAD"
 
 
 def device_and_dtype() -> tuple[str, torch.dtype]:
@@ -40,58 +43,75 @@ def device_and_dtype() -> tuple[str, torch.dtype]:
 
 
 class Trainer:
-    """A session plus what it needs around it (reader, version store); shared by run_session and the CLI."""
+    """A session plus what it needs around it (reader, lineage, version store); shared by run_session and the
+    CLI. Every Trainer on the cluster contributes to one lineage under `trainer.checkpoint_dir/lineage`."""
 
     def __init__(self, cfg: TailspecConfig, teacher: Teacher, buffer: SampleBuffer, *, redis: Any = None,
                  should_continue: Callable[[], bool] | None = None,
-                 on_step: Callable[[int, float, int], object] | None = None, session_id: str | None = None):
+                 on_step: Callable[[int, float, int], object] | None = None, session_id: str | None = None,
+                 fence: Fence | None = None):
         tc = cfg.trainer
         self.cfg = cfg
         self.teacher = teacher
         self.buffer = buffer
+        self.redis = redis
         self.reader = None
         if redis is not None:
-            self.reader = SampleReader(redis, cfg.cluster.name, buffer, teacher.config.vocab_size, tc.max_seq_len)
+            self.reader = SampleReader(redis, cfg.cluster.name, buffer, teacher.config.vocab_size, tc.max_seq_len,
+                                       keep_versions=tc.keep_policy_versions)
             self.reader.poll()
         self.root = Path(tc.checkpoint_dir)
         self.store = VersionStore(self.root / "versions", redis, cfg.cluster.name)
+        self.lineage = Lineage(self.root / "lineage", redis, cfg.cluster.name, fence=fence, outer_lr=tc.merge_outer_lr)
         self.session = TrainingSession(
             tc, teacher, buffer, checkpoint_dir=self.root / "checkpoints", should_continue=should_continue,
-            on_step=on_step, reader=self.reader, checkpoint_every_steps=tc.checkpoint_every_steps or None,
-            session_id=session_id)
+            on_step=on_step, reader=self.reader, session_id=session_id, lineage=self.lineage,
+            merge_every_steps=tc.merge_every_steps or None)
 
-    def proposed_step(self) -> int:
-        f = self.root / PROPOSED
+    def proposed_head(self) -> int:
         try:
-            return int(f.read_text())
+            raw = self.redis.get(state.key(self.cfg.cluster.name, "drafter_proposed")) if self.redis is not None \
+                else (self.root / PROPOSED).read_text()
+            return int(raw) if raw is not None else 0
         except (OSError, ValueError):
-            return -1
+            return 0
+
+    def _mark_proposed(self, number: int) -> None:
+        if self.redis is not None:
+            self.redis.set(state.key(self.cfg.cluster.name, "drafter_proposed"), number)
+        else:
+            write_text_atomic(self.root / PROPOSED, str(number))
 
     def propose(self) -> DrafterVersion | None:
-        """Validate the session's current drafter as a candidate (if not done for this step yet)."""
+        """Validate the lineage head (this session's drafter right after its merge) as a candidate, unless
+        that head was proposed already or holds no training since the last proposal."""
         s = self.session
-        holdout = list(self.buffer.holdout)[-self.cfg.trainer.validation_samples:]
-        if s.step <= self.proposed_step() or s.step == 0 or not holdout:
+        tc = self.cfg.trainer
+        holdout = list(self.buffer.holdout)[-tc.validation_samples:]
+        head = s.base
+        if head is None or head.steps == 0 or head.number <= self.proposed_head() or not holdout:
             return None
         try:
-            info = self.store.propose(s.drafter, self.teacher, holdout, self.cfg.trainer.validation_k,
-                                      session_id=s.session_id, note=f"step {s.step}", check=s.check_continue)
+            info = self.store.propose(s.drafter, self.teacher, holdout, tc.validation_k, session_id=s.session_id,
+                                      note=f"lineage head {head.number} ({head.steps} steps)", check=s.check_continue,
+                                      level=tc.promotion_level, min_pairs=tc.promotion_min_pairs,
+                                      lineage_head=head.number, lineage_steps=head.steps)
         except StopRequested:
             return None
         except ValueError as e:  # e.g. no held-out sample long enough yet
             log.info("candidate not validated: %s", e)
             return None
-        write_text_atomic(self.root / PROPOSED, str(s.step))
+        self._mark_proposed(head.number)
         return info
 
     def run(self, max_seconds: float | None = None, max_steps: int | None = None) -> SessionResult:
         every = self.cfg.trainer.validate_every_s
-        self.propose()  # the previous session's last state, if it was never validated
+        self.propose()  # a head merged by a session that had no time left to validate it
         total: SessionResult | None = None
         while True:
             chunk = every if max_seconds is None else min(every, max(0.0, max_seconds - (total.seconds if total else 0)))
             left = None if max_steps is None else max_steps - (total.steps if total else 0)
-            res = self.session.run(max_steps=left, max_seconds=chunk)
+            res = self.session.run(max_steps=left, max_seconds=chunk)  # ends with a merge
             total = res if total is None else _merge(total, res)
             if res.stop_reason != "max_seconds" or (max_seconds is not None and total.seconds >= max_seconds):
                 break
@@ -105,13 +125,14 @@ class Trainer:
 def _merge(a: SessionResult, b: SessionResult) -> SessionResult:
     return SessionResult(b.session_id, a.steps + b.steps, b.total_steps, a.tokens + b.tokens, a.losses + b.losses,
                          b.stop_reason, b.stop_latency_s, b.checkpoint, a.seconds + b.seconds,
-                         a.train_seconds + b.train_seconds, b.step_accuracy)
+                         a.train_seconds + b.train_seconds, b.step_accuracy, b.merged_steps, b.merges, b.head)
 
 
 def make_buffer(cfg: TailspecConfig) -> SampleBuffer:
     tc = cfg.trainer
     return SampleBuffer(capacity=tc.buffer_size, keep_policy_versions=tc.keep_policy_versions,
-                        holdout_fraction=tc.holdout_fraction, mode=tc.weighting, w_min=tc.weight_min, w_max=tc.weight_max)
+                        holdout_fraction=tc.holdout_fraction, mode=tc.weighting, w_min=tc.weight_min, w_max=tc.weight_max,
+                        stale_version_weight=tc.stale_version_weight)
 
 
 def warm_up() -> None:
@@ -147,7 +168,7 @@ def run_session(ctx: Any) -> dict:
         return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": "should_continue", "stop_latency_s": 0.0}
     trainer = Trainer(cfg, teacher, make_buffer(cfg), redis=r, should_continue=ctx.should_continue,
                       on_step=lambda step, loss, tokens: ctx.report(step, loss, tokens),
-                      session_id=ctx.session_id)
+                      session_id=ctx.session_id, fence=Fence(ctx.node, ctx.gpu, ctx.lease_token))
     try:
         res = trainer.run()
     finally:
@@ -156,4 +177,5 @@ def run_session(ctx: Any) -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return {"steps": res.steps, "total_steps": res.total_steps, "tokens": res.tokens,
-            "stop_reason": res.stop_reason, "stop_latency_s": res.stop_latency_s}
+            "stop_reason": res.stop_reason, "stop_latency_s": res.stop_latency_s,
+            "merged_steps": res.merged_steps, "merges": res.merges, "head": res.head}

@@ -138,6 +138,40 @@ class DrafterVersion(_Payload):
     created_at: float
     session_id: str | None = None
     note: str | None = None
+    # The promotion decision (versions.decide): paired gain candidate − current per held-out sample.
+    baseline_version: int | None = Field(None, description="the current version the candidate was scored against")
+    pairs: int | None = Field(None, ge=0, description="held-out samples scored for both (the test's n)")
+    gain_mean: float | None = None
+    gain_lcb: float | None = Field(None, description="one-sided lower confidence bound of the mean paired gain")
+    decision: str | None = Field(None, description="why it was or was not promoted")
+    lineage_head: int | None = Field(None, ge=0, description="lineage head number the candidate was taken from")
+    lineage_steps: int | None = Field(None, ge=0, description="optimizer steps merged into that head")
+
+
+class LineageHead(_Payload):
+    """The head of the one drafter lineage every session contributes to (drafter_trainer.lineage)."""
+
+    number: int = Field(ge=1, description="increases by one with every merge")
+    path: str = Field(description="directory of the head's weights and optimizer state")
+    steps: int = Field(ge=0, description="optimizer steps merged into the lineage, over all sessions")
+    tokens: int = Field(0, ge=0)
+    merges: int = Field(0, ge=0)
+    policy_version: int = Field(0, ge=0, description="teacher policy version of the last merged work")
+    session_id: str | None = Field(None, description="the session whose merge made this head")
+    updated_at: float
+
+
+class DrafterHealth(_Payload):
+    """Staleness: the current drafter's acceptance on the newest samples beside its value at promotion."""
+
+    drafter_version: int | None = None
+    policy_version: int = Field(ge=0)
+    step: int | None = Field(None, ge=0, description="RL step, when the RL loop recorded it")
+    acceptance_length: float = Field(ge=0, description="expected acceptance length now, current teacher")
+    at_promotion: float | None = Field(None, description="its validated acceptance length when promoted")
+    samples: int = Field(0, ge=0)
+    source: str = Field("validation", description="who measured it: validation (a session) or the RL loop")
+    ts: float = Field(default_factory=time.time)
 
 
 class RolloutStats(_Payload):
@@ -163,7 +197,7 @@ class Event(_Payload):
     kind: Literal[
         "lease_granted", "lease_renewed", "lease_revoked", "lease_expired", "session_started",
         "session_stopped", "session_failed", "phase", "version_promoted", "version_rejected", "warning",
-        "gpu_idle",
+        "gpu_idle", "lineage_merged",
     ]
     node: str | None = None
     gpu: int | None = None
@@ -264,6 +298,14 @@ KEYS: dict[str, KeySpec] = {
                 "history of every candidate, promoted or not (RPUSH)"),
         KeySpec("drafter_counter", "drafter:counter", "counter", "drafter trainer (versions)", None,
                 "INCR source of drafter version numbers"),
+        KeySpec("drafter_proposed", "drafter:proposed", "string", "drafter trainer (sessions)", None,
+                "lineage head number last proposed as a candidate (skips proposing one head twice)"),
+        KeySpec("drafter_health", "history:drafter_health", "stream", "drafter trainer / RL loop", DrafterHealth,
+                "current drafter's acceptance on the newest samples beside its value at promotion"),
+        KeySpec("lineage_head", "lineage:head", "string", "drafter trainer (lineage)", LineageHead,
+                "head of the drafter lineage; replaced only by a fenced compare-and-swap merge"),
+        KeySpec("lineage_contributions", "lineage:contributions", "hash", "drafter trainer (lineage)", None,
+                "'{session}:steps' → optimizer steps merged, '{session}:seq' → last merge applied"),
         KeySpec("rollout_stats", "history:rollout", "stream", "rollout worker", RolloutStats,
                 "per-phase rollout figures, field 'data'"),
         KeySpec("counters", "counters", "hash", "scheduler", None,

@@ -14,7 +14,7 @@ from tailspec.config import TailspecConfig
 from tailspec.scheduler.leases import Leases
 from tailspec.scheduler.session import SessionContext
 from tailspec.sessions import run_session
-from tailspec.state import DrafterVersion, PhaseInfo, SessionInfo
+from tailspec.state import DrafterVersion, LineageHead, PhaseInfo, SessionInfo
 
 torch.set_num_threads(1)
 # Long enough to cover loading the teacher on a busy 2-core machine (start-up renews between phases).
@@ -75,10 +75,13 @@ def test_run_session_trains_until_revoked(redis_client, redis_url, tmp_path, mic
     assert latency < 1.0, latency  # revoke → checkpoint saved and run_session returned
     info = state.get(redis_client, state.key(cluster, "session", session_id="s1"), SessionInfo)
     assert info is not None and info.step > 0 and info.loss is not None and info.tokens > 0
-    assert (tmp_path / "drafter" / "checkpoints" / "LATEST").is_file()
-    # A second session resumes where the first stopped, and validates that state first.
+    # The session's work is in the lineage head, counted in the same atomic step as the merge.
+    head = state.get(redis_client, state.key(cluster, "lineage_head"), LineageHead)
+    assert head is not None and head.steps == out["steps"] == out["merged_steps"] and out["merges"] >= 1
+    assert redis_client.hget(state.key(cluster, "lineage_contributions"), "s1:steps") == str(out["steps"]).encode()
+    # A second session starts from the head where the first stopped, and validates that head first.
     out2, _ = one_session("s2", 1, 0.2)
-    assert out2["total_steps"] >= out["total_steps"] + out2["steps"]
+    assert out2["total_steps"] == out["total_steps"] + out2["merged_steps"]
     history = [state.decode(DrafterVersion, x) for x in
                redis_client.lrange(state.key(cluster, "drafter_versions"), 0, -1)]
     assert history and history[0].promoted

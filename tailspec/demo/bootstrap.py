@@ -98,28 +98,26 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
 
 
 def seed_store(drafter_path: str, cfg: TailspecConfig, redis) -> None:
-    """Make the bootstrap drafter version 1 of the run (promoted) and the checkpoint sessions resume from."""
-    from tailspec.drafter_trainer.checkpoint import save_checkpoint
+    """Make the bootstrap drafter version 1 of the run (promoted) and the lineage's first head."""
+    from tailspec import state
+    from tailspec.drafter_trainer.lineage import Lineage
     from tailspec.drafter_trainer.model import Eagle3Drafter
     from tailspec.drafter_trainer.versions import VersionStore
     from tailspec.state import DrafterVersion
-    from tailspec import state
 
     root = Path(cfg.trainer.checkpoint_dir)
     drafter = Eagle3Drafter.load(drafter_path)
-    save_checkpoint(root / "checkpoints", drafter, None, {"step": 0, "tokens": 0, "backend": cfg.trainer.backend,
-                                                           "session_id": "bootstrap", "policy_version": 0})
+    Lineage(root / "lineage", redis, cfg.cluster.name).seed(
+        drafter, {"step": 0, "tokens": 0, "backend": cfg.trainer.backend, "policy_version": 0}, session_id="bootstrap")
     store = VersionStore(root / "versions", redis, cfg.cluster.name)
     number = store._next_number()
     dst = store.path(number)
     shutil.copytree(drafter_path, dst, dirs_exist_ok=True)
     info = DrafterVersion(version=number, path=str(dst.resolve()), policy_version=0, acceptance_length=None,
                           promoted=True, created_at=time.time(), session_id="bootstrap",
-                          note="bootstrap drafter (trained offline on the initial policy)")
+                          note="bootstrap drafter (trained offline on the initial policy)", decision="the run's first drafter")
     (dst / "version.json").write_text(info.model_dump_json())
-    store._record(info)
-    # the sessions' proposal marker: step 0 needs no validation
-    (root / "PROPOSED_STEP").write_text("0")
+    store.seed(info)
     # the initial policy's own samples: the first tail's sessions train on them
     for s in load_samples(drafter_path):
         state.append(redis, state.key(cfg.cluster.name, "samples"), s)

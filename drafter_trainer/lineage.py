@@ -1,0 +1,305 @@
+"""One drafter lineage that every session on every lent GPU contributes to: elastic, preemptible local SGD.
+
+GPUs are lent and taken back at second granularity, so the set of sessions changes all the time. A
+synchronous process group would have to be re-formed on every change (seconds each, longer than many
+tails), so contributors never talk to each other: they meet only at the lineage head.
+
+- **head**: the record `lineage:head` (LineageHead: number, path, merged steps) in Redis, naming a
+  directory `ROOT/head-<number>-<session>-<seq>/` in the checkpoint format (drafter weights,
+  optimizer state, trainer counters). Without Redis the record is `ROOT/HEAD`, guarded by a file lock.
+- **pull**: a session starts from the head (weights and optimizer state) and keeps a copy of the
+  weights it started from, the *base*.
+- **merge** (the outer step): delta = local − base; the new head is head + outer_lr · delta, where
+  head is the head *now*. If nobody merged since the base, the new head is the local weights exactly
+  (one contributor is plain sequential training, bit for bit). The new directory is written whole
+  (temp dir, fsync, rename) and then published by one compare-and-swap (Lua) that checks, atomically:
+  the head is still the one the delta was applied to (else: re-read, re-apply, retry); the session
+  still holds its GPU's lease, or it was revoked and is within its stop (fencing: a session whose lease
+  expired unnoticed cannot publish); and this merge's sequence number is new for the session (a retry
+  whose answer was lost is not applied twice). The same script adds the merged steps to the session's
+  entry of `lineage:contributions`, so the head's step count is always the sum of what sessions merged.
+  A session killed at any moment has either merged a chunk (all of it) or not (none of it).
+- After a merge the session continues from the new head (pull after push), so contributors stay close.
+
+Optimizer state across merges: AdamW's moments stay with the session that computed them; the head
+carries the moments of the session that merged last, and a new session starts from those. They are
+running estimates of the gradient's mean and scale for the same loss at nearby weights, so they are
+valid starting estimates for any contributor (β1 = 0.9 and β2 = 0.95 forget a foreign trajectory in
+tens of steps), and starting from them avoids Adam's first steps of full-size sign updates that a reset
+would cause at every session start. The outer step has no state of its own (outer_lr · delta is plain
+asynchronous local SGD); with one contributor it reduces to ordinary training.
+
+The merge is built here on Redis + safetensors rather than on torchft: torchft's LocalSGD/DiLoCo
+synchronise a fixed replica group through a lighthouse and collective all-reduce at every outer step,
+which needs every member present at the same moment; here members come and go independently, most
+outer steps have one contributor, and a merge must survive its contributor's SIGKILL and Redis failover.
+See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import re
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from safetensors.torch import load_file
+
+from tailspec import state
+from tailspec.drafter_trainer.checkpoint import Checkpoint, load_checkpoint, write_checkpoint_dir, write_text_atomic
+from tailspec.drafter_trainer.model import WEIGHTS_NAME, Eagle3Drafter
+from tailspec.state import Event, LineageHead
+
+log = logging.getLogger(__name__)
+
+_HEAD_DIR = re.compile(r"^\.?head-(\d{8})-")
+
+# Merge outcomes.
+MERGED = 1
+MOVED = -1  # another merge landed since the head the delta was applied to: re-apply and retry
+FENCED = -2  # the session no longer holds its GPU (lease expired, another token): refused
+DUPLICATE = -3  # this (session, seq) was applied already (a retry of a merge whose answer was lost)
+
+# KEYS: head, contributions, lease (or ''), revoke flag (or ''). ARGV: expected head number (0 = none), new head
+# JSON, session id, seq, steps, fencing token (0 = unfenced). → {code, head number now}
+_MERGE = """
+local cur = redis.call('GET', KEYS[1])
+local num = 0
+if cur then num = tonumber(cjson.decode(cur)['number']) end
+if num ~= tonumber(ARGV[1]) then return {-1, num} end
+if ARGV[6] ~= '0' then
+  local ok = false
+  local v = redis.call('GET', KEYS[3])
+  if v then
+    local good, lease = pcall(cjson.decode, v)
+    if good and tonumber(lease['token']) == tonumber(ARGV[6]) then ok = true end
+  end
+  if (not ok) and redis.call('GET', KEYS[4]) == ARGV[6] then ok = true end
+  if not ok then return {-2, num} end
+end
+local last = tonumber(redis.call('HGET', KEYS[2], ARGV[3] .. ':seq') or '0')
+if tonumber(ARGV[4]) <= last then return {-3, num} end
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[3] .. ':seq', ARGV[4])
+redis.call('HINCRBY', KEYS[2], ARGV[3] .. ':steps', ARGV[5])
+return {1, num + 1}
+"""
+
+
+class LineageError(RuntimeError):
+    """The lineage cannot be read or merged into (named cause)."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The GPU lease a session's merges are fenced by."""
+
+    node: str
+    gpu: int
+    token: int
+
+
+@dataclass
+class MergeResult:
+    code: int  # MERGED, FENCED or DUPLICATE
+    head: LineageHead | None  # the head after the merge (MERGED), else the head seen
+    attempts: int
+    steps: int
+
+    @property
+    def merged(self) -> bool:
+        return self.code == MERGED
+
+
+# Fault-injection seam for tests: called with ("written", path) after a merge's directory is whole and
+# before its compare-and-swap; a test process sets it to pause there and be SIGKILLed.
+FAULT_HOOK: Callable[[str, Path], None] | None = None
+
+
+def trainable_names(drafter: Eagle3Drafter) -> list[str]:
+    return [n for n, p in drafter.named_parameters() if p.requires_grad]
+
+
+def snapshot(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    """A copy of the trainable weights: the base a later delta is taken against."""
+    return {n: p.detach().clone() for n, p in drafter.named_parameters() if p.requires_grad}
+
+
+class Lineage:
+    def __init__(self, root: str | Path, redis: Any = None, cluster: str = "default", fence: Fence | None = None,
+                 outer_lr: float = 1.0, max_attempts: int = 50):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.redis = redis
+        self.cluster = cluster
+        self.fence = fence
+        self.outer_lr = outer_lr
+        self.max_attempts = max_attempts
+        self._merge_script = redis.register_script(_MERGE) if redis is not None else None
+
+    # -- reading -------------------------------------------------------------------------------------
+    def head(self) -> LineageHead | None:
+        if self.redis is not None:
+            return state.get(self.redis, state.key(self.cluster, "lineage_head"), LineageHead)
+        f = self.root / "HEAD"
+        return LineageHead.model_validate_json(f.read_text()) if f.is_file() else None
+
+    def contributions(self) -> dict[str, int]:
+        """Optimizer steps each session merged (written in the same atomic step as the merge)."""
+        if self.redis is not None:
+            raw = self.redis.hgetall(state.key(self.cluster, "lineage_contributions"))
+            items = {k.decode(): int(v) for k, v in raw.items()}
+        else:
+            f = self.root / "contributions.json"
+            items = json.loads(f.read_text()) if f.is_file() else {}
+        return {k[: -len(":steps")]: int(v) for k, v in items.items() if k.endswith(":steps")}
+
+    def pull(self, target_embedding: Any = None, map_location: str = "cpu") -> tuple[LineageHead, Checkpoint] | None:
+        """The head and its checkpoint; None when the lineage has no head yet. Retries when a merge
+        replaced (and collected) the head between reading the record and its files."""
+        err: Exception | None = None
+        for _ in range(self.max_attempts):
+            h = self.head()
+            if h is None:
+                return None
+            try:
+                return h, load_checkpoint(h.path, target_embedding, map_location)
+            except (FileNotFoundError, OSError) as e:
+                err = e
+                if self.head() == h:  # not a race: the head's directory is really gone
+                    break
+        raise LineageError(f"lineage head cannot be loaded from {self.root}: {err}")
+
+    # -- writing -------------------------------------------------------------------------------------
+    def seed(self, drafter: Eagle3Drafter, trainer_state: dict | None = None, session_id: str = "seed",
+             optimizer_state: dict | None = None) -> LineageHead | None:
+        """Make `drafter` the first head if the lineage has none; returns the head now (the winner's, if
+        another seeder was first)."""
+        if self.head() is not None:
+            return self.head()
+        base = snapshot(drafter)
+        res = self.merge(None, base, drafter, optimizer_state, dict(trainer_state or {}), session_id, seq=1, steps=0,
+                         fenced=False)
+        return res.head
+
+    def merge(self, base: LineageHead | None, base_weights: dict[str, torch.Tensor], drafter: Eagle3Drafter,
+              optimizer_state: dict | None, trainer_state: dict, session_id: str, seq: int, steps: int,
+              tokens: int = 0, policy_version: int = 0, fenced: bool = True) -> MergeResult:
+        """Merge the work done since `base` (steps optimizer steps) into the head. `seq` numbers the
+        session's merges from 1; a (session, seq) is applied at most once."""
+        local = {n: p.detach() for n, p in drafter.named_parameters() if p.requires_grad}
+        full = {k: v.detach() for k, v in drafter.state_dict().items()}
+        seen: LineageHead | None = None
+        for attempt in range(1, self.max_attempts + 1):
+            h = self.head()
+            seen = h
+            if h is not None and base is None:
+                # a seeder lost the race to another seeder: the head it would have made exists
+                return MergeResult(MOVED, h, attempt, 0)
+            number = (h.number if h else 0) + 1
+            path = self.root / f"head-{number:08d}-{session_id}-{seq}"
+            try:
+                if h is None or h.number == base.number:
+                    weights = full  # nobody merged since our base: the new head is exactly our weights
+                else:
+                    weights = dict(full)
+                    head_w = load_file(str(Path(h.path) / WEIGHTS_NAME))
+                    for n, w in local.items():
+                        b = base_weights[n].to(w.device)
+                        weights[n] = head_w[n].to(w.device, w.dtype) + self.outer_lr * (w - b)
+                record = LineageHead(
+                    number=number, path=str(path.resolve()), steps=(h.steps if h else 0) + steps,
+                    tokens=(h.tokens if h else 0) + tokens, merges=(h.merges if h else 0) + (1 if steps else 0),
+                    policy_version=max(policy_version, h.policy_version if h else 0), session_id=session_id,
+                    updated_at=time.time())
+                write_checkpoint_dir(path, drafter, optimizer_state,
+                                     {**trainer_state, "lineage": record.model_dump(mode="json")}, tensors=weights)
+            except OSError as e:
+                # Another merge landed and collected the head we read (or our stale temp dir): re-read.
+                if self.head() != h:
+                    shutil.rmtree(path, ignore_errors=True)
+                    continue
+                raise LineageError(f"could not write lineage head {path}: {e}") from e
+            if FAULT_HOOK is not None:
+                FAULT_HOOK("written", path)
+            code = self._cas(h.number if h else 0, record, session_id, seq, steps, fenced)
+            if code == MERGED:
+                self._after_merge(record, steps)
+                return MergeResult(MERGED, record, attempt, steps)
+            shutil.rmtree(path, ignore_errors=True)
+            if code != MOVED:
+                return MergeResult(code, seen, attempt, steps)
+        raise LineageError(f"merge of {session_id}#{seq} lost the compare-and-swap {self.max_attempts} times in a row")
+
+    def _cas(self, expected: int, record: LineageHead, session_id: str, seq: int, steps: int, fenced: bool) -> int:
+        if self.redis is not None:
+            f = self.fence if fenced else None
+            keys = [state.key(self.cluster, "lineage_head"), state.key(self.cluster, "lineage_contributions"),
+                    state.key(self.cluster, "lease", node=f.node, gpu=f.gpu) if f else "",
+                    state.key(self.cluster, "revoke", node=f.node, gpu=f.gpu) if f else ""]
+            code, _ = self._merge_script(keys=keys, args=[expected, state.encode(record), session_id, seq, steps,
+                                                          f.token if f else 0])
+            return int(code)
+        with self._locked():
+            h = self.head()
+            if (h.number if h else 0) != expected:
+                return MOVED
+            cf = self.root / "contributions.json"
+            contrib = json.loads(cf.read_text()) if cf.is_file() else {}
+            if seq <= int(contrib.get(f"{session_id}:seq", 0)):
+                return DUPLICATE
+            contrib[f"{session_id}:seq"] = seq
+            contrib[f"{session_id}:steps"] = int(contrib.get(f"{session_id}:steps", 0)) + steps
+            # contributions first: a crash between the two writes leaves them ahead of HEAD, which the
+            # next merge's read-modify-write does not undo; HEAD is the commit point.
+            write_text_atomic(cf, json.dumps(contrib))
+            write_text_atomic(self.root / "HEAD", record.model_dump_json())
+            return MERGED
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self.root / ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _after_merge(self, record: LineageHead, steps: int) -> None:
+        if self.redis is not None and steps:
+            try:
+                state.append(self.redis, state.key(self.cluster, "events"), Event(kind="lineage_merged", detail={
+                    "head": record.number, "steps": record.steps, "session_id": record.session_id, "merged": steps}))
+            except Exception as e:  # the event log is a view; the merge itself is done
+                log.debug("lineage event not written: %s", e)
+        self.collect(record.number)
+
+    def collect(self, current: int | None = None) -> int:
+        """Delete head directories other than the head's, numbered up to the head's, and temp directories
+        of killed writers numbered so. A writer of such a number expected an older head, so its
+        compare-and-swap fails whatever happens to its files (and it re-reads); a merge in flight towards
+        current + 1 is never touched. Returns how many were removed."""
+        h = self.head()
+        if h is None:
+            return 0
+        current = h.number if current is None else min(current, h.number)
+        removed = 0
+        for p in self.root.iterdir():
+            m = _HEAD_DIR.match(p.name)
+            if m is None or p.resolve() == Path(h.path).resolve():
+                continue
+            if int(m.group(1)) <= current:
+                shutil.rmtree(p, ignore_errors=True)
+                removed += 1
+        return removed
+
+    def temp_dirs(self) -> list[Path]:
+        """Hidden temporary siblings left by killed writers (collected by later merges)."""
+        return [p for p in self.root.iterdir() if p.name.startswith(".head-")]
