@@ -112,11 +112,15 @@ class MergeResult:
     head: LineageHead | None  # the head after the merge (MERGED), else the head seen
     attempts: int
     steps: int
+    weights: dict[str, torch.Tensor] | None = None  # the head's trainable weights (MERGED): continue from these
+
 
     @property
     def merged(self) -> bool:
         return self.code == MERGED
 
+
+SEED = "seed"  # the contributor id of the merge that creates the first head
 
 # Fault-injection seam for tests: called with ("written", path) after a merge's directory is whole and
 # before its compare-and-swap; a test process sets it to pause there and be SIGKILLed.
@@ -185,13 +189,15 @@ class Lineage:
         if self.head() is not None:
             return self.head()
         base = snapshot(drafter)
-        res = self.merge(None, base, drafter, optimizer_state, dict(trainer_state or {}), session_id, seq=1, steps=0,
-                         fenced=False)
+        # Contributor "seed", not the session's id: the session's own merges number their seq from 1.
+        res = self.merge(None, base, drafter, optimizer_state, dict(trainer_state or {}), SEED, seq=1, steps=0,
+                         fenced=False, note_session=session_id)
         return res.head
 
     def merge(self, base: LineageHead | None, base_weights: dict[str, torch.Tensor], drafter: Eagle3Drafter,
               optimizer_state: dict | None, trainer_state: dict, session_id: str, seq: int, steps: int,
-              tokens: int = 0, policy_version: int = 0, fenced: bool = True) -> MergeResult:
+              tokens: int = 0, policy_version: int = 0, fenced: bool = True,
+              note_session: str | None = None) -> MergeResult:
         """Merge the work done since `base` (steps optimizer steps) into the head. `seq` numbers the
         session's merges from 1; a (session, seq) is applied at most once."""
         local = {n: p.detach() for n, p in drafter.named_parameters() if p.requires_grad}
@@ -217,12 +223,13 @@ class Lineage:
                 record = LineageHead(
                     number=number, path=str(path.resolve()), steps=(h.steps if h else 0) + steps,
                     tokens=(h.tokens if h else 0) + tokens, merges=(h.merges if h else 0) + (1 if steps else 0),
-                    policy_version=max(policy_version, h.policy_version if h else 0), session_id=session_id,
+                    policy_version=max(policy_version, h.policy_version if h else 0),
+                    session_id=note_session or session_id,
                     updated_at=time.time())
                 write_checkpoint_dir(path, drafter, optimizer_state,
                                      {**trainer_state, "lineage": record.model_dump(mode="json")}, tensors=weights)
-            except OSError as e:
-                # Another merge landed and collected the head we read (or our stale temp dir): re-read.
+            except Exception as e:  # OSError, or safetensors' own error for a vanished temp dir
+                # Another merge landed and collected the head we read (or our temp dir, now stale): re-read.
                 if self.head() != h:
                     shutil.rmtree(path, ignore_errors=True)
                     continue
@@ -232,7 +239,7 @@ class Lineage:
             code = self._cas(h.number if h else 0, record, session_id, seq, steps, fenced)
             if code == MERGED:
                 self._after_merge(record, steps)
-                return MergeResult(MERGED, record, attempt, steps)
+                return MergeResult(MERGED, record, attempt, steps, {n: weights[n] for n in local})
             shutil.rmtree(path, ignore_errors=True)
             if code != MOVED:
                 return MergeResult(code, seen, attempt, steps)

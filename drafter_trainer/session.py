@@ -31,8 +31,8 @@ from typing import Callable
 import torch
 
 from tailspec.config import TrainerConfig
-from tailspec.drafter_trainer.checkpoint import load_checkpoint, load_latest, save_checkpoint
-from tailspec.drafter_trainer.lineage import FENCED, Lineage, MergeResult, snapshot
+from tailspec.drafter_trainer.checkpoint import load_latest, save_checkpoint
+from tailspec.drafter_trainer.lineage import DUPLICATE, FENCED, Lineage, MergeResult, snapshot
 from tailspec.drafter_trainer.loss import StopRequested, ttt_loss
 from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter, vocab_maps_from_counts
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
@@ -250,15 +250,31 @@ class TrainingSession:
         res = self.lineage.merge(self.base, self.base_weights, self.drafter, self.backend.state_dict(), state,
                                  self.session_id, self._seq, self._steps_since_merge, self._tokens_since_merge,
                                  policy_version=self.teacher.policy_version)
-        if res.merged:
+        if res.code == DUPLICATE:
+            # This (session, seq) is in the head already: an earlier attempt's answer was lost on the way.
+            # Continue from the head that holds it, or the next delta would carry these steps again.
+            log.warning("session %s: merge %d was applied already", self.session_id, self._seq)
+            self.merged_steps += res.steps
+            self.merges += 1
+            head, ck = self.lineage.pull(self.teacher.embedding(), map_location=str(self.teacher.device))
+            with torch.no_grad():
+                for n, p in self.drafter.named_parameters():
+                    if p.requires_grad:
+                        p.copy_(ck.drafter.state_dict()[n])
+            self.base, self.base_weights, self.step = head, snapshot(self.drafter), head.steps
+            self._steps_since_merge = self._tokens_since_merge = 0
+        elif res.merged:
             self.merged_steps += res.steps
             self.merges += 1
             if res.head.number != self.base.number + 1:  # others merged meanwhile: continue from their sum
-                ck = load_checkpoint(res.head.path, self.teacher.embedding(), map_location=str(self.teacher.device))
+                if self.backend.name != "torch":
+                    # DeepSpeed keeps its own fp32 master weights: restart from the head instead of
+                    # copying into the module under it.
+                    self.request_stop("lineage head moved (deepspeed backend restarts from the head)")
                 with torch.no_grad():
                     for n, p in self.drafter.named_parameters():
                         if p.requires_grad:
-                            p.copy_(ck.drafter.state_dict()[n])
+                            p.copy_(res.weights[n])
             self.base = res.head
             self.base_weights = snapshot(self.drafter)
             self.step = res.head.steps  # the lineage's step count: what a resumed session would see

@@ -1,0 +1,33 @@
+"""Session entry for tests/test_lineage_sessions.py: `tailspec.sessions:run_session` with a fault hook and its
+result written to a file. With $LINEAGE_PAUSE_AT_MERGE=N the session pauses for good at the N-th merge's
+commit point (directory written, compare-and-swap not yet done) after touching $LINEAGE_MARKER, so the test
+can SIGKILL it there."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from tailspec.drafter_trainer import lineage
+from tailspec.sessions import run_session
+
+
+def run(ctx) -> dict:
+    pause_at = int(os.environ.get("LINEAGE_PAUSE_AT_MERGE", "0"))
+    seen = {"n": 0}
+
+    def hook(point: str, path: Path) -> None:
+        if pause_at and point == "written" and "-seed-" not in path.name:
+            seen["n"] += 1
+            if seen["n"] == pause_at:
+                Path(os.environ["LINEAGE_MARKER"]).write_text(str(path))
+                time.sleep(600)
+
+    lineage.FAULT_HOOK = hook
+    out = run_session(ctx)
+    out_dir = os.environ.get("LINEAGE_RESULTS")
+    if out_dir:
+        (Path(out_dir) / f"{ctx.session_id}.json").write_text(json.dumps(out))
+    return out

@@ -1,0 +1,135 @@
+"""The drafter lineage: concurrent merges lose nothing and apply nothing twice, fencing refuses a session
+without its GPU, the head always loads, collection leaves no stale directory."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tailspec import state
+from tailspec.drafter_trainer.checkpoint import load_checkpoint
+from tailspec.drafter_trainer.lineage import DUPLICATE, FENCED, MERGED, Fence, Lineage, snapshot
+from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter
+from tailspec.scheduler.leases import Leases
+
+torch.set_num_threads(1)
+
+
+def tiny_drafter() -> Eagle3Drafter:
+    cfg = Eagle3Config(target_hidden_size=16, hidden_size=16, vocab_size=32, draft_vocab_size=32, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=8, intermediate_size=32, rms_norm_eps=1e-6, rope_theta=10000.0,
+                       max_position_embeddings=64, aux_layer_ids=(1, 2, 3), target_num_layers=4)
+    torch.manual_seed(0)
+    d = Eagle3Drafter(cfg)
+    with torch.no_grad():  # integer-valued weights: sums of integer deltas are exact in float32
+        for p in d.parameters():
+            p.copy_(torch.randint(-4, 5, p.shape).float())
+    return d
+
+
+@pytest.fixture(params=["redis", "local"])
+def lineage_root(request, tmp_path, redis_client):
+    return tmp_path / "lineage", (redis_client if request.param == "redis" else None)
+
+
+def test_concurrent_merges_lose_nothing(lineage_root):
+    root, r = lineage_root
+    init = tiny_drafter()
+    Lineage(root, r, "c").seed(init)
+    start = snapshot(init)
+    n_threads, merges_each = 4, 6
+    errors: list[BaseException] = []
+
+    def contributor(t: int) -> None:
+        try:
+            lin = Lineage(root, r, "c")
+            head, ck = lin.pull()
+            d, base = ck.drafter, snapshot(ck.drafter)
+            for seq in range(1, merges_each + 1):
+                with torch.no_grad():  # this merge's update: +(t+1) on every weight, over seq steps
+                    for p in d.parameters():
+                        p.add_(float(t + 1))
+                res = lin.merge(head, base, d, None, {"step": 0}, f"s{t}", seq, steps=t + 1)
+                assert res.code == MERGED
+                head = res.head
+                with torch.no_grad():  # continue from the merged head
+                    for n, p in d.named_parameters():
+                        p.copy_(res.weights[n])
+                base = snapshot(d)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=contributor, args=(t,)) for t in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    lin = Lineage(root, r, "c")
+    head, ck = lin.pull()
+    total = sum((t + 1) * merges_each for t in range(n_threads))
+    # every update is in the head exactly once
+    for n, p in ck.drafter.named_parameters():
+        assert torch.equal(p.detach(), start[n] + total), n
+    assert head.steps == total == sum(lin.contributions().values())
+    assert head.merges == n_threads * merges_each
+    assert lin.contributions() == {"seed": 0, **{f"s{t}": (t + 1) * merges_each for t in range(n_threads)}}
+    # collection keeps the head only; no temp directory is left
+    assert [p.name for p in root.iterdir() if p.name.startswith(("head-", ".head-"))] == [head.path.split("/")[-1]]
+
+
+def test_a_merge_is_applied_once(lineage_root):
+    root, r = lineage_root
+    d = tiny_drafter()
+    lin = Lineage(root, r, "c")
+    lin.seed(d)
+    head, ck = lin.pull()
+    base = snapshot(ck.drafter)
+    with torch.no_grad():
+        next(ck.drafter.parameters()).add_(1.0)
+    assert lin.merge(head, base, ck.drafter, None, {}, "s", 1, steps=3).code == MERGED
+    # the same (session, seq) again — a retry whose answer was lost — is refused, whatever the head is now
+    again = lin.merge(lin.head(), base, ck.drafter, None, {}, "s", 1, steps=3)
+    assert again.code == DUPLICATE
+    assert lin.head().steps == 3 and lin.contributions() == {"seed": 0, "s": 3}
+
+
+def test_merges_are_fenced_by_the_lease(redis_client, tmp_path):
+    leases = Leases(redis_client, "c")
+    lease = leases.acquire("n0", 0, "s", ttl_s=30)
+    d = tiny_drafter()
+    Lineage(tmp_path, redis_client, "c").seed(d)
+
+    def merge(fence: Fence, seq: int) -> int:
+        lin = Lineage(tmp_path, redis_client, "c", fence=fence)
+        head, ck = lin.pull()
+        base = snapshot(ck.drafter)
+        with torch.no_grad():
+            next(ck.drafter.parameters()).add_(1.0)
+        return lin.merge(head, base, ck.drafter, None, {}, "s", seq, steps=1).code
+
+    assert merge(Fence("n0", 0, lease.token), 1) == MERGED
+    assert merge(Fence("n0", 0, lease.token + 99), 2) == FENCED  # not this GPU's token
+    leases.revoke("n0", 0, lease.token)
+    assert merge(Fence("n0", 0, lease.token), 3) == MERGED  # revoked: its stop may still merge
+    redis_client.delete(state.key("c", "revoke", node="n0", gpu=0))
+    assert merge(Fence("n0", 0, lease.token), 4) == FENCED  # lease gone, no revocation covers it
+    assert Lineage(tmp_path, redis_client, "c").head().steps == 2
+
+
+def test_one_contributor_is_plain_training(tmp_path):
+    """With nobody else merging, the head is the session's weights bit for bit."""
+    d = tiny_drafter()
+    lin = Lineage(tmp_path, None, "c")
+    lin.seed(d)
+    head, ck = lin.pull()
+    base = snapshot(ck.drafter)
+    with torch.no_grad():
+        for p in ck.drafter.parameters():
+            p.mul_(1.37).add_(0.11)
+    res = lin.merge(head, base, ck.drafter, None, {}, "s", 1, steps=1)
+    merged = load_checkpoint(res.head.path).drafter
+    for (n, a), b in zip(merged.named_parameters(), ck.drafter.parameters()):
+        assert torch.equal(a, b), n

@@ -1,0 +1,125 @@
+"""Real session processes on three lent GPUs contribute to one lineage, with random revocations, sessions
+restarted on the freed GPUs, and one session SIGKILLed at a merge's commit point (directory written,
+compare-and-swap not done). Afterwards the head's step count is the sum of what the sessions merged, the
+killed merge is not in it, every finished session's own count agrees, the head loads, and no temporary or
+orphaned directory is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tailspec import state
+from tailspec.config import TailspecConfig
+from tailspec.drafter_trainer.checkpoint import load_checkpoint
+from tailspec.scheduler.leases import Leases
+from tailspec.scheduler.session import CONTEXT_ENV, SessionContext
+from tailspec.state import LineageHead, PhaseInfo, SessionInfo
+
+REPO = Path(__file__).resolve().parent.parent
+TTL_S = 15.0  # covers a session's start-up (imports, teacher load) on a busy 2-core machine
+
+
+@pytest.mark.slow
+def test_three_sessions_one_lineage_with_revocations_and_a_kill(redis_client, redis_url, tmp_path):
+    from tests.trainer_data import policy_samples
+
+    path, samples = policy_samples("micro", n=96, seed=3)
+    cluster = "lin"
+    cfg = TailspecConfig.model_validate({
+        "cluster": {"name": cluster, "redis_url": redis_url},
+        "trainer": {"checkpoint_dir": str(tmp_path / "drafter"), "batch_size": 4, "lr": 3e-3,
+                    "merge_every_steps": 2, "validate_every_s": 1000.0, "holdout_fraction": 0.1},
+    })
+    state.put(redis_client, state.key(cluster, "phase"),
+              PhaseInfo(phase="rollout", step=1, started_at=time.time(), policy_version=1, policy_path=str(path)))
+    for s in samples:
+        state.append(redis_client, state.key(cluster, "samples"), s)
+    leases = Leases(redis_client, cluster)
+    results, marker = tmp_path / "results", tmp_path / "paused"
+    results.mkdir()
+    rng = random.Random(7)
+    procs: dict[str, tuple[subprocess.Popen, int, int]] = {}
+    killed: set[str] = set()
+
+    def start(sid: str, gpu: int, pause_at_merge: int = 0) -> None:
+        lease = leases.acquire("n0", gpu, sid, ttl_s=TTL_S)
+        assert lease is not None, f"gpu {gpu} still leased"
+        ctx = SessionContext(session_id=sid, node="n0", gpu=gpu, lease_token=lease.token, redis_url=redis_url,
+                             cluster=cluster, config=cfg.model_dump(mode="json"), lease_ttl_s=TTL_S,
+                             require_heartbeat=False)
+        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                   TAILSPEC_SESSION_ENTRY="tests.lineage_entry:run", LINEAGE_RESULTS=str(results),
+                   LINEAGE_MARKER=str(marker), LINEAGE_PAUSE_AT_MERGE=str(pause_at_merge), OMP_NUM_THREADS="1")
+        env[CONTEXT_ENV] = ctx.to_json()
+        log = open(tmp_path / f"{sid}.log", "w")
+        p = subprocess.Popen([sys.executable, "-m", "tailspec.scheduler.session"], env=env, cwd=REPO,
+                             stdout=log, stderr=subprocess.STDOUT)
+        procs[sid] = (p, gpu, lease.token)
+
+    def step_of(sid: str) -> int:
+        info = state.get(redis_client, state.key(cluster, "session", session_id=sid), SessionInfo)
+        return info.step if info is not None else 0
+
+    def wait_until(pred, what: str, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            dead = [sid for sid, (p, _, _) in procs.items() if p.poll() not in (None, 0) and sid not in killed]
+            assert not dead, f"session(s) {dead} failed: " + (tmp_path / f"{dead[0]}.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    def revoke_after_training(sid: str) -> None:
+        p, gpu, token = procs[sid]
+        wait_until(lambda: step_of(sid) >= 3, f"{sid} to train")
+        time.sleep(rng.uniform(0.2, 2.0))
+        leases.revoke("n0", gpu, token)
+        assert p.wait(timeout=120) == 0, (tmp_path / f"{sid}.log").read_text()[-3000:]
+
+    start("a0", 0)
+    start("a1", 1)
+    start("a2", 2, pause_at_merge=2)  # its second merge pauses at the commit point
+    wait_until(marker.is_file, "a2 to pause inside a merge")
+    killed_dir = Path(marker.read_text())  # written whole; its compare-and-swap has not run
+    killed.add("a2")
+    procs["a2"][0].send_signal(signal.SIGKILL)
+    procs["a2"][0].wait(timeout=30)
+    leases.revoke("n0", 2, procs["a2"][2])  # the scheduler's reaction to a dead session
+    revoke_after_training("a0")
+    start("b0", 0)  # the freed GPU is lent again
+    start("b2", 2)
+    revoke_after_training("a1")
+    revoke_after_training("b0")
+    revoke_after_training("b2")
+
+    from tailspec.drafter_trainer.lineage import Lineage
+
+    lin = Lineage(tmp_path / "drafter" / "lineage", redis_client, cluster)
+    head = lin.head()
+    assert isinstance(head, LineageHead)
+    merged = lin.contributions()
+    finished = {p.stem: json.loads(p.read_text()) for p in results.glob("*.json")}
+    assert set(finished) == {"a0", "a1", "b0", "b2"}
+    # the head holds exactly what the sessions merged, each session's own count agrees
+    assert head.steps == sum(merged.values())
+    for sid, out in finished.items():
+        assert out["merged_steps"] == merged.get(sid, 0) > 0, (sid, out, merged)
+        assert out["merged_steps"] == out["steps"], (sid, out)  # a revoked session's last merge went in
+    # the killed session's first merge is in; the one it was killed in is not
+    assert int(redis_client.hget(state.key(cluster, "lineage_contributions"), "a2:seq")) == 1
+    assert merged["a2"] > 0
+    # the head loads, and nothing but the head is left: no temp dir, the killed merge's dir collected
+    ck = load_checkpoint(head.path)
+    assert ck.drafter is not None
+    left = sorted(p.name for p in lin.root.iterdir() if p.name != ".lock")
+    assert left == [Path(head.path).name], left
+    assert not killed_dir.exists()
+    assert not list((tmp_path / "drafter").rglob("*.tmp*"))
