@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
+
 from tailspec import state
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader, is_holdout, validate_sample
 from tailspec.state import Sample
@@ -93,3 +95,49 @@ def test_batch_weights_follow_buffer():
     samples, w = buf.batch(8, random.Random(0))
     for s, wi in zip(samples, w):
         assert wi == (2.0 if s.reward == 1.0 else 0.1)
+
+
+@pytest.mark.parametrize("stale_weight", [0.5, 0.0])
+def test_a_sessions_first_batch_comes_from_the_newest_policy_versions(redis_client, tmp_path, stale_weight):
+    """30 policy versions in the stream, oldest first: a new session reads from the newest end, so its first
+    batch is of the newest versions (only the newest at weight 0), and it follows new entries afterwards."""
+    from tailspec.config import TailspecConfig
+    from tailspec.sessions import Trainer, make_buffer
+    from tests.test_trainer_session import frozen_teacher, synthetic_samples
+
+    for v in range(30):
+        for s in synthetic_samples(40, seed=v, version=v):
+            state.append(redis_client, state.key("fr", "samples"), s)
+    cfg = TailspecConfig.model_validate({"cluster": {"name": "fr"}, "trainer": {
+        "checkpoint_dir": str(tmp_path), "batch_size": 16, "draft_vocab_size": 16, "buffer_size": 64,
+        "stale_version_weight": stale_weight}})
+    teacher = frozen_teacher()
+    trainer = Trainer(cfg, teacher, make_buffer(cfg), redis=redis_client)
+    drawn: list[list[int]] = []
+    real_batch = trainer.buffer.batch
+
+    def recording_batch(n, rng):
+        samples, w = real_batch(n, rng)
+        drawn.append([s.policy_version for s in samples])
+        return samples, w
+
+    trainer.buffer.batch = recording_batch
+    assert trainer.session.train_step() is not None
+    allowed = {29} if stale_weight == 0 else {29, 28}
+    assert set(drawn[0]) <= allowed, drawn[0]
+    assert 29 in drawn[0]
+    # the reader goes on forward from the newest entry it read
+    for s in synthetic_samples(8, seed=99, version=30):
+        state.append(redis_client, state.key("fr", "samples"), s)
+    assert trainer.reader.poll() == 8
+    assert trainer.buffer.policy_version() == 30
+
+
+def test_older_versions_are_drawn_with_weight_w_to_the_age():
+    buf = SampleBuffer(capacity=1000, keep_policy_versions=2, holdout_fraction=0.0, stale_version_weight=0.5)
+    for s in [S(response=(4, 5, 6 + i % 9), version=v) for v in (4, 5) for i in range(100)]:
+        buf.add(s)
+    rng = random.Random(0)
+    drawn = [s.policy_version for _ in range(200) for s in buf.batch(16, rng)[0]]
+    old = drawn.count(4) / len(drawn)
+    assert old == pytest.approx(50 / 150, abs=0.03)  # 100·0.5 / (100 + 100·0.5)

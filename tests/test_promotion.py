@@ -1,0 +1,136 @@
+"""Sound promotion: the paired test's statistics (t quantiles against scipy, error rates by simulation), an
+identical candidate never promoted over 200 noisy trials, a clearly better one promoted, racing proposers
+never both current, and the staleness record each validation leaves."""
+
+from __future__ import annotations
+
+import copy
+import random
+import threading
+
+import pytest
+import torch
+
+from tailspec import state
+from tailspec.drafter_trainer.session import TrainingSession
+from tailspec.drafter_trainer.teacher import Teacher
+from tailspec.drafter_trainer.versions import VersionStore, decide, t_cdf, t_ppf
+from tailspec.state import DrafterHealth, DrafterVersion
+from tests.test_trainer_session import cfg, frozen_teacher, synthetic_samples
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("df", [1, 2, 5, 15, 31, 63, 200])
+@pytest.mark.parametrize("p", [0.5, 0.9, 0.95, 0.99])
+def test_t_quantiles_match_scipy(df, p):
+    stats = pytest.importorskip("scipy.stats")
+    assert t_ppf(p, df) == pytest.approx(stats.t.ppf(p, df), abs=1e-6)
+    assert t_cdf(1.7, df) == pytest.approx(stats.t.cdf(1.7, df), abs=1e-9)
+
+
+def test_decision_error_rates():
+    rng = random.Random(0)
+    # Equal in expectation: promoted at most at the test's level (0.05; 400 trials: > 0.09 is > 3 sd off).
+    null = sum(decide([rng.gauss(0, 0.3) for _ in range(32)]).promote for _ in range(400))
+    assert null / 400 <= 0.09, null
+    # Worse: (almost) never.
+    assert sum(decide([rng.gauss(-0.1, 0.3) for _ in range(32)]).promote for _ in range(400)) <= 2
+    # Clearly better (gain of one sd): promoted nearly always.
+    assert sum(decide([rng.gauss(0.3, 0.3) for _ in range(32)]).promote for _ in range(200)) >= 195
+    # Identical: every gain is 0, the bound is 0, never promoted; too few pairs: never promoted.
+    d = decide([0.0] * 64)
+    assert not d.promote and d.gain_lcb == 0.0
+    few = decide([1.0, 1.1, 0.9], min_pairs=16)
+    assert not few.promote and "too few" in few.reason
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """(teacher, held-out samples, untrained drafter, trained drafter) on a frozen random target."""
+    teacher = frozen_teacher()
+    from tests.test_trainer_session import make_buffer
+
+    buf = make_buffer(200, holdout=0.2)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        from pathlib import Path
+
+        s = TrainingSession(cfg(Path(tmp), lr=3e-3), teacher, buf)
+        untrained = type(s.drafter)(s.drafter.config, teacher.embedding())
+        untrained.load_state_dict(s.drafter.state_dict())
+        s.run(max_steps=40)
+    return teacher, list(buf.holdout) + synthetic_samples(60, seed=9), untrained, s.drafter
+
+
+@pytest.mark.parametrize("backend", ["redis", "local"])
+def test_identical_candidate_is_never_promoted(trained, tmp_path, redis_client, backend):
+    teacher, holdout, untrained, better = trained
+    store = VersionStore(tmp_path / "v", redis_client if backend == "redis" else None, "c")
+    first = store.propose(better, teacher, holdout, k=3)
+    assert first.promoted  # nothing to beat yet
+    same = store.load(first.version, teacher.embedding())[0]  # identical weights, loaded from its own files
+    rng = random.Random(1)
+    for trial in range(200):  # noisy: a different held-out subset each trial
+        subset = rng.sample(holdout, rng.randrange(16, 40))
+        info = store.propose(same, teacher, subset, k=3)
+        assert not info.promoted, (trial, info)
+        assert info.gain_mean == 0.0 and info.gain_lcb == 0.0 and info.baseline_version == first.version
+    assert store.current().version == first.version
+
+
+def test_clearly_better_candidate_is_promoted_with_its_statistics(trained, tmp_path, redis_client):
+    teacher, holdout, untrained, better = trained
+    store = VersionStore(tmp_path / "v", redis_client, "c")
+    v1 = store.propose(untrained, teacher, holdout, k=3)
+    v2 = store.propose(better, teacher, holdout, k=3)
+    assert v2.promoted and v2.baseline_version == v1.version and v2.pairs >= 16
+    assert v2.gain_lcb > 0 and v2.gain_mean > v2.gain_lcb and "lower bound" in v2.decision
+    assert v2.acceptance_length - v2.baseline_acceptance_length > 0
+    assert state.get(redis_client, state.key("c", "drafter_current"), DrafterVersion).version == v2.version
+    history = [state.decode(DrafterVersion, x) for x in redis_client.lrange(state.key("c", "drafter_versions"), 0, -1)]
+    assert [h.version for h in history] == [v1.version, v2.version] and history[1].gain_lcb == v2.gain_lcb
+    # the worse one back against it: rejected, with the reason
+    v3 = store.propose(untrained, teacher, holdout, k=3)
+    assert not v3.promoted and v3.gain_lcb < 0 and "<= 0" in v3.decision
+    # each paired validation recorded the current version's acceptance now beside its value at promotion
+    health = state.read_stream(redis_client, state.key("c", "drafter_health"), DrafterHealth)[0]
+    assert [h.drafter_version for _, h in health] == [v1.version, v2.version]
+    assert health[1][1].at_promotion == pytest.approx(v2.acceptance_length)
+    assert health[1][1].acceptance_length == pytest.approx(v3.baseline_acceptance_length)
+
+
+@pytest.mark.parametrize("backend", ["redis", "local"])
+def test_racing_proposers_never_both_win(trained, tmp_path, redis_client, backend, monkeypatch):
+    teacher, holdout, untrained, better = trained
+    r = redis_client if backend == "redis" else None
+    v1 = VersionStore(tmp_path / "v", r, "c").propose(untrained, teacher, holdout, k=3)
+    # Both proposers validate against v1 and reach the swap together.
+    barrier = threading.Barrier(2)
+    real_swap = VersionStore._swap_current
+
+    def swap_after_both_validated(self, expected, info):
+        barrier.wait(timeout=60)
+        return real_swap(self, expected, info)
+
+    monkeypatch.setattr(VersionStore, "_swap_current", swap_after_both_validated)
+    out: list[DrafterVersion] = []
+
+    def propose() -> None:  # each proposer has its own teacher and candidate, as separate processes would
+        mine = Teacher(copy.deepcopy(teacher.model), teacher.aux_layer_ids)
+        cand = copy.deepcopy(better)
+        cand.set_target_embedding(mine.embedding())
+        out.append(VersionStore(tmp_path / "v", r, "c").propose(cand, mine, holdout, k=3))
+
+    threads = [threading.Thread(target=propose) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(out) == 2 and all(o.baseline_version == v1.version for o in out)
+    winners = [o for o in out if o.promoted]
+    assert len(winners) == 1
+    loser = next(o for o in out if not o.promoted)
+    assert "lost the race" in loser.decision
+    assert VersionStore(tmp_path / "v", r, "c").current().version == winners[0].version
