@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tailspec.state import DrafterVersion, Event, GpuState, PhaseInfo, SessionInfo
+from tailspec.state import DrafterHealth, DrafterVersion, Event, GpuState, LineageHead, PhaseInfo, SessionInfo
 
 API_VERSION = 1
 
@@ -59,6 +59,12 @@ class RolloutPoint(_View):
     drafter_version: int | None = None
 
 
+class SampleStreamView(_View):
+    length: int = Field(description="entries in the sample stream (bounded: MAXLEN ~ and trimming by version)")
+    oldest_policy_version: int | None = None
+    newest_policy_version: int | None = None
+
+
 class StateView(_View):
     api_version: Literal[1] = API_VERSION
     cluster: str
@@ -75,6 +81,11 @@ class StateView(_View):
     rollout: list[RolloutPoint] = Field(description="recent per-phase rollout figures, oldest first")
     dropped: dict[str, int] = Field(description="dropped samples / messages by reason")
     events: list[Event] = Field(description="recent events, newest first")
+    lineage: LineageHead | None = Field(None, description="head of the drafter lineage sessions merge into")
+    drafter_health: list[DrafterHealth] = Field(
+        default_factory=list, description="current drafter's acceptance on the newest samples beside its value "
+        "at promotion, oldest first (recent ones)")
+    samples: SampleStreamView | None = None
     bad_payloads: int = Field(0, description="malformed state entries skipped while reading")
 
 

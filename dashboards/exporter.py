@@ -63,6 +63,16 @@ METRICS: dict[str, tuple[str, str]] = {
     "tailspec_drafter_baseline_acceptance_length": (
         "gauge", "validation acceptance length of the version it replaced, on the same samples"),
     "tailspec_drafter_candidates": ("gauge", "drafter candidates by promotion outcome"),
+    "tailspec_drafter_live_acceptance_length": (
+        "gauge", "current drafter's acceptance length on the newest samples with the current policy (staleness)"),
+    "tailspec_drafter_promoted_acceptance_length": (
+        "gauge", "the same drafter's validated acceptance length when it was promoted"),
+    "tailspec_drafter_promotion_gain_lcb": (
+        "gauge", "lower confidence bound of the paired gain of the latest candidate over the current version"),
+    "tailspec_lineage_steps": ("gauge", "optimizer steps merged into the drafter lineage, all sessions"),
+    "tailspec_lineage_merges": ("gauge", "merges into the drafter lineage"),
+    "tailspec_samples_stream_length": ("gauge", "entries in the sample stream"),
+    "tailspec_samples_policy_version": ("gauge", "policy version at each end of the sample stream"),
     "tailspec_rollout_step": ("gauge", "RL step of each worker's latest rollout figures"),
     "tailspec_rollout_acceptance_length": ("gauge", "mean acceptance length (tokens per target forward) of the latest phase"),
     "tailspec_rollout_tokens_per_second": ("gauge", "generated tokens per second of the latest phase"),
@@ -247,6 +257,35 @@ class StateCollector(Collector):
         cands.add_metric(["true"], promoted)
         cands.add_metric(["false"], len(view.drafter_versions) - promoted)
         yield cands
+        scored = [v for v in view.drafter_versions if v.gain_lcb is not None]
+        if scored:
+            g = _family("tailspec_drafter_promotion_gain_lcb")
+            g.add_metric([], scored[-1].gain_lcb)
+            yield g
+        if view.drafter_health:
+            h = view.drafter_health[-1]
+            live = _family("tailspec_drafter_live_acceptance_length")
+            live.add_metric([], h.acceptance_length)
+            yield live
+            if h.at_promotion is not None:
+                at = _family("tailspec_drafter_promoted_acceptance_length")
+                at.add_metric([], h.at_promotion)
+                yield at
+        if view.lineage is not None:
+            for name, value in (("tailspec_lineage_steps", view.lineage.steps),
+                                ("tailspec_lineage_merges", view.lineage.merges)):
+                f = _family(name)
+                f.add_metric([], value)
+                yield f
+        if view.samples is not None:
+            n = _family("tailspec_samples_stream_length")
+            n.add_metric([], view.samples.length)
+            yield n
+            ends = _family("tailspec_samples_policy_version", ["end"])
+            for end, v in (("oldest", view.samples.oldest_policy_version), ("newest", view.samples.newest_policy_version)):
+                if v is not None:
+                    ends.add_metric([end], v)
+            yield ends
 
     def _rollout(self, view) -> Iterable[Metric]:
         latest = {}

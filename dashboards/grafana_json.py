@@ -142,6 +142,16 @@ def build() -> dict:
             desc="Expected acceptance length on held-out recent samples.")
     L.panel("stat", "Candidates", [('tailspec_drafter_candidates{promoted="true"}', "promoted"),
                                    ('tailspec_drafter_candidates{promoted="false"}', "rejected")], w=6)
+    L.panel("timeseries", "Drafter staleness",
+            [("tailspec_drafter_live_acceptance_length", "now (newest samples, current policy)"),
+             ("tailspec_drafter_promoted_acceptance_length", "at promotion")], w=12,
+            desc="The current drafter's acceptance length on the newest samples beside its validated value when "
+                 "promoted: the gap is how far the policy has moved away from it.")
+    L.panel("timeseries", "Latest candidate: paired gain lower bound", [("tailspec_drafter_promotion_gain_lcb", "bound")],
+            w=12, desc="Promoted only when above 0 (one-sided paired t test).")
+    L.panel("stat", "Drafter lineage", [("tailspec_lineage_steps", "steps"), ("tailspec_lineage_merges", "merges")], w=6)
+    L.panel("stat", "Sample stream", [("tailspec_samples_stream_length", "entries"),
+                                      ("tailspec_samples_policy_version", "v {{end}}")], w=6)
 
     L.row("Rollout: speculative decoding")
     L.panel("timeseries", "Acceptance length (latest phase)",

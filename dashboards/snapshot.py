@@ -15,7 +15,10 @@ from typing import Any
 
 from tailspec import state as S
 from tailspec.state import (
+    DrafterHealth,
     DrafterVersion,
+    LineageHead,
+    Sample,
     Event,
     GpuState,
     GpuStatus,
@@ -26,7 +29,7 @@ from tailspec.state import (
     StateError,
 )
 
-from .api import Counters, GpuLane, GpuView, RolloutPoint, Segment, StateView, TelemetrySeries, TimelineView
+from .api import SampleStreamView, Counters, GpuLane, GpuView, RolloutPoint, Segment, StateView, TelemetrySeries, TimelineView
 
 COUNTER_FIELDS = ("idle_gpu_seconds", "lent_gpu_seconds", "sessions_started", "sessions_stopped",
                   "sessions_preempted")
@@ -175,6 +178,22 @@ class Reader:
     def events(self, limit: int = 30) -> list[Event]:
         return [e for _, e in reversed(self._stream("events", Event, count=limit, newest=True))]
 
+    def lineage(self) -> LineageHead | None:
+        k = self.key("lineage_head")
+        return self._decode(LineageHead, self.r.get(k), k)
+
+    def drafter_health(self, limit: int = 200) -> list[DrafterHealth]:
+        return [h for _, h in self._stream("drafter_health", DrafterHealth, count=limit, newest=True)]
+
+    def samples(self) -> SampleStreamView:
+        """Length of the sample stream and the policy versions at its two ends (two entries read)."""
+        k = self.key("samples")
+        ends = []
+        for raw in (self.r.xrange(k, count=1), self.r.xrevrange(k, count=1)):
+            s = self._decode(Sample, (raw[0][1].get(b"data") if raw else None), k) if raw else None
+            ends.append(s.policy_version if s is not None else None)
+        return SampleStreamView(length=int(self.r.xlen(k)), oldest_policy_version=ends[0], newest_policy_version=ends[1])
+
     def phase(self) -> PhaseInfo | None:
         k = self.key("phase")
         return self._decode(PhaseInfo, self.r.get(k), k)
@@ -218,6 +237,9 @@ def read_state(r: Any, cluster: str, sessions_limit: int | None = 50,
         rollout=rd.rollout(),
         dropped=rd.dropped(),
         events=rd.events(),
+        lineage=rd.lineage(),
+        drafter_health=rd.drafter_health(),
+        samples=rd.samples(),
         bad_payloads=rd.bad,
     )
     return view, sessions

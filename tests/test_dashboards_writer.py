@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 
 from tailspec import state as S
 from tailspec.state import (
+    DrafterHealth,
     DrafterVersion,
+    LineageHead,
+    Sample,
     Event,
     GpuState,
     GpuStatus,
@@ -84,9 +87,12 @@ class StateWriter:
         return s
 
     def version(self, version: int, acceptance: float, baseline: float | None, promoted: bool) -> DrafterVersion:
+        scored = {} if baseline is None else dict(
+            baseline_version=version - 1, pairs=32, gain_mean=acceptance - baseline,
+            gain_lcb=acceptance - baseline - 0.1, decision="paired gain (test writer)")
         v = DrafterVersion(version=version, path=f"runs/drafter/v{version}", policy_version=version,
                            acceptance_length=acceptance, baseline_acceptance_length=baseline,
-                           promoted=promoted, created_at=time.time())
+                           promoted=promoted, created_at=time.time(), **scored)
         self.r.rpush(self.k("drafter_versions"), S.encode(v))
         if promoted:
             S.put(self.r, self.k("drafter_current"), v)
@@ -166,6 +172,13 @@ class StateWriter:
                          baseline_tps=1500.0)
         self.drop("stale_policy", 3)
         self.drop("bad_sample", 1)
+        S.put(self.r, self.k("lineage_head"), LineageHead(number=7, path="runs/drafter/lineage/head-00000007-s-1",
+                                                          steps=120, merges=6, updated_at=time.time()))
+        for step, (now, at) in enumerate([(2.9, 2.9), (2.7, 2.9), (2.5, 2.9)]):
+            S.append(self.r, self.k("drafter_health"), DrafterHealth(
+                drafter_version=3, policy_version=step, step=step, acceptance_length=now, at_promotion=at, samples=32))
+        for v in (2, 3):
+            S.append(self.r, self.k("samples"), Sample(prompt_ids=[1], response_ids=[2], reward=1.0, policy_version=v))
 
 
 def test_writer_round_trip_through_reader(redis_client):

@@ -153,6 +153,26 @@
     return {workers, data: joined(tables)};
   }
 
+  function renderHealth(st) {
+    const hs = st.drafter_health;
+    const data = hs.length ? [hs.map((h) => h.ts), hs.map((h) => h.acceptance_length), hs.map((h) => h.at_promotion)] : null;
+    chart("health", $("chart-health"), () => ({
+      series: [{},
+        {label: "now (newest samples, current policy)", stroke: "#4e79a7", width: 2, points: {show: true, size: 5}},
+        {label: "at promotion", stroke: "#bab0ac", width: 1, dash: [4, 4], spanGaps: true}],
+    }), data, "health", "no staleness records yet");
+    const scored = st.drafter_versions.filter((v) => v.baseline_version != null).reverse().slice(0, 12);
+    fillTable($("decision-table"), scored.map((v) => el("tr", {"data-version": v.version},
+      el("td", {}, "v" + v.version),
+      el("td", {}, "v" + v.baseline_version),
+      el("td", {}, v.promoted ? "yes" : "no"),
+      el("td", {class: "num"}, fmtNum(v.gain_mean, 3)),
+      el("td", {class: "num"}, fmtNum(v.gain_lcb, 3)),
+      el("td", {class: "num"}, v.pairs == null ? "–" : v.pairs),
+      el("td", {}, v.decision || "–"),
+    )), "no candidate scored yet", 7);
+  }
+
   function renderStepCharts(st) {
     const acc = stepTables(st.rollout, "acceptance_length");
     chart("steps", $("chart-steps"), () => ({
@@ -244,6 +264,10 @@
     $("session-counts").textContent = `${c.sessions_started} / ${c.sessions_stopped} / ${c.sessions_preempted}`;
     const cur = st.drafter_current;
     $("drafter-current").textContent = cur ? `v${cur.version} (${fmtNum(cur.acceptance_length)})` : "none";
+    $("lineage-head").textContent = st.lineage ? `${st.lineage.steps} / ${st.lineage.merges}` : "–";
+    $("sample-stream").textContent = st.samples
+      ? `${st.samples.length}` + (st.samples.newest_policy_version == null ? "" :
+        ` (v${st.samples.oldest_policy_version}–v${st.samples.newest_policy_version})`) : "–";
     const withSpeedup = st.rollout.filter((p) => p.speedup != null);
     $("speedup-latest").textContent = withSpeedup.length
       ? fmtNum(withSpeedup[withSpeedup.length - 1].speedup) + "×" : "–";
@@ -307,6 +331,7 @@
       mix.replaceChildren(table);
     }
     renderVersionChart(st);
+    renderHealth(st);
     renderStepCharts(st);
   }
 
