@@ -43,12 +43,17 @@ class TailspecClient:
         timeout_s: float = 0.5,
         refresh_s: float = 0.5,
         samples_maxlen: int = 100_000,
+        samples_keep_versions: int = 8,
     ):
         import redis
 
         self.cluster, self.node = cluster, node
         self.progress_ttl_s, self.refresh_s, self.queue_size = progress_ttl_s, refresh_s, queue_size
         self.samples_maxlen = samples_maxlen
+        # The stream keeps the samples of the newest `samples_keep_versions` policy versions this client
+        # wrote (XTRIM MINID), and never more than samples_maxlen entries (XADD MAXLEN ~): bounded either way.
+        self.samples_keep_versions = samples_keep_versions
+        self._version_first_id: dict[int, bytes] = {}
         self.r = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -241,6 +246,7 @@ class TailspecClient:
         for w, p in progress.items():
             pipe.set(state.key(c, "progress", worker=w), state.encode(p), px=px)
             pipe.sadd(state.key(c, "workers"), w)
+        first_sample = len(pipe.command_stack)
         for s in samples:
             pipe.xadd(
                 state.key(c, "samples"),
@@ -271,6 +277,8 @@ class TailspecClient:
             self._last_sent[w] = (p, now)
         self.sent["progress"] += len(progress)
         self.sent["samples"] += len(samples)
+        if samples:
+            self._trim_versions(samples, res[first_sample : first_sample + len(samples)])
         if refresh:
             self._last_refresh = now
             raw_drafter, raw_phase = res[-2], res[-1]
@@ -284,6 +292,24 @@ class TailspecClient:
             except state.StateError:
                 pass
             self._refreshed.set()
+
+
+    def _trim_versions(self, samples: list[Sample], ids: list) -> None:
+        for s, entry_id in zip(samples, ids):
+            self._version_first_id.setdefault(s.policy_version, entry_id)
+        versions = sorted(self._version_first_id)
+        if len(versions) <= self.samples_keep_versions:
+            return
+        keep_from = versions[-self.samples_keep_versions]
+        minid = self._version_first_id[keep_from]
+        try:
+            self.r.xtrim(state.key(self.cluster, "samples"), minid=minid, approximate=False)
+        except Exception as e:  # trimming is housekeeping: the next write tries again
+            log.debug("sample stream not trimmed: %s", e)
+            return
+        for v in versions:
+            if v < keep_from:
+                del self._version_first_id[v]
 
 
 def _first_error(e: ValidationError) -> str:

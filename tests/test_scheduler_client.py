@@ -177,3 +177,18 @@ def test_simulated_cluster_fills_the_dashboard_keys(redis_url, redis_client):
         assert redis_client.xlen(state.key("t-simcluster", name)) > 0
     assert redis_client.get(state.key("t-simcluster", "gpu_status", node="node0", gpu=0)) is not None
     assert redis_client.scard(state.key("t-simcluster", "sessions")) >= 1
+
+
+def test_sample_stream_keeps_the_newest_policy_versions(redis_url, redis_client):
+    c = TailspecClient(redis_url, cluster="trim", samples_keep_versions=3)
+    try:
+        c.report_progress("w0", [0], active=1, finished=0)  # progress in the same write shifts the pipeline
+        for v in range(7):
+            c.submit_samples([Sample(prompt_ids=[1], response_ids=[2, v], reward=1.0, policy_version=v)
+                              for _ in range(5)])
+            assert c.flush(5)
+        got, _ = state.read_stream(redis_client, state.key("trim", "samples"), Sample)
+        assert sorted({s.policy_version for _, s in got}) == [4, 5, 6]
+        assert len(got) == 15
+    finally:
+        c.close()
