@@ -1,6 +1,6 @@
 """Rollout samples for drafter training: validation, a bounded versioned replay buffer, the Redis reader.
 
-Only ids, rewards and versions travel (DESIGN.md); hidden states are recomputed by the teacher. A bad
+Only ids, rewards and versions travel (docs/architecture.md); hidden states are recomputed by the teacher. A bad
 sample is dropped and counted by reason (locally and in the cluster's `dropped` hash, as
 `trainer_<reason>`), never raised: one bad writer must not stop a session.
 

@@ -5,7 +5,7 @@ stopped_sessions)` looks at one snapshot of the cluster state and returns the ac
 revoke, reclaimed). The scheduler service executes them; the property tests drive the same code with
 random event sequences.
 
-Rules (DESIGN.md, issue 5):
+Rules (docs/architecture.md):
 - A GPU is DRAINED when its rollout worker reports no active request in the current rollout step.
   It is *idle* once a telemetry sample taken after the drain shows utilization below the threshold and
   nothing above it has been seen for `window_s` (telemetry confirms nothing else is using the GPU).
