@@ -47,7 +47,7 @@ class TorchBackend:
     def __init__(self, params: list[torch.nn.Parameter], cfg: TrainerConfig):
         self.params = params
         self.cfg = cfg
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, 0.95), weight_decay=cfg.weight_decay)
 
     def step(self, loss: torch.Tensor, check: Callable[[], None]) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -61,6 +61,7 @@ class SchedulerConfig(_Section):
 class TrainerConfig(_Section):
     backend: Literal["torch", "deepspeed"] = "torch"
     lr: float = Field(3e-4, gt=0, le=1)
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay (momentum) of the drafter's optimizer")
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     batch_size: int = Field(16, ge=1, le=4096)

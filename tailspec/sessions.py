@@ -150,8 +150,8 @@ def warm_up() -> None:
         AutoModelForCausalLM.from_pretrained(tmp)
 
 
-def run_session(ctx: Any) -> dict:
-    """Scheduler entry: train on the lent GPU until `ctx.should_continue()` turns False."""
+def run_session(ctx: Any, max_steps: int | None = None) -> dict:
+    """Scheduler entry: train on the lent GPU until `ctx.should_continue()` turns False (or `max_steps`)."""
     cfg: TailspecConfig = ctx.tailspec_config()
     r = ctx.redis
     phase = state.get(r, state.key(cfg.cluster.name, "phase"), PhaseInfo)
@@ -170,7 +170,7 @@ def run_session(ctx: Any) -> dict:
                       on_step=lambda step, loss, tokens: ctx.report(step, loss, tokens),
                       session_id=ctx.session_id, fence=Fence(ctx.node, ctx.gpu, ctx.lease_token))
     try:
-        res = trainer.run()
+        res = trainer.run(max_steps=max_steps)
     finally:
         trainer.close()
         del teacher, trainer

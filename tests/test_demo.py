@@ -58,10 +58,16 @@ def test_leases_granted_and_revoked(demo_run):
 
 
 def test_a_candidate_was_trained(demo_run):
+    """Sessions merged their steps into the one lineage (head 1 is the bootstrap drafter, 0 steps)."""
+    from tailspec.drafter_trainer.checkpoint import load_checkpoint
+    from tailspec.drafter_trainer.lineage import Lineage
+
     demo, _ = demo_run
-    ckpts = list((demo.run_dir / "drafter" / "checkpoints").glob("ckpt-*"))
-    steps = [json.loads((c / "trainer_state.json").read_text())["step"] for c in ckpts]
-    assert max(steps) > 0, "no session trained a step"
+    lin = Lineage(demo.run_dir / "drafter" / "lineage")
+    heads = [load_checkpoint(p) for p in lin.root.glob("head-*")]
+    assert heads, "the lineage has no head"
+    steps = max(ck.trainer_state["lineage"]["steps"] for ck in heads)
+    assert steps > 0, "no session merged a step into the lineage"
 
 
 def test_export_directories_load(demo_run):

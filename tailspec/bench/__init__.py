@@ -9,6 +9,7 @@ BENCHES: dict[str, str] = {
     "dashboard": "tailspec.bench.dashboard",
     "vllm": "tailspec.bench.vllm",
     "trainer": "tailspec.bench.trainer",
+    "cotrain": "tailspec.bench.cotrain",
     "engine": "tailspec.bench.engine",
     "e2e": "tailspec.bench.e2e",
 }

@@ -42,6 +42,16 @@ log = logging.getLogger("tailspec.demo")
 Mode = Literal["cotrained", "frozen", "nospec"]
 
 
+# The demo's session settings (also the cotrain bench's), where the user's config does not set them:
+# - batch_size ≤ 8: a step must fit in the tail it is lent for (a revoked step is abandoned);
+# - validate every 5 s: tails are seconds long;
+# - merge into the lineage every 2 steps (one atomic directory write, ~0.03 s for this drafter, against ~0.5 s a
+#   step): a session starved past its stop deadline and killed loses at most one step, and concurrent
+#   contributors see each other's work 2 steps late (measured: merging every 10 steps cost 0.31 of acceptance
+#   length against one session, every 2 steps 0.20; BENCHMARKS.md, cotrain).
+DEMO_TRAINER = {"batch_size": 8, "validate_every_s": 5.0, "merge_every_steps": 2}
+
+
 @dataclass
 class DemoOptions:
     steps: int = 6
@@ -143,12 +153,9 @@ class Demo:
         # the tail leaves idle, but on 2 cores it is also starved while the RL step runs, and with this
         # policy's short tails it often finished no step at all (`--set scheduler.session_nice=19` to try).
         c.trainer.checkpoint_dir = str(self.run_dir / "drafter")
-        # A step must fit in the tail it is lent for (a revoked step is abandoned): small batches on a CPU.
-        c.trainer.batch_size = min(c.trainer.batch_size, 8)
-        c.trainer.validate_every_s = 5.0
-        # Checkpoint after every step (0.03 s for this drafter, against ~0.5 s a step): a session sharing 2 cores
-        # with the RL step can be starved past the stop deadline and killed; it then loses nothing.
-        c.trainer.checkpoint_every_steps = 1
+        for k, v in DEMO_TRAINER.items():
+            if k not in c.trainer.model_fields_set:
+                setattr(c.trainer, k, v if k != "batch_size" else min(c.trainer.batch_size, v))
         c.trainer.validation_samples = self.o.validation_samples
         return c
 
@@ -350,6 +357,7 @@ class Demo:
         acc_frozen = acc_co = None
         if self.o.mode != "nospec":
             acc_frozen, acc_co = self.measure_acceptance(samples)
+            self.record_health(step, acc_frozen, acc_co, min(len(samples), self.o.validation_samples))
         measure_s = time.time() - t_measure
         stats = grpo_step(self.model, self.optimizer, rollouts, self.tokenizer.pad_token_id,
                           temperature=self.o.temperature)
@@ -403,6 +411,22 @@ class Demo:
             return a_frozen, a_frozen
         co = Eagle3Drafter.load(cur.path, emb)
         return a_frozen, validate(co, teacher, held, self.o.k).acceptance_length
+
+    def record_health(self, step: int, acc_frozen: float, acc_co: float, n: int) -> None:
+        """Staleness after each RL step: the drafter the workers ran, on this step's own samples, beside its
+        validated value at promotion (history:drafter_health; dashboards, report)."""
+        cur = None
+        if self.o.mode == "cotrained":
+            cur = state.get(self.r, state.key(self.cluster, "drafter_current"), state.DrafterVersion)
+        h = state.DrafterHealth(
+            drafter_version=cur.version if cur is not None else 0, policy_version=self.policy_version, step=step,
+            acceptance_length=acc_co if cur is not None else acc_frozen,
+            at_promotion=cur.acceptance_length if cur is not None else None,
+            samples=n, source="rl_loop")
+        try:
+            state.append(self.r, state.key(self.cluster, "drafter_health"), h, maxlen=10_000)
+        except Exception as e:  # a view; the RL step is done
+            log.warning("drafter health not recorded: %s", e)
 
     def wait_sessions_stopped(self, timeout_s: float = 15.0) -> None:
         """The RL trainer owns every GPU now: wait until no GPU is lent or reclaiming."""
