@@ -210,7 +210,10 @@ class Lineage:
                 # a seeder lost the race to another seeder: the head it would have made exists
                 return MergeResult(MOVED, h, attempt, 0)
             number = (h.number if h else 0) + 1
-            path = self.root / f"head-{number:08d}-{session_id}-{seq}"
+            # Unique per writer: a writer that loses the race deletes its own directory, never another's
+            # (concurrent seeders are all contributor "seed", so the seeding session's id is in the name).
+            writer = f"{session_id}.{note_session}" if note_session else session_id
+            path = self.root / f"head-{number:08d}-{writer}-{seq}"
             try:
                 if h is None or h.number == base.number:
                     weights = full  # nobody merged since our base: the new head is exactly our weights

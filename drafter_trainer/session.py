@@ -238,6 +238,10 @@ class TrainingSession:
         self._tokens_since_merge += batch.tokens
         return float(res.loss.detach()), batch.tokens, res.step_accuracy
 
+    @property
+    def unmerged_steps(self) -> int:
+        return self._steps_since_merge
+
     def merge(self) -> MergeResult | None:
         """Merge the steps since the last merge into the lineage head (one compare-and-swap), then
         continue from the merged head. None when there is nothing to merge."""

@@ -91,6 +91,8 @@ class Trainer:
         head = s.base
         if head is None or head.steps == 0 or head.number <= self.proposed_head() or not holdout:
             return None
+        if s.fenced_out or s.unmerged_steps:  # the drafter is not the head's weights
+            return None
         try:
             info = self.store.propose(s.drafter, self.teacher, holdout, tc.validation_k, session_id=s.session_id,
                                       note=f"lineage head {head.number} ({head.steps} steps)", check=s.check_continue,

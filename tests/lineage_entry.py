@@ -16,12 +16,11 @@ from tailspec.sessions import run_session
 
 def run(ctx) -> dict:
     pause_at = int(os.environ.get("LINEAGE_PAUSE_AT_MERGE", "0"))
-    seen = {"n": 0}
 
     def hook(point: str, path: Path) -> None:
-        if pause_at and point == "written" and "-seed-" not in path.name:
-            seen["n"] += 1
-            if seen["n"] == pause_at:
+        # head-<number>-<session>-<seq>: a merge that lost a race retries under the same seq
+        if pause_at and point == "written" and "-seed." not in path.name:
+            if int(path.name.rsplit("-", 1)[1]) == pause_at:
                 Path(os.environ["LINEAGE_MARKER"]).write_text(str(path))
                 time.sleep(600)
 

@@ -133,3 +133,31 @@ def test_one_contributor_is_plain_training(tmp_path):
     merged = load_checkpoint(res.head.path).drafter
     for (n, a), b in zip(merged.named_parameters(), ck.drafter.parameters()):
         assert torch.equal(a, b), n
+
+
+def test_concurrent_seeders_agree_on_one_head(lineage_root):
+    """Every fresh session seeds with its own drafter at once: one wins, the head loads, nobody deletes it."""
+    root, r = lineage_root
+    heads, errors = [], []
+
+    def seeder(i: int) -> None:
+        try:
+            d = tiny_drafter()
+            with torch.no_grad():
+                next(d.parameters()).add_(float(i))
+            lin = Lineage(root, r, "c")
+            lin.seed(d, session_id=f"s{i}")
+            heads.append(lin.pull()[0])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=seeder, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    lin = Lineage(root, r, "c")
+    head, ck = lin.pull()
+    assert head.number == 1 and {h.path for h in heads} == {head.path}
+    assert lin.contributions() == {"seed": 0}

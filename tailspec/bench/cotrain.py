@@ -150,7 +150,9 @@ def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_d
         seconds = time.time() - t0
         bad = [g for g, p in enumerate(procs) if p.returncode != 0]
         if bad:
-            raise RuntimeError(f"session(s) {bad} failed; see {root}/session-{n_sessions}-*.log")
+            tail = (root / f"session-{n_sessions}-{bad[0]}.log").read_text()[-3000:]
+            raise RuntimeError(f"session(s) {bad} of run ({'a' if n_sessions == 1 else 'b'}) failed; the first's log "
+                               f"ends:\n{tail}")
         head = Lineage(Path(c.trainer.checkpoint_dir) / "lineage", r, c.cluster.name).head()
         history = [state.decode(DrafterVersion, x) for x in r.lrange(state.key(c.cluster.name, "drafter_versions"), 0, -1)]
         return {"head": head, "seconds": seconds, "first_promotion_s": first_promotion,
