@@ -127,10 +127,6 @@ SEED = "seed"  # the contributor id of the merge that creates the first head
 FAULT_HOOK: Callable[[str, Path], None] | None = None
 
 
-def trainable_names(drafter: Eagle3Drafter) -> list[str]:
-    return [n for n, p in drafter.named_parameters() if p.requires_grad]
-
-
 def snapshot(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
     """A copy of the trainable weights: the base a later delta is taken against."""
     return {n: p.detach().clone() for n, p in drafter.named_parameters() if p.requires_grad}

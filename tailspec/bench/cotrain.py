@@ -19,7 +19,6 @@ that were never in the stream, with v1 as teacher; `merges` (merges into the hea
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -40,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpo-steps", type=int, default=8, help="GRPO steps from v0 to v1")
     p.add_argument("--grpo-lr", type=float, default=1e-4)
     p.add_argument("--grpo-prompts", type=int, default=16, help="prompts per GRPO step (4 responses each)")
+    p.add_argument("--bootstrap-steps", type=int, default=60,
+                   help="optimizer steps of the starting drafter on v0's own rollouts (a step budget gives the same "
+                   "drafter on a busy machine; the demo's bootstrap trains for 60 s instead)")
     p.add_argument("--k", type=int, default=4, help="chain length of the acceptance figure")
     p.add_argument("--validate-every-s", type=float, default=5.0, help="a session proposes a candidate this often "
                    "(the demo's)")
@@ -175,7 +177,8 @@ def run(args: argparse.Namespace) -> dict:
     cfg = config_from_args(args)
     policy0 = resolve_policy(args.preset, cfg.task, cache_dir=Path(cfg.cache_dir))
     print(f"bench cotrain: policy {policy0.name}; bootstrap drafter (cached after the first run)", file=sys.stderr)
-    boot = bootstrap_drafter(policy0, cfg, 256, 60.0, seed=args.seed)
+    main_job_trainer(cfg)
+    boot = bootstrap_drafter(policy0, cfg, 256, seconds=1800.0, seed=args.seed, steps=args.bootstrap_steps)
     v0_samples = load_samples(boot)
     with tempfile.TemporaryDirectory(prefix="tailspec-cotrain-") as tmp:
         root = Path(tmp)

@@ -52,18 +52,21 @@ def rollout_samples(policy_dir: str | Path, cfg: TailspecConfig, n: int, seed: i
     ]
 
 
-def _key(policy_dir: Path, cfg: TailspecConfig, n: int, seconds: float, seed: int) -> str:
+def _key(policy_dir: Path, cfg: TailspecConfig, n: int, seconds: float, seed: int, steps: int | None = None) -> str:
     weights = policy_dir / "model.safetensors"
     h = hashlib.sha256()
     h.update(json.dumps({"trainer": cfg.trainer.model_dump(exclude={"checkpoint_dir"}), "n": n, "s": seconds,
-                         "seed": seed, "task": cfg.task.model_dump(), "format": 2}, sort_keys=True).encode())
+                         "seed": seed, "task": cfg.task.model_dump(), "format": 2,
+                         **({"steps": steps} if steps is not None else {})}, sort_keys=True).encode())
     h.update(weights.read_bytes() if weights.is_file() else str(policy_dir).encode())
     return h.hexdigest()[:16]
 
 
 def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256, seconds: float = 60.0,
-                      seed: int = 0, progress: bool = True) -> str:
-    """Path of the first drafter (the project's checkpoint format), trained on first use and cached."""
+                      seed: int = 0, progress: bool = True, steps: int | None = None) -> str:
+    """Path of the first drafter (the project's checkpoint format), trained on first use and cached: for
+    `seconds`, or for `steps` optimizer steps (then `seconds` is only a cap) — a step budget gives the same
+    drafter on a busy machine as on a quiet one."""
     from tailspec.drafter_trainer.model import Eagle3Drafter
     from tailspec.drafter_trainer.samples import fill_buffer
     from tailspec.drafter_trainer.session import TrainingSession
@@ -71,7 +74,7 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
     from tailspec.sessions import make_buffer
 
     policy_dir = Path(policy_dir)
-    out = Path(cfg.cache_dir) / "drafters" / f"{policy_dir.name}-{_key(policy_dir, cfg, n, seconds, seed)}"
+    out = Path(cfg.cache_dir) / "drafters" / f"{policy_dir.name}-{_key(policy_dir, cfg, n, seconds, seed, steps)}"
     from tailspec.drafter_trainer.model import CONFIG_NAME
 
     if (out / CONFIG_NAME).is_file() and (out / SAMPLES).is_file():
@@ -83,7 +86,7 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
     fill_buffer(buffer, samples, teacher.config.vocab_size, cfg.trainer.max_seq_len)
     with tempfile.TemporaryDirectory(prefix="tailspec-boot-") as tmp:
         session = TrainingSession(cfg.trainer, teacher, buffer, checkpoint_dir=Path(tmp) / "ckpt")
-        res = session.run(max_seconds=seconds)
+        res = session.run(max_seconds=seconds, max_steps=steps)
         drafter: Eagle3Drafter = session.drafter
         drafter.eval()
         out.parent.mkdir(parents=True, exist_ok=True)
