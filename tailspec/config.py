@@ -28,7 +28,6 @@ class _Section(BaseModel):
 class ClusterConfig(_Section):
     name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="namespace of Redis keys")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL (password/TLS ok)")
-    ray_address: str | None = Field(None, description="Ray address for attach mode (auto, HOST:PORT); None = single node")
     node: str = Field("node0", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="this node's name in single-node mode")
 
 
@@ -83,8 +82,6 @@ class TrainerConfig(_Section):
     holdout_fraction: float = Field(0.1, ge=0, lt=1, description="share of samples held out for validation")
     validation_samples: int = Field(64, ge=1, description="held-out samples a candidate is validated on")
     validate_every_s: float = Field(30.0, gt=0, description="a long session proposes a candidate this often")
-    checkpoint_every_steps: int = Field(0, ge=0, description="0 = save only when the session stops "
-                                        "(standalone sessions; cluster sessions merge into the lineage instead)")
     merge_every_steps: int = Field(10, ge=0, description="a session merges its work into the lineage head this "
                                    "often (and when it stops); 0 = only when it stops")
     merge_outer_lr: float = Field(1.0, gt=0, le=2, description="outer step: head += merge_outer_lr * (local - base)")
@@ -100,17 +97,19 @@ class TrainerConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    backend: Literal["native", "vllm"] = "native"
-    drafter: Literal["eagle3", "ngram", "draft_model", "none"] = "eagle3"
+    """The native engine's settings (the demo's rollout workers build their engines from this section)."""
+
+    drafter: Literal["eagle3", "ngram", "draft_model", "none"] = Field(
+        "eagle3", description="drafter kind; none = plain decoding (the demo has eagle3, ngram and none)")
     selector: Literal["adaptive", "fixed", "beg", "threshold"] = "adaptive"
-    k: int = Field(4, ge=0, le=16, description="draft length for the fixed selector")
-    k_max: int = Field(8, ge=1, le=16)
-    max_batch: int = Field(64, ge=1, le=4096)
-    max_seq_len: int = Field(1024, ge=8)
+    k: int = Field(4, ge=0, le=16, description="draft length for the fixed and threshold selectors")
+    k_max: int = Field(8, ge=1, le=16, description="longest draft any selector may pick")
+    max_batch: int = Field(64, ge=1, le=4096, description="running requests per engine (more wait their turn)")
+    max_seq_len: int = Field(1024, ge=8, description="prompt + response tokens per request (the KV cache's length)")
     epsilon: float = Field(0.05, ge=0, le=1, description="exploration rate of the adaptive selector")
-    cuda_graphs: bool = True
-    graph_memory_budget_mb: int = Field(2048, ge=0)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    cuda_graphs: bool = Field(True, description="capture the verify forward's CUDA graphs (on CUDA only)")
+    graph_memory_budget_mb: int = Field(2048, ge=0, description="memory the CUDA graph pool may take")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the policy's dtype in the engine")
 
 
 class DashboardConfig(_Section):

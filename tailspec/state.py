@@ -223,6 +223,8 @@ class WorkItem(_Payload):
     k: int = Field(4, ge=0, le=16)
     temperature: float = Field(1.0, ge=0)
     max_tokens: int = Field(512, ge=1)
+    rollout: dict[str, Any] | None = Field(None, description="the run's `rollout` config section (a RolloutConfig "
+                                           "dump; it wins over selector and k above); None = its defaults")
     requests: list[WorkRequest] = Field(default_factory=list)
     warmup: bool = Field(False, description="load the policy and drafter and time the cost model on these "
                          "requests, then answer with no outputs (an engine's start-up, before the first rollout)")

@@ -69,3 +69,25 @@ def test_cli_config_show(capsys):
     assert "k: 3" in out and "scheduler:" in out
     assert main(["config", "show", "--set", "rollout.k=99"]) == 2
     assert "rollout.k" in capsys.readouterr().err
+
+
+def test_every_config_field_is_read_somewhere():
+    """A key nothing reads is a setting that silently does nothing: every field of every section must be read
+    (as `.field`) by the code outside tailspec/config.py. A weak check for common names (`name`, `k`), a
+    real one for the rest."""
+    import re
+    from pathlib import Path
+
+    from tailspec.config import TailspecConfig
+
+    root = Path(__file__).resolve().parents[1]
+    config_py = root / "tailspec" / "config.py"
+    src = "\n".join(p.read_text() for d in ("tailspec", "rollout", "scheduler", "drafter_trainer", "dashboards")
+                    for p in (root / d).rglob("*.py") if p != config_py)
+    unread = []
+    for section, info in TailspecConfig.model_fields.items():
+        fields = getattr(info.annotation, "model_fields", {section: None})
+        for name in fields:
+            if not re.search(rf"\.{name}\b", src):
+                unread.append(f"{section}.{name}" if name != section else section)
+    assert not unread, f"config fields nothing reads: {unread}"

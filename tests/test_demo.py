@@ -104,3 +104,129 @@ def test_report_and_plots_written(demo_run):
         data = (demo.run_dir / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert any(t["state"] == "lent" for t in demo.timeline)
+
+
+# -- the demo obeys its configuration (no run needed) ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def micro_policy(tmp_path_factory):
+    from tailspec.rl import save_policy_weights
+    from tailspec.tasks.policy import build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    return save_policy_weights(build_model("micro", tok), tok, tmp_path_factory.mktemp("micro") / "policy"), tok
+
+
+def _item(policy, tok, rollout: dict, drafter_path: str | None = "ngram", n: int = 8):
+    from tailspec.config import RolloutConfig
+    from tailspec.state import WorkItem, WorkRequest
+    from tailspec.tasks.tokenizer import encode_prompt
+
+    ids = encode_prompt(tok, "3+4+1=")
+    reqs = [WorkRequest(rid=i, prompt_ids=ids, seed=i) for i in range(n)]
+    return WorkItem(step=1, policy_path=str(policy), drafter_path=drafter_path, drafter_version=1, max_tokens=16,
+                    requests=reqs, rollout=RolloutConfig(**rollout).model_dump(mode="json"))
+
+
+def _worker(redis_url):
+    from tailspec.demo.worker import Worker
+
+    return Worker("w0", 0, redis_url, "cfgtest", "node0")
+
+
+def test_set_rollout_reaches_the_work_items(tmp_path, redis_url):
+    """`--set rollout.*` → Demo.send_work → every WorkItem carries the whole section (the demo's max_seq_len
+    only where the user set none), and the worker reads it back unchanged."""
+    import redis
+
+    from tailspec.config import load_config
+    from tailspec.demo.run import Demo, DemoOptions
+    from tailspec.demo.worker import rollout_config
+    from tailspec.state import WorkItem, WorkRequest
+
+    sets = ["rollout.selector=threshold", "rollout.k=2", "rollout.k_max=5", "rollout.epsilon=0.3",
+            "rollout.max_batch=7", "rollout.cuda_graphs=false", "rollout.graph_memory_budget_mb=64",
+            "rollout.dtype=bfloat16", "rollout.drafter=ngram"]
+    for extra, seq in (([], 640), (["rollout.max_seq_len=800"], 800)):
+        cfg = load_config(overrides=sets + extra, environ={})
+        demo = Demo(DemoOptions(workers=2, run_dir=tmp_path, redis_url=redis_url), cfg)
+        demo.redis_url = redis_url
+        demo.cfg = demo.config()
+        demo.r = redis.Redis.from_url(redis_url)
+        demo.policy_path, demo.policy_version = "policy", 0
+        share = [WorkRequest(rid=0, prompt_ids=[1, 2], seed=0)]
+        demo.send_work(3, [share, share], "drafter", 1)
+        for w in ("w0", "w1"):
+            raw = demo.r.lpop(state.key(demo.cluster, "demo_work", worker=w))
+            item = state.decode(WorkItem, raw, where="test")
+            assert (item.selector, item.k) == ("threshold", 2)
+            assert rollout_config(item) == cfg.rollout.model_copy(update={"max_seq_len": seq})
+        demo.r.close()
+
+
+def test_worker_engine_follows_the_rollout_config(micro_policy, redis_url):
+    import torch
+    from tailspec.rollout.selector import AdaptiveSelector
+
+    policy, tok = micro_policy
+    w = _worker(redis_url)
+    try:
+        item = _item(policy, tok, {"drafter": "ngram", "selector": "fixed", "k": 3, "k_max": 5, "max_batch": 3, "max_seq_len": 96,
+                                       "dtype": "bfloat16"})
+        eng = w._engine(item, _load(w, item))
+        assert (eng.max_batch, eng.max_seq_len, eng.k_max) == (3, 96, 5)
+        assert type(eng.drafter).__name__ == "NgramDrafter" and next(w.model.parameters()).dtype == torch.bfloat16
+        assert eng.choose_k(3, eng.stats) == 3
+        assert w.pool is None and eng.verify_forward == eng.runner.forward  # CPU: no CUDA graphs
+
+        item = _item(policy, tok, {"drafter": "ngram", "selector": "adaptive", "epsilon": 0.3, "k_max": 2, "max_batch": 2,
+                                       "max_seq_len": 96})
+        eng = w._engine(item, _load(w, item))
+        assert isinstance(eng.choose_k, AdaptiveSelector) and eng.choose_k.epsilon == 0.3
+        assert eng.k_max == 2 and max(w.cost.ks) == 2 and max(w.cost.buckets) == 2
+
+        item = _item(policy, tok, {"drafter": "none", "max_seq_len": 96})  # a drafter path, but plain decoding
+        assert w._engine(item, _load(w, item)).drafter is None
+        with pytest.raises(ValueError, match="draft_model"):  # the demo has no draft model: said, not ignored
+            w.run_item(_item(policy, tok, {"drafter": "draft_model", "max_seq_len": 96}))
+    finally:
+        w.client.close()
+
+
+def _load(w, item):
+    from tailspec.demo.worker import rollout_config
+
+    rc = rollout_config(item)
+    w._load_policy(item, rc)
+    w._load_drafter(item, rc)
+    return rc
+
+
+def test_worker_graph_pool_replays_the_same_tokens(micro_policy, redis_url):
+    """rollout.cuda_graphs builds the pool from the worker's cost model, capturing the draft lengths the
+    configured selector picks (on CPU: the same plan's padded static-buffer path, emulated); the pooled
+    engine decodes exactly what the eager one does (greedy: no sampling ties at float noise)."""
+    from tailspec.demo.worker import attach_graph_pool
+    from tailspec.rollout.sequence import SamplingParams
+
+    policy, tok = micro_policy
+    w = _worker(redis_url)
+    try:
+        item = _item(policy, tok, {"drafter": "ngram", "selector": "fixed", "k": 2, "k_max": 3, "max_batch": 4,
+                                   "max_seq_len": 96})
+        rc = _load(w, item)
+        w._measure_cost(w._engine(item, rc), item, rc)
+        outs = {}
+        for pooled in (False, True):
+            eng = w._engine(item, rc)
+            if pooled:
+                assert attach_graph_pool(eng, rc.model_copy(update={"cuda_graphs": False}), w.cost, emulate=True) is None
+                pool = attach_graph_pool(eng, rc, w.cost, emulate=True)
+                assert pool.graphs and eng.verify_forward == pool.forward
+                assert {k for _, k in pool.plan.pairs()} == {2}  # the fixed selector's k only
+            params = [SamplingParams(max_tokens=16, temperature=0.0) for _ in item.requests]
+            outs[pooled] = [o.token_ids for o in eng.generate([r.prompt_ids for r in item.requests], params)]
+        assert pool.replays > 0 and outs[True] == outs[False]
+    finally:
+        w.client.close()

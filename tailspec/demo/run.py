@@ -190,8 +190,7 @@ class Demo:
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         for w in range(self.o.workers):
             cmd = [sys.executable, "-m", "tailspec.demo.worker", "--name", f"w{w}", "--gpu", str(w),
-                   "--redis", self.redis_url, "--cluster", self.cluster, "--node", self.cfg.cluster.node,
-                   "--max-seq-len", str(self.o.max_seq_len)]
+                   "--redis", self.redis_url, "--cluster", self.cluster, "--node", self.cfg.cluster.node]
             logf = open(self.run_dir / f"worker-w{w}.log", "w")
             self._procs.append(subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT))
 
@@ -277,13 +276,23 @@ class Demo:
             return [ordered[w * n : (w + 1) * n] for w in range(self.o.workers)]
         return [reqs[w :: self.o.workers] for w in range(self.o.workers)]
 
+    def worker_rollout_config(self):
+        """The `rollout` section the workers build their engines from: the user's, with the demo's
+        max_seq_len where the user's config does not set one."""
+        rc = self.cfg.rollout
+        if "max_seq_len" not in rc.model_fields_set:
+            rc = rc.model_copy(update={"max_seq_len": self.o.max_seq_len})
+        return rc
+
     def send_work(self, step: int, shares: list[list[WorkRequest]], drafter_path: str | None,
                   drafter_version: int | None, warmup: bool = False) -> None:
         self.r.delete(state.key(self.cluster, "demo_results"))  # a round's results start from an empty list
+        rc = self.worker_rollout_config()
         for w, share in enumerate(shares):
             item = WorkItem(step=step, policy_path=self.policy_path, policy_version=self.policy_version,
                             drafter_path=drafter_path, drafter_version=drafter_version,
-                            selector="adaptive", k=self.o.k, temperature=self.o.temperature,
+                            selector=rc.selector, k=rc.k, rollout=rc.model_dump(mode="json"),
+                            temperature=self.o.temperature,
                             max_tokens=self.o.max_tokens, requests=share, warmup=warmup)
             self.r.rpush(state.key(self.cluster, "demo_work", worker=f"w{w}"), state.encode(item))
 

@@ -3,7 +3,9 @@
 It stands where a verl / NeMo-RL rollout worker stands: it takes a batch of prompts, generates with the
 current policy and drafter, reports progress to tailspec through the client while it decodes (so the
 scheduler sees it drain), and hands tokens + the policy's logprobs back to the RL loop. Work and results
-travel as JSON through Redis lists (state keys `demo_work` / `demo_results`), never pickle.
+travel as JSON through Redis lists (state keys `demo_work` / `demo_results`), never pickle. Each work item carries the run's `rollout` config section, and the worker builds its engine from it:
+selector, k, k_max, epsilon, max_batch, max_seq_len, dtype, drafter kind, and a CUDA graph pool for the verify
+forward when `rollout.cuda_graphs` is on and CUDA is present (CUDA device `gpu` when there is one).
 """
 
 from __future__ import annotations
@@ -23,89 +25,178 @@ from tailspec.state import WorkItem, WorkOutput, WorkResult
 log = logging.getLogger("tailspec.demo.worker")
 
 
+def rollout_config(item: WorkItem):
+    """The run's `rollout` config section as the RL loop sent it with the work (selector, k, k_max, epsilon,
+    max_batch, max_seq_len, cuda_graphs, graph_memory_budget_mb, dtype, drafter). An item without one gets
+    the section's defaults with the item's selector and k."""
+    from tailspec.config import RolloutConfig
+
+    if item.rollout is not None:
+        return RolloutConfig.model_validate(item.rollout)
+    return RolloutConfig(selector=item.selector, k=item.k)
+
+
+def work_output(rid: int, out) -> WorkOutput:
+    """A finished request for the RL loop."""
+    return WorkOutput(rid=rid, token_ids=out.token_ids, logprobs=out.logprobs,
+                      finish_reason=out.finish_reason, target_forwards=out.stats.target_forwards,
+                      drafted=out.stats.drafted, accepted=out.stats.accepted)
+
+
+def plan_ks(rc) -> list[int] | None:
+    """The draft lengths the configured selector can pick (what a graph pool should capture); None = the
+    adaptive selector's candidates from the cost model (beg may pick any k up to k_max: the same)."""
+    k = min(rc.k, rc.k_max)
+    if rc.drafter == "none":
+        return [0]
+    if rc.selector == "fixed":
+        return [k]
+    if rc.selector == "threshold":
+        return sorted({0, k})
+    return None
+
+
+def attach_graph_pool(engine, rc, cost, emulate: bool = False):
+    """`rollout.cuda_graphs` on and the engine on CUDA: capture the verify forward's CUDA graphs (plan from the
+    cost model, within `rollout.graph_memory_budget_mb`) and attach them to the engine; None otherwise.
+    `emulate` runs the same plan's padded static-buffer path on CPU (tests)."""
+    if not rc.cuda_graphs or cost is None or (engine.device.type != "cuda" and not emulate):
+        return None
+    from tailspec.rollout.graph_pool import build_pool
+
+    ks = plan_ks(rc)
+    if ks is not None:
+        ks = [k for k in ks if k in cost.ks] or None
+    return build_pool(engine, cost, rc.graph_memory_budget_mb << 20, ks=ks, emulate=emulate)
+
+
+def worker_device(gpu: int) -> torch.device:
+    """The worker's accelerator: CUDA device `gpu` (modulo the devices there are) where CUDA is present, else
+    the CPU (simulated GPUs)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", gpu % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 class Worker:
-    def __init__(self, name: str, gpu: int, redis_url: str, cluster: str, node: str, max_seq_len: int,
-                 k_max: int, progress_period_s: float = 0.1):
+    def __init__(self, name: str, gpu: int, redis_url: str, cluster: str, node: str,
+                 progress_period_s: float = 0.1):
         import redis
 
         from tailspec.scheduler.client import TailspecClient
 
         self.name, self.gpu, self.cluster = name, gpu, cluster
-        self.max_seq_len, self.k_max = max_seq_len, k_max
+        self.device = worker_device(gpu)
         self.progress_period_s = progress_period_s
         self.r = redis.Redis.from_url(redis_url)
         self.client = TailspecClient(redis_url, cluster=cluster, node=node)
-        self.policy_key: tuple[str | None, int] | None = None
-        self.drafter_key: tuple[str | None, int | None] | None = None
+        self.policy_key: tuple | None = None
+        self.drafter_key: tuple | None = None
         self.model = None
         self.drafter_module = None
-        self.cost = None  # measured once per worker on its first speculative phase (same shapes after)
+        # measured once per worker on its first phase that needs one (same shapes after), per engine shape
+        self.cost = None
+        self.cost_key: tuple | None = None
         self.acceptance = None
+        self.pool = None  # the last engine's graph pool (None: eager)
 
-    def _load_policy(self, item: WorkItem) -> None:
+    def _load_policy(self, item: WorkItem, rc) -> None:
         from tailspec.tasks.policy import load_policy
 
-        key = (item.policy_path, item.policy_version)
+        key = (item.policy_path, item.policy_version, rc.dtype, str(self.device))
         if key != self.policy_key:
-            self.model, _ = load_policy(item.policy_path)
+            self.model, _ = load_policy(item.policy_path, dtype=getattr(torch, rc.dtype))
+            self.model.to(self.device)
             self.policy_key = key
             self.drafter_key = None  # the drafter shares the target's embedding: rebind
 
-    def _load_drafter(self, item: WorkItem) -> None:
-        key = (item.drafter_path, item.drafter_version)
+    def _load_drafter(self, item: WorkItem, rc) -> None:
+        """The drafter the phase decodes with: none without a drafter path (plain decoding: the nospec
+        baseline) or with `rollout.drafter: none`; else the `rollout.drafter` kind (eagle3: the item's
+        checkpoint; ngram: prompt lookup)."""
+        key = (item.drafter_path, item.drafter_version, rc.drafter)
         if key == self.drafter_key:
             return
         self.drafter_module = None
-        if item.drafter_path:
+        if item.drafter_path and rc.drafter == "eagle3":
             from tailspec.drafter_trainer.model import Eagle3Drafter as Eagle3Module
 
-            self.drafter_module = Eagle3Module.load(item.drafter_path,
-                                                    target_embedding=self.model.get_input_embeddings())
+            self.drafter_module = Eagle3Module.load(item.drafter_path, target_embedding=self.model.get_input_embeddings(),
+                                                    map_location=self.device).to(dtype=getattr(torch, rc.dtype))
         self.drafter_key = key
 
-    def _engine(self, item: WorkItem):
-        from tailspec.rollout.drafters import Eagle3Drafter
-        from tailspec.rollout.engine import Engine
+    def _drafter(self, item: WorkItem, rc):
+        from tailspec.rollout.drafters import Eagle3Drafter, NgramDrafter
 
-        from tailspec.config import RolloutConfig
+        if not item.drafter_path or rc.drafter == "none":
+            return None
+        if rc.drafter == "ngram":
+            return NgramDrafter()
+        if rc.drafter == "draft_model":
+            raise ValueError("rollout.drafter=draft_model: the demo has no draft model; use eagle3 (co-trained), "
+                             "ngram or none")
+        return Eagle3Drafter(self.drafter_module, target=self.model)
+
+    def _measure_cost(self, engine, item: WorkItem, rc, on_step=None) -> None:
+        """The cost model t(b, k) of this engine's shape, timed on the first phase that needs one (the
+        adaptive selector, or a graph pool's plan) and reused while the shape stays (same drafter kind, k_max,
+        dtype, device; batch within the measured buckets)."""
         from tailspec.rollout import cost_model
+
+        key = (engine.k_max, type(engine.drafter).__name__, rc.dtype, str(self.device))
+        if self.cost is not None and self.cost_key == key and engine.max_batch <= max(self.cost.buckets):
+            return
+        prompts = [r.prompt_ids for r in item.requests[:8]]
+        self.cost = cost_model.measure(engine, prompts, buckets=cost_model.default_buckets(engine.max_batch),
+                                       ks=cost_model.default_ks(engine.k_max), steps=3,
+                                       temperature=item.temperature, on_step=on_step)
+        self.cost_key = key
+        engine.step_log.clear()  # the warm-up is not part of the rollout's strategy mix
+
+    def _engine(self, item: WorkItem, rc):
         from tailspec.rollout.acceptance import AcceptanceTracker
+        from tailspec.rollout.engine import Engine
         from tailspec.rollout.selector import make_selector
 
-        drafter = Eagle3Drafter(self.drafter_module, target=self.model) if self.drafter_module is not None else None
-        k_max = self.k_max if drafter is not None else 0
+        drafter = self._drafter(item, rc)
+        k_max = rc.k_max if drafter is not None else 0
         eos = self.model.config.eos_token_id
-        engine = Engine(self.model, drafter, choose_k=0, max_batch=max(1, len(item.requests)),
-                        max_seq_len=self.max_seq_len, k_max=k_max, seed=item.step, eos_token_id=eos)
-        if drafter is None:
-            return engine
-        rc = RolloutConfig(selector=item.selector, k=min(item.k, k_max), k_max=k_max, drafter="eagle3")
-        if rc.selector == "adaptive":
-            if self.acceptance is None:
+        engine = Engine(self.model, drafter, choose_k=0, max_batch=max(1, min(rc.max_batch, len(item.requests))),
+                        max_seq_len=rc.max_seq_len, k_max=k_max, seed=item.step, eos_token_id=eos)
+        self.pool = None
+        adaptive = drafter is not None and rc.selector == "adaptive"
+        wants_pool = rc.cuda_graphs and engine.device.type == "cuda"
+        if adaptive:
+            if self.acceptance is None or self.acceptance.k_max != k_max:
                 self.acceptance = AcceptanceTracker(k_max=k_max)
             self.acceptance.set_version(item.drafter_version, item.policy_version)
-            if self.cost is None:
-                prompts = [r.prompt_ids for r in item.requests[:8]]
-                buckets = cost_model.default_buckets(len(item.requests))
-                self.cost = cost_model.measure(engine, prompts, buckets=buckets, ks=cost_model.default_ks(k_max),
-                                               steps=3, on_step=self.acceptance.observe)
-                engine.step_log.clear()  # the warm-up is not part of the rollout's strategy mix
-        engine.choose_k = make_selector(rc, self.cost, self.acceptance, seed=item.step)
+        if adaptive or wants_pool:
+            self._measure_cost(engine, item, rc, on_step=self.acceptance.observe if adaptive else None)
+        if drafter is not None:
+            engine.choose_k = make_selector(rc.model_copy(update={"k": min(rc.k, k_max)}), self.cost,
+                                            self.acceptance if adaptive else None, seed=item.step)
+        if wants_pool:
+            t0 = time.perf_counter()
+            self.pool = attach_graph_pool(engine, rc, self.cost)
+            log.info("CUDA graph pool: %d graphs (%d shapes left eager), %.0f MiB, captured in %.2f s",
+                     len(self.pool.graphs), len(self.pool.plan.skipped), self.pool.pool_bytes_measured / 2**20,
+                     time.perf_counter() - t0)
         return engine
 
     def run_item(self, item: WorkItem) -> WorkResult:
         from tailspec.rollout.sequence import SamplingParams
 
         started = time.time()
-        self._load_policy(item)
-        self._load_drafter(item)
-        engine = self._engine(item)
+        rc = rollout_config(item)
+        self._load_policy(item, rc)
+        self._load_drafter(item, rc)
+        engine = self._engine(item, rc)
         if item.warmup:
             return WorkResult(worker=self.name, step=item.step, outputs=[], started_at=started, finished_at=time.time())
         n = len(item.requests)
         rid_of: dict[int, int] = {}
         for req in item.requests:
-            max_tokens = min(item.max_tokens, self.max_seq_len - len(req.prompt_ids))
+            max_tokens = min(item.max_tokens, rc.max_seq_len - len(req.prompt_ids))
             sp = SamplingParams(max_tokens=max_tokens, temperature=item.temperature, seed=req.seed)
             rid_of[engine.add_request(req.prompt_ids, sp)] = req.rid
         outputs: list[WorkOutput] = []
@@ -113,10 +204,7 @@ class Worker:
         last = 0.0
         while engine.has_unfinished():
             for out in engine.step():
-                outputs.append(WorkOutput(
-                    rid=rid_of[out.request_id], token_ids=out.token_ids, logprobs=out.logprobs,
-                    finish_reason=out.finish_reason, target_forwards=out.stats.target_forwards,
-                    drafted=out.stats.drafted, accepted=out.stats.accepted))
+                outputs.append(work_output(rid_of[out.request_id], out))
                 tokens += len(out.token_ids)
             now = time.monotonic()
             if now - last >= self.progress_period_s:
@@ -163,15 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis", required=True)
     ap.add_argument("--cluster", required=True)
     ap.add_argument("--node", default="node0")
-    ap.add_argument("--max-seq-len", type=int, default=640)
-    ap.add_argument("--k-max", type=int, default=8)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # one simulated GPU = one core's worth of work; workers share 2 cores
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {args.name}: %(message)s")
-    Worker(args.name, args.gpu, args.redis, args.cluster, args.node, args.max_seq_len, args.k_max).serve()
+    Worker(args.name, args.gpu, args.redis, args.cluster, args.node).serve()
     return 0
 
 
