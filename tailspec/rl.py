@@ -4,6 +4,12 @@ Groups of responses per prompt, group-normalized advantages, and a clipped polic
 old log-probabilities are the rollout engine's own (RL needs the policy's own logprobs; the engine is
 lossless, so they are the policy's). It talks to tailspec only through the client calls, as an RL
 framework would.
+
+One distribution on both sides of the ratio: the rollout sampled from the policy at temperature T, so the
+old logprobs are that distribution's (the engine's `sampling_logprobs`, not its raw T = 1 `logprobs`), and
+`grpo_step` / `recompute_logprobs` evaluate the policy at the same T (logits / T, as verl and OpenRLHF do).
+At T = 1 the two kinds of engine logprobs coincide; at T != 1 mixing them makes the ratio of an unchanged
+policy differ from 1 and the clip cut gradients it should not.
 """
 
 from __future__ import annotations
@@ -20,7 +26,11 @@ import torch.nn.functional as F
 
 @dataclass
 class Rollout:
-    """One response: ids, the rollout's per-token logprobs of the emitted tokens, reward, group."""
+    """One response: ids, the rollout's per-token logprobs of the emitted tokens, reward, group.
+
+    `logprobs` are those of the distribution the tokens were sampled from: the policy at the rollout's
+    temperature (the engine's `RequestOutput.sampling_logprobs`). Top-k / top-p truncation is not modelled by
+    `grpo_step`: roll out without it."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -59,7 +69,10 @@ def _pad(rollouts: list[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def token_logprobs(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(token t+1 | ≤ t) for every position of right-padded sequences, [B, T-1]."""
+    """log p_T(token t+1 | ≤ t) for every position of right-padded sequences, [B, T-1], where p_T is the
+    policy at `temperature` (softmax of logits / T): the distribution a rollout at that temperature samples."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (a greedy rollout has no sampling distribution), got {temperature!r}")
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -68,7 +81,8 @@ def token_logprobs(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor
 
 @torch.no_grad()
 def recompute_logprobs(model: torch.nn.Module, rollouts: list[Rollout], pad_id: int, temperature: float = 1.0) -> list[list[float]]:
-    """A plain forward over the same tokens: the reference the engine's logprobs must equal."""
+    """A plain forward over the same tokens at `temperature`: the reference the rollout's (sampling)
+    logprobs must equal, for a rollout sampled at that temperature."""
     ids, attn, resp, _ = _pad(rollouts, pad_id)
     lp = token_logprobs(model, ids, attn, temperature)
     return [lp[i][resp[i]].tolist() for i in range(len(rollouts))]
@@ -93,7 +107,10 @@ def grpo_step(
     temperature: float = 1.0,
     max_grad_norm: float = 1.0,
 ) -> StepStats:
-    """One GRPO update over `rollouts` (one pass, minibatches; token-level mean of the clipped objective)."""
+    """One GRPO update over `rollouts` (one pass, minibatches; token-level mean of the clipped objective).
+
+    `temperature` is the rollout's: the ratio is p_T,new / p_T,old, both at that temperature, with the old
+    logprobs from `Rollout.logprobs` (the sampling distribution's). For an unchanged policy it is 1."""
     rewards = np.array([r.reward for r in rollouts], dtype=np.float64)
     groups = np.array([r.group for r in rollouts])
     adv = group_advantages(rewards, groups)

@@ -77,3 +77,77 @@ def test_save_policy_weights_is_loadable_and_replaces(tmp_path):
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, m3(ids).logits)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
+
+
+def test_grpo_step_rejects_a_temperature_without_a_sampling_distribution():
+    import pytest
+
+    model, tok = _model()
+    ro = [Rollout([1, 30], [31, 2], [-1.0, -1.0], float(i % 2), 0) for i in range(2)]
+    with pytest.raises(ValueError, match="temperature"):
+        grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), ro, tok.pad_token_id, temperature=0.0)
+
+
+def _policy_logprobs_at(model, prompt, response, temperature):
+    """Independent of tailspec.rl: one unpadded HF forward per sequence, logits / T, log-softmax."""
+    ids = torch.tensor([prompt + response])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+def test_grpo_ratio_at_temperature_compares_the_sampling_distribution(tmp_path, redis_url):
+    """At T = 0.7 the old logprobs the RL loop gets from a rollout worker and the new ones `grpo_step` computes
+    are the same distribution's (the policy at T): for the unchanged policy of the first step the ratio is 1,
+    so the recomputation equals the rollout's logprobs, and the clipped objective's update equals the plain
+    policy gradient sum(A * grad log p_T) / tokens computed independently. (Raw T = 1 logprobs on one side made
+    the ratio p_T / p_1: a different update, and clipped tokens.)"""
+    from tailspec.config import RolloutConfig
+    from tailspec.demo.worker import Worker
+    from tailspec.state import WorkItem, WorkRequest
+    from tailspec.tasks.tokenizer import encode_prompt
+
+    T = 0.7
+    model, tok = _model()
+    torch.manual_seed(0)
+    with torch.no_grad():  # a peaked distribution, where temperature matters
+        model.lm_head.weight.mul_(20.0)
+    path = save_policy_weights(model, tok, tmp_path / "policy")
+    prompts = [encode_prompt(tok, p) for p in ("3+4+1=", "7+7=", "2+9+5+1=", "8=")]
+    reqs = [WorkRequest(rid=i, prompt_ids=prompts[i // 2], seed=100 + i) for i in range(8)]
+    item = WorkItem(step=0, policy_path=str(path), temperature=T, max_tokens=24, requests=reqs,
+                    rollout=RolloutConfig(max_seq_len=64, cuda_graphs=False).model_dump(mode="json"))
+    worker = Worker("w0", 0, redis_url, "rltest", "node0")
+    try:
+        res = worker.run_item(item)
+    finally:
+        worker.client.close()
+    outs = sorted(res.outputs, key=lambda o: o.rid)
+    assert len(outs) == 8 and all(len(o.token_ids) > 0 for o in outs)
+    # the RL loop's rollouts, as the demo builds them: rewards that differ inside each group
+    rollouts = [Rollout(reqs[o.rid].prompt_ids, o.token_ids, o.logprobs, float(o.rid % 2), o.rid // 2) for o in outs]
+
+    with torch.no_grad():
+        ref = [_policy_logprobs_at(model, r.prompt_ids, r.response_ids, T) for r in rollouts]
+        raw = [_policy_logprobs_at(model, r.prompt_ids, r.response_ids, 1.0) for r in rollouts]
+    gap = max(float((a - b).abs().max()) for a, b in zip(ref, raw))
+    assert gap > 0.05, f"T = {T} barely changes this policy's logprobs ({gap}): the test would not see a mix-up"
+    for r, want in zip(rollouts, ref):
+        np.testing.assert_allclose(r.logprobs, want.numpy(), atol=1e-4)
+    for r, got in zip(rollouts, recompute_logprobs(model, rollouts, tok.pad_token_id, temperature=T)):
+        np.testing.assert_allclose(got, r.logprobs, atol=1e-4)
+
+    # the independent policy gradient at ratio 1
+    adv = group_advantages(np.array([r.reward for r in rollouts]), np.array([r.group for r in rollouts]))
+    ntok = sum(len(r.response_ids) for r in rollouts)
+    model.zero_grad(set_to_none=True)
+    loss = -sum(float(a) * _policy_logprobs_at(model, r.prompt_ids, r.response_ids, T).sum()
+                for a, r in zip(adv, rollouts)) / ntok
+    loss.backward()
+    want = [p.grad.detach().clone() for p in model.parameters()]
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), rollouts, tok.pad_token_id,
+                      minibatch=len(rollouts), temperature=T, max_grad_norm=1e9)
+    assert stats.clip_fraction == 0.0 and stats.tokens == ntok
+    got = torch.cat([(b - p.detach()).ravel() for b, p in zip(before, model.parameters())])
+    want = torch.cat([g.ravel() for g in want])
+    assert float((got - want).norm()) <= 1e-3 * float(want.norm()), float((got - want).norm() / want.norm())

@@ -66,7 +66,7 @@ def reward_curve(policy, draft, tok, seed: int, spec: bool) -> list[float]:
                         max_seq_len=MAX_SEQ, k_max=k if spec else 0, seed=seed)
         outs = engine.generate(prompts, params)
         rollouts = [
-            Rollout(p, o.token_ids, o.logprobs, grade(problems[i // GROUP], decode_response(tok, o.token_ids)).reward,
+            Rollout(p, o.token_ids, o.sampling_logprobs, grade(problems[i // GROUP], decode_response(tok, o.token_ids)).reward,
                     i // GROUP)
             for i, (p, o) in enumerate(zip(prompts, outs))
         ]

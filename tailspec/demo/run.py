@@ -361,7 +361,7 @@ class Demo:
         t_measure = time.time()
         # RL fidelity: the rollout's logprobs are the policy's own (checked on a slice every step).
         check = rollouts[: min(8, len(rollouts))]
-        ref = recompute_logprobs(self.model, check, self.tokenizer.pad_token_id)
+        ref = recompute_logprobs(self.model, check, self.tokenizer.pad_token_id, temperature=self.o.temperature)
         lp_diff = max((abs(a - b) for ro, rf in zip(check, ref) for a, b in zip(ro.logprobs, rf)), default=0.0)
         acc_frozen = acc_co = None
         if self.o.mode != "nospec":

@@ -2,8 +2,9 @@
 
 It stands where a verl / NeMo-RL rollout worker stands: it takes a batch of prompts, generates with the
 current policy and drafter, reports progress to tailspec through the client while it decodes (so the
-scheduler sees it drain), and hands tokens + the policy's logprobs back to the RL loop. Work and results
-travel as JSON through Redis lists (state keys `demo_work` / `demo_results`), never pickle. Each work item carries the run's `rollout` config section, and the worker builds its engine from it:
+scheduler sees it drain), and hands tokens + the logprobs of the distribution it sampled from back to the RL
+loop. Work and results travel as JSON through Redis lists (state keys `demo_work` / `demo_results`), never
+pickle. Each work item carries the run's `rollout` config section, and the worker builds its engine from it:
 selector, k, k_max, epsilon, max_batch, max_seq_len, dtype, drafter kind, and a CUDA graph pool for the verify
 forward when `rollout.cuda_graphs` is on and CUDA is present (CUDA device `gpu` when there is one).
 """
@@ -37,8 +38,10 @@ def rollout_config(item: WorkItem):
 
 
 def work_output(rid: int, out) -> WorkOutput:
-    """A finished request for the RL loop."""
-    return WorkOutput(rid=rid, token_ids=out.token_ids, logprobs=out.logprobs,
+    """A finished request for the RL loop. Its logprobs are those of the distribution each token was sampled
+    from (the policy at the rollout's temperature: `sampling_logprobs`), the old logprobs of GRPO's ratio; the
+    raw T = 1 logprobs would make the ratio compare two distributions whenever T != 1."""
+    return WorkOutput(rid=rid, token_ids=out.token_ids, logprobs=out.sampling_logprobs,
                       finish_reason=out.finish_reason, target_forwards=out.stats.target_forwards,
                       drafted=out.stats.drafted, accepted=out.stats.accepted)
 
