@@ -19,8 +19,9 @@ FIELDS = {"step", "mode", "step_time_s", "rollout_time_s", "train_time_s", "idle
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory, redis_server):
+    from tailspec.commands.demo import announcing_demo
     from tailspec.config import load_config
-    from tailspec.demo.run import Demo, DemoOptions
+    from tailspec.demo.run import DemoOptions
 
     cfg = load_config(environ={})
     run_dir = tmp_path_factory.mktemp("run")
@@ -30,8 +31,24 @@ def demo_run(tmp_path_factory, redis_server):
                        deal="by_length",  # the longest problems on one worker: a tail on every step
                        bootstrap_samples=64, bootstrap_seconds=5, validation_samples=8, run_dir=run_dir,
                        redis_url=redis_server.url, dashboard=True)
-    demo = Demo(opts, cfg)
+    demo = announcing_demo(opts, cfg, on_started)
     return demo, demo.run()
+
+
+STARTED: dict = {}
+
+
+def on_started(demo):
+    """The command's hook: services are up, no step has run; the dashboard's address is known and it serves."""
+    import urllib.request
+
+    STARTED["url"] = demo.dashboard_url
+    STARTED["rows"] = len(demo.rows)
+    try:  # a failure here is this test's, not the whole run's
+        with urllib.request.urlopen(demo.dashboard_url + "/api/state", timeout=10) as resp:
+            STARTED["status"] = resp.status
+    except Exception as e:  # noqa: BLE001
+        STARTED["status"] = repr(e)
 
 
 def test_metrics_have_a_row_per_step_with_every_field(demo_run):
@@ -72,8 +89,8 @@ def test_a_candidate_was_trained(demo_run):
 
 def test_export_directories_load(demo_run):
     import torch
-
     from tailspec.drafter_trainer.export import load_export
+
     from tailspec.tasks.policy import load_policy
 
     demo, _ = demo_run
@@ -93,8 +110,9 @@ def test_rollout_logprobs_equal_plain_recomputation(demo_run):
 
 
 def test_report_and_plots_written(demo_run):
-    from tailspec.demo.report import write_report
     from dataclasses import asdict
+
+    from tailspec.demo.report import write_report
 
     demo, rows = demo_run
     report = write_report(demo.run_dir, [asdict(r) for r in rows], demo.timeline, {"mode": "cotrained"})
@@ -104,6 +122,11 @@ def test_report_and_plots_written(demo_run):
         data = (demo.run_dir / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert any(t["state"] == "lent" for t in demo.timeline)
+
+
+def test_the_dashboard_address_is_known_and_served_when_the_run_starts(demo_run):
+    demo, _ = demo_run
+    assert STARTED == {"url": demo.dashboard_url, "rows": 0, "status": 200}, STARTED
 
 
 # -- the demo obeys its configuration (no run needed) ---------------------------------------------------------
@@ -230,3 +253,90 @@ def test_worker_graph_pool_replays_the_same_tokens(micro_policy, redis_url):
         assert pool.replays > 0 and outs[True] == outs[False]
     finally:
         w.client.close()
+
+
+# -- what the command prints ------------------------------------------------------------------------------------
+
+
+def _row(**kw):
+    from tailspec.demo.run import StepRow
+
+    base = {"step": 123, "mode": "cotrained", "step_time_s": 123.4, "rollout_time_s": 99.9, "train_time_s": 23.5, "measure_s": 3.0,
+                "wait_sessions_s": 0.1, "idle_gpu_seconds": 123.4, "lent_gpu_seconds": 123.4, "drafter_version": 123,
+                "acceptance_length": 2.36, "acceptance_frozen": 2.28, "acceptance_cotrained": 2.36, "tokens": 99999,
+                "rollout_tokens_per_s": 12345.0, "mean_reward": 0.62, "accuracy": 0.6, "policy_version": 124,
+                "logprob_max_abs_diff": 1e-6, "sessions": 3}
+    base.update(kw)
+    return StepRow(**base)
+
+
+def _render(*renderables, width: int = 80) -> str:
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, color_system=None, legacy_windows=False)
+    for r in renderables:
+        console.print(r)
+    return buf.getvalue()
+
+
+def test_step_table_fits_80_columns_with_whole_headers():
+    from tailspec.commands.demo import STEP_COLUMNS, step_table
+
+    rows = [_row(step=0, drafter_version=None, acceptance_frozen=None, acceptance_cotrained=None,
+                 rollout_tokens_per_s=980.0), _row()]
+    out = _render(step_table(rows))
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80, out
+    assert "…" not in out, out
+    import re
+
+    top, bottom = lines[1], lines[2]  # under the title, the two header lines: every header whole
+    for col in STEP_COLUMNS:
+        *first, last = col.split("\n")
+        assert re.search(rf"(^|\s){re.escape(last)}(\s|$)", bottom), (col, out)
+        for part in first:
+            assert re.search(rf"(^|\s){re.escape(part)}(\s|$)", top), (col, out)
+    for cell in ("123.4", "v123", "2.36/2.28", "12345", "0.62", "-/-"):
+        assert cell in out, (cell, out)
+
+
+def test_intro_lines_fit_80_columns():
+    from tailspec.commands.demo import intro_lines, policy_line
+    from tailspec.tasks.policy import PRESETS
+
+    meta = {"params": 12_345_678, "accuracy": 0.578, "len_p50": 143, "len_p90": 995, "len_p99": 1999}
+    lines = [policy_line(p, "runsum") for p in PRESETS] + intro_lines(64, meta)
+    out = _render(*lines)
+    assert len(out.splitlines()) == len(lines), out  # none wrapped
+    assert max(len(line) for line in out.splitlines()) <= 80, out
+
+
+def test_log_records_print_on_lines_of_their_own_above_the_live_table():
+    import io
+    import logging
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from tailspec.commands.demo import _ConsoleLog, step_table
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=80, force_terminal=True, color_system=None, legacy_windows=False)
+    root = logging.getLogger()
+    plain = logging.StreamHandler(io.StringIO())
+    root.addHandler(plain)
+    try:
+        with Live(step_table([_row()]), console=console, auto_refresh=False, transient=False), _ConsoleLog(console):
+            assert plain not in root.handlers
+            logging.getLogger("tailspec.demo").warning("bootstrap drafter: 256 samples")
+        assert plain in root.handlers
+    finally:
+        root.removeHandler(plain)
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue()).replace("\r", "\n")  # cursor moves, erasures
+    assert any(line.strip() == "WARNING tailspec.demo: bootstrap drafter: 256 samples" for line in text.split("\n")), text
+    assert plain.stream.getvalue() == ""

@@ -48,14 +48,106 @@ def options_from_args(args: argparse.Namespace):
                        bootstrap_seconds=args.bootstrap_seconds)
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.live import Live
+# The per-step table: two-line headers, no vertical rules and one space of padding, so that it fits an
+# 80-column terminal with room to spare (75 columns with 3-digit steps, 5-digit tok/s); `step_table` is
+# what the live display and the test render.
+STEP_COLUMNS = ("step", "step\ns", "rollout\ns", "idle\nGPU·s", "lent\nGPU·s", "drafter", "acc.\nlen",
+                "acc.\nco/frozen", "tok/s", "reward")
+WIDTH = 80
+
+
+def step_cells(r) -> list[str]:
+    """One StepRow as the table's cells (same order as STEP_COLUMNS)."""
+    co = "-" if r.acceptance_cotrained is None else f"{r.acceptance_cotrained:.2f}"
+    fr = "-" if r.acceptance_frozen is None else f"{r.acceptance_frozen:.2f}"
+    return [str(r.step), f"{r.step_time_s:.1f}", f"{r.rollout_time_s:.1f}", f"{r.idle_gpu_seconds:.1f}",
+            f"{r.lent_gpu_seconds:.1f}", "-" if r.drafter_version is None else f"v{r.drafter_version}",
+            f"{r.acceptance_length:.2f}", f"{co}/{fr}", f"{r.rollout_tokens_per_s:.0f}", f"{r.mean_reward:.2f}"]
+
+
+def step_table(rows=()):
+    from rich import box
     from rich.table import Table
+
+    table = Table(title="RL steps", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1))
+    for col in STEP_COLUMNS:
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        table.add_row(*step_cells(r))
+    return table
+
+
+def policy_line(policy: str, task_name: str) -> str:
+    return f"policy: built-in {policy} Llama trained on the {task_name} task (built once, cached)"
+
+
+def intro_lines(workers: int, meta: dict) -> list[str]:
+    """What the run is, before it starts: short lines, each ending where it should on 80 columns."""
+    lines = []
+    if meta:
+        lines.append(f"  {meta['params']:,} params; accuracy {meta['accuracy']:.1%} at temperature 1.0")
+        lines.append(f"  response tokens p50 {meta['len_p50']:.0f}, p90 {meta['len_p90']:.0f}, p99 {meta['len_p99']:.0f}; "
+                     f"p99/p50 = {meta['len_p99'] / max(meta['len_p50'], 1):.1f} (the long tail)")
+    lines.append(f"{workers} rollout workers on [yellow]simulated[/] GPUs (telemetry from their activity)")
+    return lines
+
+
+class _ConsoleLog:
+    """Log records through the rich console while the live table is up: printed above it, each on lines of
+    their own (a plain stderr handler would write into the middle of the table's last line)."""
+
+    def __init__(self, console):
+        import logging
+
+        class Handler(logging.Handler):
+            def emit(self, record):
+                from rich.text import Text
+
+                try:
+                    console.print(Text(self.format(record), style="dim"), overflow="fold")
+                except Exception:  # noqa: BLE001 — logging's own contract: a record never breaks the run
+                    self.handleError(record)
+
+        self.logging = logging
+        self.handler = Handler()
+        self.handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        self.saved: list = []
+
+    def __enter__(self):
+        root = self.logging.getLogger()
+        self.saved = [h for h in root.handlers if type(h) is self.logging.StreamHandler]
+        for h in self.saved:
+            root.removeHandler(h)
+        root.addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc):
+        root = self.logging.getLogger()
+        root.removeHandler(self.handler)
+        for h in self.saved:
+            root.addHandler(h)
+
+
+def announcing_demo(opts, cfg, on_started):
+    """A Demo that calls `on_started(demo)` as soon as its services are up (the live dashboard's address is
+    known then), before the first drafter is trained and the first step runs."""
+    from tailspec.demo.run import Demo
+
+    class AnnouncingDemo(Demo):
+        def start_services(self) -> None:
+            super().start_services()
+            on_started(self)
+
+    return AnnouncingDemo(opts, cfg)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.text import Text
 
     from tailspec.cli import config_from_args
     from tailspec.demo.report import write_report
-    from tailspec.demo.run import Demo
     from tailspec.tasks.policy import policy_meta, resolve_policy
 
     console = Console()
@@ -67,52 +159,49 @@ def _demo(args: argparse.Namespace) -> int:
     if opts.workers < 1 or opts.steps < 1:
         console.print("[red]--workers and --steps must be at least 1")
         return 2
+    if cfg.rollout.drafter == "draft_model":
+        console.print("[red]rollout.drafter=draft_model: the demo has no draft model; use eagle3 (the co-trained "
+                      "drafter), ngram or none")
+        return 2
     console.rule(f"[bold]tailspec demo — {opts.mode}")
     if not Path(opts.policy).is_dir():
-        console.print(f"policy: the built-in {opts.policy} Llama pre-trained on the running-sum task "
-                      "(built on first use, then cached)")
+        console.print(policy_line(opts.policy, cfg.task.name), overflow="fold")
     path = resolve_policy(opts.policy, cfg.task, cache_dir=Path(cfg.cache_dir))
-    m = policy_meta(path)
-    if m:
-        console.print(f"  {m['params']:,} params; accuracy {m['accuracy']:.1%} at temperature 1.0; response length "
-                      f"p50 {m['len_p50']:.0f}, p90 {m['len_p90']:.0f}, p99 {m['len_p99']:.0f} tokens "
-                      f"(p99/p50 = {m['len_p99'] / max(m['len_p50'], 1):.1f}: the long tail)")
+    for line in intro_lines(opts.workers, policy_meta(path)):
+        console.print(line, overflow="fold")
     opts.policy = str(path)
-    demo = Demo(opts, cfg)
-    console.print(f"run directory: {demo.run_dir}")
-    console.print(f"{opts.workers} rollout workers on [yellow]simulated[/] GPUs; telemetry is simulated from the "
-                  "workers' own activity")
 
-    table = Table(title="RL steps", expand=False)
-    for col in ("step", "step s", "rollout s", "idle GPU·s", "lent GPU·s", "drafter", "acc.len", "acc co/frozen",
-                "tok/s", "reward"):
-        table.add_column(col, justify="right")
+    table = step_table()
     status = {"text": "starting services…"}
 
     def render():
-        from rich.console import Group
-        from rich.text import Text
+        return Group(table, Text(status["text"], style="dim", no_wrap=True, overflow="ellipsis"))
 
-        return Group(table, Text(status["text"], style="dim"))
+    def on_started(demo):
+        if demo.dashboard_url:
+            console.print(f"live dashboard: [bold]{demo.dashboard_url}[/] (while the run goes on)", overflow="fold")
+        elif opts.dashboard:
+            console.print("live dashboard: not started (see the log above)")
+        status["text"] = ("loading the policy…" if opts.mode == "nospec" else
+                          "training the first drafter (cached after the first run)…")
 
-    with Live(render(), console=console, refresh_per_second=4, transient=False) as live:
+    demo = announcing_demo(opts, cfg, on_started)
+    console.print(f"run directory: {demo.run_dir}", overflow="fold")
+
+    with Live(get_renderable=render, console=console, refresh_per_second=4, transient=False) as live, \
+            _ConsoleLog(console):
         def on_progress(step, results):
             what = "engine warm-up (policy, drafter, cost model)" if step == "warm-up" else f"step {step}: rollout"
             status["text"] = f"{what} — {len(results)}/{opts.workers} workers done"
-            live.update(render())
+            live.refresh()
 
         def on_row(r):
-            co = "-" if r.acceptance_cotrained is None else f"{r.acceptance_cotrained:.2f}"
-            fr = "-" if r.acceptance_frozen is None else f"{r.acceptance_frozen:.2f}"
-            table.add_row(str(r.step), f"{r.step_time_s:.1f}", f"{r.rollout_time_s:.1f}", f"{r.idle_gpu_seconds:.1f}",
-                          f"{r.lent_gpu_seconds:.1f}", "-" if r.drafter_version is None else f"v{r.drafter_version}",
-                          f"{r.acceptance_length:.2f}", f"{co}/{fr}", f"{r.rollout_tokens_per_s:.0f}",
-                          f"{r.mean_reward:.2f}")
+            table.add_row(*step_cells(r))
             status["text"] = f"step {r.step} done"
-            live.update(render())
+            live.refresh()
 
-        status["text"] = "starting redis, scheduler, workers; training the first drafter (cached after the first run)…"
-        live.update(render())
+        status["text"] = "starting redis, the scheduler and the workers…"
+        live.refresh()
         rows = demo.run(on_row=on_row, on_progress=on_progress)
     meta = {"mode": opts.mode, "policy": opts.policy, "workers": opts.workers, "prompts_per_step": opts.prompts_per_step,
             "group_size": opts.group_size, "dashboard": demo.dashboard_url,
@@ -122,7 +211,7 @@ def _demo(args: argparse.Namespace) -> int:
     lent = sum(r.lent_gpu_seconds for r in rows)
     console.print(f"\nidle GPU-seconds {idle:.1f}, lent to drafter training {lent:.1f} "
                   f"(reclaimed share {lent / idle if idle else 0:.2f})")
-    console.print(f"report: {report}")
+    console.print(f"report: {report}", overflow="fold")
     print(json.dumps({"run_dir": str(demo.run_dir), "steps": len(rows), "reclaimed_share": lent / idle if idle else 0}),
           file=sys.stdout)
     return 0

@@ -159,6 +159,6 @@ def write_report(run_dir: Path, rows: list[dict], timeline: list[dict], meta: di
     for name, p in plots.items():
         lines += [f"![{name}]({p.name})", ""]
     out = run_dir / "report.md"
-    out.write_text("\n".join(lines))
+    out.write_text("\n".join(lines).rstrip("\n") + "\n")  # a text file: every line ends with a newline
     (run_dir / "timeline.json").write_text(json.dumps(timeline))
     return out
