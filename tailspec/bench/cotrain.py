@@ -65,7 +65,7 @@ def rollouts(model, tok, cfg, n: int, seed: int, version: int, max_seq_len: int 
     ro, samples = [], []
     for i, (p, o) in enumerate(zip(prompts, outs)):
         reward = grade(problems[i // 4], decode_response(tok, o.token_ids), cfg.task).reward
-        ro.append(Rollout(p, o.token_ids, o.logprobs, reward, i // 4))
+        ro.append(Rollout(p, o.token_ids, o.sampling_logprobs, reward, i // 4))  # the distribution sampled from
         samples.append(Sample(prompt_ids=p, response_ids=o.token_ids, reward=reward, policy_version=version,
                               group_id=f"{version}:{seed}:{i // 4}"))
     return ro, samples
