@@ -24,6 +24,7 @@ directory `ROOT/v<N>` in the drafter format plus `version.json`, an entry in the
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import logging
 import math
@@ -89,8 +90,9 @@ def t_cdf(t: float, df: float) -> float:
     return 1.0 - tail if t > 0 else tail
 
 
+@functools.lru_cache(maxsize=256)
 def t_ppf(p: float, df: float) -> float:
-    """Quantile of Student t by bisection on t_cdf (|error| < 1e-9)."""
+    """Quantile of Student t by bisection on t_cdf (|error| < 1e-9); cached: a run asks for few (p, df)."""
     lo, hi = -1e3, 1e3
     for _ in range(200):
         mid = 0.5 * (lo + hi)
