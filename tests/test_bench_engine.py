@@ -1,5 +1,6 @@
 """`tailspec bench engine --json`: the last stdout line is one JSON object with the issue's keys, plus the
-per-step time of every engine row and the memory floor it is set beside (a tiny run on the micro policy)."""
+per-step time of every engine row and the memory floor it is set beside (a tiny run on the micro policy),
+and the EAGLE-3 drafter's cost beside a target forward (`drafter_cost_ratio`, per batch)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
-from engine_helpers import micro_policy
+from engine_helpers import micro_policy, random_eagle3, task_prompts
 
-from tailspec.bench.engine import memory_floor
+from tailspec.bench.engine import _cost_section, drafter_cost, memory_floor
 
 
 @pytest.mark.slow
@@ -32,6 +33,16 @@ def test_bench_engine_json_contract():
         if row["method"] == "engine":
             assert row["step_ms"] > r["memory_floor"]["floor_ms_per_step"] > 0  # no step beats the floor
     assert r["memory_floor"]["weight_bytes"] == sum(p.numel() * 4 for p in micro_policy()[0].parameters())
+    # the drafter's cost beside a target forward, at batch 1 and at every batch size measured
+    assert set(r["drafter_cost_ratios"]) == {"1", "2"}
+    assert r["drafter_cost_ratio"] == r["drafter_cost_ratios"]["1"] > 0
+    per = {row["batch"]: row for row in r["drafter_cost"]["per_batch"]}
+    assert set(per) == {1, 2} and r["drafter_cost"]["target_layers"] == 2
+    for b, row in per.items():
+        assert row["target_forward_ms"] > 0 and row["drafter_step_ms"] > 0
+        assert row["ratio"] == r["drafter_cost_ratios"][str(b)]
+        assert row["ratio"] == pytest.approx(row["drafter_step_ms"] / row["target_forward_ms"], rel=0.01)
+    assert "drafter cost b=1" in p.stderr
 
 
 def test_memory_floor_is_weight_bytes_over_copy_bandwidth():
@@ -40,3 +51,45 @@ def test_memory_floor_is_weight_bytes_over_copy_bandwidth():
     assert f["copy_bandwidth_gb_s"] > 0
     want_ms = f["weight_bytes"] / (f["copy_bandwidth_gb_s"] * 1e9) * 1e3
     assert f["floor_ms_per_step"] == pytest.approx(want_ms, rel=0.01)
+
+
+def test_drafter_cost_times_both_at_each_batch():
+    from tailspec.tasks.policy import build_model
+
+    target = build_model("micro").eval()
+    r = drafter_cost(target, random_eagle3(target), [1, 3], task_prompts(4), steps=4, calls=3, repeats=1)
+    assert list(r) == [1, 3]
+    for row in r.values():
+        assert set(row) == {"target_forward_ms", "drafter_step_ms", "ratio"}
+        assert row["target_forward_ms"] > 0 and row["drafter_step_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["drafter_step_ms"] / row["target_forward_ms"], rel=0.01)
+
+
+def test_cost_section_json_keys_and_skip():
+    import argparse
+
+    from tailspec.tasks.policy import build_model
+    from tailspec.tasks.tokenizer import build_tokenizer
+
+    target, tok = build_model("micro").eval(), build_tokenizer()
+    args = argparse.Namespace(eagle3="", device="cpu", dtype="float32", temperature=1.0, cost_repeats=1)
+    lines: list[str] = []
+    r = _cost_section(target, None, tok, [1, 2], args, lines.append)
+    assert set(r) == {"drafter_cost_ratio", "drafter_cost_ratios", "drafter_cost"}
+    assert r["drafter_cost_ratio"] == r["drafter_cost_ratios"]["1"] > 0 and set(r["drafter_cost_ratios"]) == {"1", "2"}
+    assert [row["batch"] for row in r["drafter_cost"]["per_batch"]] == [1, 2]
+    assert len(lines) == 2 and lines[0].startswith("drafter cost b=1")
+    args.cost_repeats = 0
+    assert _cost_section(target, None, tok, [1], args, lines.append) == {
+        "drafter_cost_ratio": None, "drafter_cost_ratios": {}, "drafter_cost": None}
+
+
+def test_deep_preset_drafter_is_a_small_fraction_of_a_target_forward():
+    """The point of the `deep` preset: its one-layer EAGLE-3 drafter step costs a small fraction of a target
+    forward (tiny's: about half). The bound is loose (the issue's is 1/8, measured ~1/13 by the bench) so a
+    busy shared machine does not fail it; a drafter as costly as on `tiny` would."""
+    from tailspec.tasks.policy import build_model
+
+    target = build_model("deep").eval()
+    r = drafter_cost(target, random_eagle3(target), [1], task_prompts(4), steps=4, calls=10, repeats=2)
+    assert r[1]["ratio"] < 0.25

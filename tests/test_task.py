@@ -137,3 +137,75 @@ def test_cli_task_sample(capsys):
     assert main(["task", "sample", "-n", "2", "--json"]) == 0
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert len(rows) == 2 and all(grade(parse_prompt(r["prompt"], 10), r["gold"]).correct for r in rows)
+
+
+def test_deep_preset_is_deep_narrow_and_small():
+    """`deep`: a GPU deployment's shape in miniature. Built, not pre-trained (that takes ~3 min)."""
+    from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter
+
+    from tailspec.tasks.policy import PRESETS, build_model, count_params
+
+    p = PRESETS["deep"]
+    m = build_model("deep")
+    cfg = m.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (20, 128, 4, 2)
+    assert 20 <= cfg.num_hidden_layers <= 24 and cfg.hidden_size <= 128
+    n = count_params(m)
+    assert 2_500_000 < n <= 6_000_000
+    # its EAGLE-3 drafter is one layer at the target's hidden size: a small fraction of the target's layers
+    d = Eagle3Drafter(Eagle3Config.from_target(cfg))
+    assert d.config.aux_layer_ids == (2, 10, 17)  # vLLM's default (2, n/2, n-3): servable
+    layer = sum(x.numel() for x in m.model.layers[0].parameters())
+    assert count_params(d.midlayer) < 2 * layer < sum(x.numel() for x in m.model.layers.parameters()) / 8
+    # the training recipe that makes it learn within the budget
+    assert p.scaled_residual_init and 0 < p.short_steps < p.train_steps and p.train_steps * p.batch_size <= 600 * 24
+    std = cfg.initializer_range / (2 * cfg.num_hidden_layers) ** 0.5
+    for ly in m.model.layers:
+        assert ly.mlp.down_proj.weight.std().item() == pytest.approx(std, rel=0.1)
+        assert ly.self_attn.o_proj.weight.std().item() == pytest.approx(std, rel=0.15)
+    assert m.model.layers[0].mlp.up_proj.weight.std().item() == pytest.approx(cfg.initializer_range, rel=0.1)
+
+
+def test_new_preset_fields_keep_old_cache_keys():
+    """Fields added to Preset are left out of the cache key at their defaults: the cached tiny / micro
+    policies stay valid. A preset that sets one gets its own key."""
+    import dataclasses
+    import hashlib
+    from dataclasses import asdict
+
+    from tailspec.tasks.policy import KIT_VERSION, PRESETS, cache_key
+
+    old_fields = {k: v for k, v in asdict(PRESETS["tiny"]).items()
+                  if k not in ("scaled_residual_init", "short_steps", "short_numbers")}
+    blob = json.dumps({"kit": KIT_VERSION, "preset": old_fields, "task": TaskConfig().model_dump()}, sort_keys=True)
+    assert cache_key(PRESETS["tiny"], TaskConfig()) == f"tiny-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+    tiny = PRESETS["tiny"]
+    for change in ({"scaled_residual_init": True}, {"short_steps": 10}, {"short_numbers": 4}):
+        assert cache_key(dataclasses.replace(tiny, **change), TaskConfig()) != cache_key(tiny, TaskConfig())
+
+
+def test_short_problem_curriculum(monkeypatch):
+    """short_steps: the first batches hold only short problems, then the task's distribution; train_steps
+    batches in all."""
+    import dataclasses
+
+    from tailspec.tasks import policy
+
+    seen: list[int] = []
+    real_batch = policy._batch
+
+    def spy(tokenizer, problems):
+        seen.append(max(len(q.numbers) for q in problems))
+        return real_batch(tokenizer, problems)
+
+    monkeypatch.setattr(policy, "_batch", spy)
+    preset = dataclasses.replace(policy.PRESETS["micro"], train_steps=12, batch_size=4, short_steps=8, short_numbers=3)
+    tok = build_tokenizer()
+    rep = policy.pretrain(policy.build_model(preset, tok), tok, preset, TaskConfig(), progress=False)
+    assert rep.steps == 12 and len(seen) == 12
+    assert max(seen[:8]) <= 3
+    assert max(seen[8:]) > 3  # the task's distribution (median 5 numbers) afterwards
+    with pytest.raises(ValueError, match="short_steps"):
+        policy.pretrain(policy.build_model(preset, tok), tok, dataclasses.replace(preset, short_steps=12), TaskConfig())
+    with pytest.raises(ValueError, match="short_numbers"):
+        policy.pretrain(policy.build_model(preset, tok), tok, dataclasses.replace(preset, short_numbers=1), TaskConfig())

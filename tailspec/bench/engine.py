@@ -8,6 +8,12 @@ emitted per target forward. Every configuration is measured in this process, int
 (noisy shared machines drift), and reported as the median of the repeats. Engine rows also carry the wall
 time per decode step, set beside the device's memory floor for one step (`memory_floor`: weight bytes over
 the measured copy bandwidth; on a GPU, the HBM floor).
+
+It also prints what one EAGLE-3 drafter step costs beside one target forward (`drafter_cost`), at batch 1
+and at every batch size measured: the ratio decides whether speculation can pay at all (a drafter step
+at half a target forward, as on the 4-layer `tiny`, leaves little to win; on a GPU an EAGLE-3 layer beside
+a 28-64-layer target costs a few percent). JSON: `drafter_cost_ratio` (batch 1), `drafter_cost_ratios`
+({batch: ratio}) and `drafter_cost` (the per-batch times in ms and which drafter was timed).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--no-assisted", action="store_true", help="skip HF assisted generation")
+    p.add_argument("--cost-repeats", type=int, default=3,
+                   help="interleaved rounds of the drafter-cost timing (0 = skip it)")
 
 
 def _load(spec: str, dtype: torch.dtype, device: str):
@@ -114,6 +122,115 @@ def memory_floor(model, device: str, nbytes: int | None = None, repeats: int = 1
             "floor_ms_per_step": round(weight_bytes / bw * 1e3, 4)}
 
 
+def drafter_cost(model, eagle, batches, prompts, *, steps: int = 24, calls: int = 30, repeats: int = 3,
+                 temperature: float = 1.0) -> dict:
+    """Drafter step ÷ target forward at each batch size, timed on the real engine's code.
+
+    For each batch b: an Engine with the EAGLE-3 drafter (`eagle`, an `Eagle3Drafter` module: a trained one,
+    or a fresh one of the same shape, since the cost does not depend on the weights) runs b requests for
+    `steps` decode steps at k = 1 (rows mid-response, drafter and target caches filled). Then, on that
+    batch, interleaved `repeats` times, `calls` calls each:
+    - target forward: `engine.runner.forward` of the last token of every row (plain decoding's forward, the
+      unit a draft token saves);
+    - drafter step: one iteration of `rollout.drafters.Eagle3Drafter.propose`'s loop: the drafter layer
+      (`step`), its head and the draw of the next draft (`_draw`: the row's sampling on the draft logits).
+    Each is the median of its calls; the ratio is their quotient. Neither includes the engine's per-step
+    bookkeeping (sampling and acceptance of the verify, the emitted tokens' scatters), which a step pays
+    with or without a drafter.
+    """
+    return {b: _batch_cost(model, eagle, b, prompts, steps, calls, repeats, temperature) for b in batches}
+
+
+def _batch_cost(model, eagle, b: int, prompts, steps: int, calls: int, repeats: int, temperature: float) -> dict:
+    """`drafter_cost` at one batch size."""
+    from tailspec.rollout.drafters import Eagle3Drafter, _draw
+    from tailspec.rollout.engine import Engine
+    from tailspec.rollout.sampling import step_uniforms_from
+    from tailspec.rollout.sequence import SamplingParams
+
+    rows = [prompts[i % len(prompts)] for i in range(b)]
+    seq = max(len(p) for p in rows) + 2 * steps + 8  # k = 1: up to 2 tokens a step
+    dr = Eagle3Drafter(eagle)
+    eng = Engine(model, dr, choose_k=1, max_batch=b, max_seq_len=seq, k_max=2)
+    for i, p in enumerate(rows):  # ignore_eos: every row stays in the batch for the whole warm-up
+        eng.add_request(p, SamplingParams(max_tokens=2 * steps + 4, temperature=temperature, ignore_eos=True, seed=i))
+    for _ in range(steps):
+        eng.step()
+    s = eng.slots
+    if s.n != b:
+        raise RuntimeError(f"drafter cost: {s.n} of {b} rows still running after the warm-up")
+    L = s.batch(0).lengths
+    max_len = int(L.max())
+    batch = s.batch(max_len)
+    if batch.any_sampled:  # the engine gathers a step's draft uniforms once, before proposing
+        batch.u_draft = step_uniforms_from(batch.uniforms, L, 2)[0]
+    last = batch.tokens.gather(1, (L - 1)[:, None])
+    hidden = dr.next_hidden[: batch.n][:, None]
+    pos = (L - 1)[:, None]  # propose's first loop step: position L + j - 2 at j = 1
+
+    def target():
+        eng.runner.forward(last, L - 1, max_pos=max_len - 1)
+
+    def draft():
+        h = dr.step(hidden, last, pos, max_pos=max_len - 1)[:, 0]
+        _draw(dr._to_target(dr.head(h)), batch, 1)
+
+    times: dict[str, list[float]] = {"target": [], "drafter": []}
+    with torch.inference_mode():
+        for f in (target, draft):
+            for _ in range(3):
+                f()
+        for _ in range(repeats):
+            for name, f in (("target", target), ("drafter", draft)):
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    f()
+                    if eng.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times[name].append(time.perf_counter() - t0)
+    eng.abort_all()
+    t_ms = statistics.median(times["target"]) * 1e3
+    d_ms = statistics.median(times["drafter"]) * 1e3
+    return {"target_forward_ms": round(t_ms, 4), "drafter_step_ms": round(d_ms, 4), "ratio": round(d_ms / t_ms, 4)}
+
+
+def _cost_section(model, eagle, tok, batches: list[int], args, log) -> dict:
+    """The JSON's `drafter_cost_ratio` (batch 1), `drafter_cost_ratios` {batch: ratio} and `drafter_cost`
+    (per-batch times, which drafter), printed as one line per batch. Without --eagle3 the drafter is a
+    fresh EAGLE-3 head of the shape `tailspec train` builds for this target (the full vocabulary)."""
+    empty = {"drafter_cost_ratio": None, "drafter_cost_ratios": {}, "drafter_cost": None}
+    if args.cost_repeats <= 0:
+        return empty
+    from tailspec.drafter_trainer.model import Eagle3Config
+    from tailspec.drafter_trainer.model import Eagle3Drafter as Eagle3Module
+    from tailspec.tasks.runsum import sample_problems
+    from tailspec.tasks.tokenizer import encode_prompt
+
+    label = f"eagle3:{args.eagle3}"
+    if eagle is None:
+        try:
+            cfg = Eagle3Config.from_target(model.config)
+        except ValueError as e:  # e.g. a 1-layer target has no three aux states
+            log(f"drafter cost: skipped ({e})")
+            return empty
+        with torch.random.fork_rng(devices=[]):  # a fixed init that leaves the bench's own random state alone
+            torch.manual_seed(0)
+            eagle = Eagle3Module(cfg, model.get_input_embeddings()).to(device=args.device, dtype=getattr(torch, args.dtype))
+        label = "eagle3 (fresh head, same shape as a trained one)"
+    prompts = [encode_prompt(tok, p.prompt) for p in sample_problems(64, seed=30_000)]
+    per = drafter_cost(model, eagle.eval(), batches, prompts, repeats=args.cost_repeats, temperature=args.temperature)
+    layers = int(model.config.num_hidden_layers)
+    for b, r in per.items():
+        log(f"drafter cost b={b:<3} EAGLE-3 step {r['drafter_step_ms']:.3f} ms / target forward ({layers} layers) "
+            f"{r['target_forward_ms']:.3f} ms = {r['ratio']:.3f} (1/{1 / r['ratio']:.1f})")
+    return {
+        "drafter_cost_ratio": per[1]["ratio"] if 1 in per else None,
+        "drafter_cost_ratios": {str(b): r["ratio"] for b, r in per.items()},
+        "drafter_cost": {"drafter": label, "target_layers": layers,
+                         "per_batch": [{"batch": b, **r} for b, r in per.items()]},
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     from tailspec.commands.bench import machine
     from tailspec.rollout.drafters import DraftModelDrafter, Eagle3Drafter, NgramDrafter
@@ -155,6 +272,7 @@ def run(args: argparse.Namespace) -> dict:
     floor = memory_floor(model, args.device)
     log(f"memory floor: {floor['weight_bytes'] / 1e6:.1f} MB of weights at {floor['copy_bandwidth_gb_s']} GB/s "
         f"copy bandwidth = {floor['floor_ms_per_step']:.3f} ms per decode step")
+    cost = _cost_section(model, eagle, tok, sorted({1, *batches}), args, log)
     rows = []
     for b in batches:
         n = max(4, args.prompts_per_batch * b)
@@ -222,4 +340,4 @@ def run(args: argparse.Namespace) -> dict:
             summary[f"best_spec_vs_nospec_batch{b}"] = round(sd / nos, 3)
     log(f"summary: {summary}")
     return {"device": machine(), "policy": args.policy, "temperature": args.temperature, "rows": rows, "summary": summary,
-            "memory_floor": floor}
+            "memory_floor": floor, **cost}
