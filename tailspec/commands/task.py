@@ -34,7 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=_eval)
 
     b = tsub.add_parser("build", help="build, pre-train and cache a preset policy; prints its directory")
-    b.add_argument("--preset", default="tiny", choices=["micro", "micro4", "tiny", "small"])
+    from tailspec.tasks.policy import PRESETS
+
+    b.add_argument("--preset", default="tiny", choices=list(PRESETS))
     b.add_argument("--device", default=None, help="torch device for training (default cpu)")
     add_config_args(b)
     b.set_defaults(func=_build)
