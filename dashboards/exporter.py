@@ -101,6 +101,13 @@ def _family(name: str, labels: list[str] | None = None) -> Any:
     return cls(name, doc, labels=labels)
 
 
+def _gauge(name: str, value: float) -> Any:
+    """A label-free family with one sample."""
+    f = _family(name)
+    f.add_metric([], value)
+    return f
+
+
 def _histogram(values: Iterable[float], buckets=STOP_LATENCY_BUCKETS) -> tuple[list[tuple[str, float]], float]:
     vals = sorted(values)
     out, i = [], 0
@@ -241,17 +248,11 @@ class StateCollector(Collector):
     def _drafter(self, view) -> Iterable[Metric]:
         cur = view.drafter_current
         if cur is not None:
-            v = _family("tailspec_drafter_version")
-            v.add_metric([], cur.version)
-            yield v
+            yield _gauge("tailspec_drafter_version", cur.version)
             if cur.acceptance_length is not None:
-                a = _family("tailspec_drafter_acceptance_length")
-                a.add_metric([], cur.acceptance_length)
-                yield a
+                yield _gauge("tailspec_drafter_acceptance_length", cur.acceptance_length)
             if cur.baseline_acceptance_length is not None:
-                b = _family("tailspec_drafter_baseline_acceptance_length")
-                b.add_metric([], cur.baseline_acceptance_length)
-                yield b
+                yield _gauge("tailspec_drafter_baseline_acceptance_length", cur.baseline_acceptance_length)
         cands = _family("tailspec_drafter_candidates", ["promoted"])
         promoted = sum(1 for v in view.drafter_versions if v.promoted)
         cands.add_metric(["true"], promoted)
@@ -259,28 +260,17 @@ class StateCollector(Collector):
         yield cands
         scored = [v for v in view.drafter_versions if v.gain_lcb is not None]
         if scored:
-            g = _family("tailspec_drafter_promotion_gain_lcb")
-            g.add_metric([], scored[-1].gain_lcb)
-            yield g
+            yield _gauge("tailspec_drafter_promotion_gain_lcb", scored[-1].gain_lcb)
         if view.drafter_health:
             h = view.drafter_health[-1]
-            live = _family("tailspec_drafter_live_acceptance_length")
-            live.add_metric([], h.acceptance_length)
-            yield live
+            yield _gauge("tailspec_drafter_live_acceptance_length", h.acceptance_length)
             if h.at_promotion is not None:
-                at = _family("tailspec_drafter_promoted_acceptance_length")
-                at.add_metric([], h.at_promotion)
-                yield at
+                yield _gauge("tailspec_drafter_promoted_acceptance_length", h.at_promotion)
         if view.lineage is not None:
-            for name, value in (("tailspec_lineage_steps", view.lineage.steps),
-                                ("tailspec_lineage_merges", view.lineage.merges)):
-                f = _family(name)
-                f.add_metric([], value)
-                yield f
+            yield _gauge("tailspec_lineage_steps", view.lineage.steps)
+            yield _gauge("tailspec_lineage_merges", view.lineage.merges)
         if view.samples is not None:
-            n = _family("tailspec_samples_stream_length")
-            n.add_metric([], view.samples.length)
-            yield n
+            yield _gauge("tailspec_samples_stream_length", view.samples.length)
             ends = _family("tailspec_samples_policy_version", ["end"])
             for end, v in (("oldest", view.samples.oldest_policy_version), ("newest", view.samples.newest_policy_version)):
                 if v is not None:

@@ -10,10 +10,13 @@ points at a pruned one. Optimizer tensors go to safetensors and the rest to JSON
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +63,18 @@ def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> d
     for idx, sc in meta.get("scalars", {}).items():
         state.setdefault(int(idx), {}).update(sc)
     return {"state": state, "param_groups": meta["param_groups"]}
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on `path` (fcntl) across processes on one machine: the Redis-less
+    compare-and-swaps of the lineage and the version store."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -38,22 +38,26 @@ See docs/architecture.md.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import re
 import shutil
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file
 
 from tailspec import state
-from tailspec.drafter_trainer.checkpoint import Checkpoint, load_checkpoint, write_checkpoint_dir, write_text_atomic
+from tailspec.drafter_trainer.checkpoint import (
+    Checkpoint,
+    file_lock,
+    load_checkpoint,
+    write_checkpoint_dir,
+    write_text_atomic,
+)
 from tailspec.drafter_trainer.model import WEIGHTS_NAME, Eagle3Drafter
 from tailspec.state import Event, LineageHead
 
@@ -198,10 +202,8 @@ class Lineage:
         session's merges from 1; a (session, seq) is applied at most once."""
         local = {n: p.detach() for n, p in drafter.named_parameters() if p.requires_grad}
         full = {k: v.detach() for k, v in drafter.state_dict().items()}
-        seen: LineageHead | None = None
         for attempt in range(1, self.max_attempts + 1):
             h = self.head()
-            seen = h
             if h is not None and base is None:
                 # a seeder lost the race to another seeder: the head it would have made exists
                 return MergeResult(MOVED, h, attempt, 0)
@@ -241,7 +243,7 @@ class Lineage:
                 return MergeResult(MERGED, record, attempt, steps, {n: weights[n] for n in local})
             shutil.rmtree(path, ignore_errors=True)
             if code != MOVED:
-                return MergeResult(code, seen, attempt, steps)
+                return MergeResult(code, h, attempt, steps)
         raise LineageError(f"merge of {session_id}#{seq} lost the compare-and-swap {self.max_attempts} times in a row")
 
     def _cas(self, expected: int, record: LineageHead, session_id: str, seq: int, steps: int, fenced: bool) -> int:
@@ -253,7 +255,7 @@ class Lineage:
             code, _ = self._merge_script(keys=keys, args=[expected, state.encode(record), session_id, seq, steps,
                                                           f.token if f else 0])
             return int(code)
-        with self._locked():
+        with file_lock(self.root / ".lock"):
             h = self.head()
             if (h.number if h else 0) != expected:
                 return MOVED
@@ -268,15 +270,6 @@ class Lineage:
             write_text_atomic(cf, json.dumps(contrib))
             write_text_atomic(self.root / "HEAD", record.model_dump_json())
             return MERGED
-
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        with open(self.root / ".lock", "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
 
     def _after_merge(self, record: LineageHead, steps: int) -> None:
         if self.redis is not None and steps:

@@ -23,7 +23,6 @@ directory `ROOT/v<N>` in the drafter format plus `version.json`, an entry in the
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import json
 import logging
@@ -31,12 +30,12 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from tailspec import state
-from tailspec.drafter_trainer.checkpoint import write_text_atomic
+from tailspec.drafter_trainer.checkpoint import file_lock, write_text_atomic
 from tailspec.drafter_trainer.loss import acceptance_rates, expected_length
 from tailspec.drafter_trainer.model import Eagle3Drafter, write_dir_atomic
 from tailspec.drafter_trainer.teacher import Teacher, collate
@@ -146,6 +145,16 @@ def decide(gains: Sequence[float], level: float = 0.05, min_pairs: int = 16) -> 
     return Decision(False, n, mean, lcb, f"paired gain {mean:+.4f}, {100 * (1 - level):.0f}% lower bound {lcb:+.4f} <= 0")
 
 
+def _teacher_batches(teacher: Teacher, samples: Sequence[Sample], batch_size: int,
+                     check: Callable[[], None] | None) -> Iterator[tuple[Any, Any]]:
+    """(batch, teacher output) per `batch_size` samples; `check` runs before each (a session's stop check)."""
+    for s in range(0, len(samples), batch_size):
+        if check is not None:
+            check()
+        batch = collate(samples[s : s + batch_size]).to(teacher.device)
+        yield batch, teacher(batch)
+
+
 @torch.no_grad()
 def validate_paired(candidate: Eagle3Drafter, current: Eagle3Drafter, teacher: Teacher, samples: Sequence[Sample],
                     k: int = 4, batch_size: int = 32, temperature: float = 1.0,
@@ -156,11 +165,7 @@ def validate_paired(candidate: Eagle3Drafter, current: Eagle3Drafter, teacher: T
     current.eval()
     cand, cur, weights = [], [], []
     try:
-        for s in range(0, len(samples), batch_size):
-            if check is not None:
-                check()
-            batch = collate(samples[s : s + batch_size]).to(teacher.device)
-            out = teacher(batch)
+        for batch, out in _teacher_batches(teacher, samples, batch_size, check):
             scores = []
             for d in (candidate, current):
                 alpha, valid = acceptance_rates(d, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
@@ -199,11 +204,7 @@ def validate(drafter: Eagle3Drafter, teacher: Teacher, samples: Sequence[Sample]
     drafter.eval()
     total_e, total_a, n = 0.0, torch.zeros(k, dtype=torch.float64), 0
     try:
-        for s in range(0, len(samples), batch_size):
-            if check is not None:
-                check()
-            batch = collate(samples[s : s + batch_size]).to(teacher.device)
-            out = teacher(batch)
+        for batch, out in _teacher_batches(teacher, samples, batch_size, check):
             alpha, valid = acceptance_rates(drafter, out.aux, out.logits, batch.ids, batch.lengths,
                                             batch.prompt_lens, k, temperature)
             e = expected_length(alpha)
@@ -327,16 +328,12 @@ class VersionStore:
             if ok:
                 write_text_atomic(self.root / "CURRENT", info.model_dump_json())
             return ok
-        with open(self.root / ".lock", "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                cur = self.current()
-                if (cur.version if cur is not None else -1) != expected:
-                    return False
-                write_text_atomic(self.root / "CURRENT", info.model_dump_json())
-                return True
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        with file_lock(self.root / ".lock"):
+            cur = self.current()
+            if (cur.version if cur is not None else -1) != expected:
+                return False
+            write_text_atomic(self.root / "CURRENT", info.model_dump_json())
+            return True
 
     def record_health(self, h: DrafterHealth) -> None:
         """Staleness record (drafter_health stream); best-effort, mirrored to ROOT/health.jsonl."""

@@ -93,21 +93,13 @@ def session_entry(ctx) -> dict:
     return run_session(ctx, max_steps=int(os.environ["TAILSPEC_BENCH_MAX_STEPS"]))
 
 
-def main_job_trainer(c) -> None:
-    """The demo's session settings (tailspec/demo/run.py Demo.config), unless set on the command line."""
-    from tailspec.demo.run import DEMO_TRAINER
-
-    for k, v in DEMO_TRAINER.items():
-        if k not in c.trainer.model_fields_set:
-            setattr(c.trainer, k, v if k != "batch_size" else min(c.trainer.batch_size, v))
-
-
 def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_dir: Path, root: Path) -> dict:
     """Fresh Redis and lineage seeded with the starting drafter; n session processes share args.steps."""
     import redis
 
     from tailspec import state
     from tailspec.demo.bootstrap import seed_store
+    from tailspec.demo.run import apply_demo_trainer
     from tailspec.drafter_trainer.lineage import Lineage
     from tailspec.redis_server import start_redis
     from tailspec.scheduler.leases import Leases
@@ -121,7 +113,7 @@ def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_d
         c.cluster.name, c.cluster.redis_url = f"cotrain{n_sessions}", server.url
         c.trainer.checkpoint_dir = str(root / f"drafter-{n_sessions}")
         c.trainer.validate_every_s = args.validate_every_s
-        main_job_trainer(c)
+        apply_demo_trainer(c.trainer)  # the demo's session settings, unless set on the command line
         seed_store(boot, c, r)  # v1 of the store and head 1 of the lineage = the starting drafter (+ v0 samples)
         for s in stream:
             state.append(r, state.key(c.cluster.name, "samples"), s)
@@ -166,6 +158,7 @@ def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_d
 
 def run(args: argparse.Namespace) -> dict:
     from tailspec.cli import config_from_args
+    from tailspec.demo.run import apply_demo_trainer
     from tailspec.demo.bootstrap import bootstrap_drafter, load_samples
     from tailspec.drafter_trainer.checkpoint import load_checkpoint
     from tailspec.drafter_trainer.model import Eagle3Drafter
@@ -177,7 +170,7 @@ def run(args: argparse.Namespace) -> dict:
     cfg = config_from_args(args)
     policy0 = resolve_policy(args.preset, cfg.task, cache_dir=Path(cfg.cache_dir))
     print(f"bench cotrain: policy {policy0.name}; bootstrap drafter (cached after the first run)", file=sys.stderr)
-    main_job_trainer(cfg)
+    apply_demo_trainer(cfg.trainer)
     boot = bootstrap_drafter(policy0, cfg, 256, seconds=1800.0, seed=args.seed, steps=args.bootstrap_steps)
     v0_samples = load_samples(boot)
     with tempfile.TemporaryDirectory(prefix="tailspec-cotrain-") as tmp:

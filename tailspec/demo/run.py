@@ -52,6 +52,13 @@ Mode = Literal["cotrained", "frozen", "nospec"]
 DEMO_TRAINER = {"batch_size": 8, "validate_every_s": 5.0, "merge_every_steps": 2}
 
 
+def apply_demo_trainer(tc) -> None:
+    """DEMO_TRAINER into a TrainerConfig, except where the user set a value (batch_size: at most 8)."""
+    for k, v in DEMO_TRAINER.items():
+        if k not in tc.model_fields_set:
+            setattr(tc, k, v if k != "batch_size" else min(tc.batch_size, v))
+
+
 @dataclass
 class DemoOptions:
     steps: int = 6
@@ -153,9 +160,7 @@ class Demo:
         # the tail leaves idle, but on 2 cores it is also starved while the RL step runs, and with this
         # policy's short tails it often finished no step at all (`--set scheduler.session_nice=19` to try).
         c.trainer.checkpoint_dir = str(self.run_dir / "drafter")
-        for k, v in DEMO_TRAINER.items():
-            if k not in c.trainer.model_fields_set:
-                setattr(c.trainer, k, v if k != "batch_size" else min(c.trainer.batch_size, v))
+        apply_demo_trainer(c.trainer)
         c.trainer.validation_samples = self.o.validation_samples
         return c
 
