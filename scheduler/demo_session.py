@@ -41,4 +41,4 @@ def env_probe_session(ctx: SessionContext) -> None:
     out = os.path.join(os.environ["TAILSPEC_PROBE_DIR"], f"probe-{ctx.session_id}.json")
     with open(out, "w") as f:
         json.dump({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
-                   "nice": os.nice(0)}, f)
+                   "nice": os.nice(0), "cpus": sorted(os.sched_getaffinity(0))}, f)

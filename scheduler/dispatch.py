@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tailspec.scheduler.placement import CPUS_ENV, format_cpus
 from tailspec.scheduler.session import CONTEXT_ENV, NICE_ENV, SessionContext
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class LocalDispatcher:
     extra_env: dict[str, str] = field(default_factory=dict)
     warm: int = 0
     nice: int = 0  # scheduler.session_nice: applied by the session process itself (see session.main)
+    # Simulated GPUs that own CPU cores (scheduler/placement.py): GPU index → its cores. A session lent on
+    # GPU g pins itself there (session._place), so it trains on g's cores and no other GPU's.
+    gpu_cpus: dict[int, list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.procs: dict[str, _Proc] = {}
@@ -98,13 +102,23 @@ class LocalDispatcher:
                 )
             self._warm.append((proc, log_path))
 
+    def _placement_env(self, ctx: SessionContext) -> dict[str, str]:
+        if not self.gpu_cpus:
+            return {}
+        cpus = self.gpu_cpus.get(ctx.gpu)
+        if cpus is None:
+            raise ValueError(f"simulated GPU {ctx.gpu} owns no cores (placement covers GPUs {sorted(self.gpu_cpus)})")
+        return {CPUS_ENV: format_cpus(cpus)}
+
     def start(self, ctx: SessionContext) -> None:
         self._warm = [(p, lp) for p, lp in self._warm if p.poll() is None]
+        placement = self._placement_env(ctx)
         if self._warm:
             import json
 
             proc, log_path = self._warm.pop(0)
-            msg = {"env": {**self.extra_env, **session_env(ctx, self.entry)}, "context": json.loads(ctx.to_json())}
+            msg = {"env": {**self.extra_env, **session_env(ctx, self.entry), **placement},
+                   "context": json.loads(ctx.to_json())}
             try:
                 proc.stdin.write((json.dumps(msg) + "\n").encode())
                 proc.stdin.close()
@@ -115,6 +129,7 @@ class LocalDispatcher:
                 proc.kill()
         env = self._base_env()
         env.update(session_env(ctx, self.entry))
+        env.update(placement)
         log_path = os.path.join(self.log_dir or ".", f"{ctx.session_id}.log")
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(

@@ -432,6 +432,21 @@ class Scheduler:
             pass
 
 
+def simulated_gpu_cpus(cfg: TailspecConfig) -> dict[int, list[int]] | None:
+    """GPU → owned cores for simulated GPUs under `scheduler.simulated_gpu_cpus: split` (None when shared, or
+    when this host has fewer cores than simulated GPUs: then nothing is pinned and the run says so)."""
+    from tailspec.scheduler import placement
+
+    sc = cfg.scheduler
+    if sc.simulated_gpu_cpus != "split":
+        return None
+    try:
+        return dict(enumerate(placement.split(sc.simulated_gpus)))
+    except ValueError as e:
+        log.warning("simulated GPUs share cores: %s", e)
+        return None
+
+
 def run_local(
     cfg: TailspecConfig,
     stop: threading.Event | None = None,
@@ -453,7 +468,9 @@ def run_local(
     monitor = TelemetryMonitor(
         telemetry, r, cfg.cluster.name, sc.sample_period_s, sc.history_maxlen, warning=warning
     ).start()
-    sched = Scheduler(cfg, r, LocalDispatcher(sc.session_entry, log_dir=log_dir, warm=sc.warm_sessions, nice=sc.session_nice), redis_url=url)
+    dispatcher = LocalDispatcher(sc.session_entry, log_dir=log_dir, warm=sc.warm_sessions, nice=sc.session_nice,
+                                 gpu_cpus=simulated_gpu_cpus(cfg) if telemetry.simulated else None)
+    sched = Scheduler(cfg, r, dispatcher, redis_url=url)
     stop = stop or threading.Event()
     try:
         sched.serve(stop)

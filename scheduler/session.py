@@ -274,6 +274,7 @@ def warm_main(entry: str) -> int:
         return 2
     os.environ.update(env)
     _renice()
+    _place()
     print(f"tailspec session {ctx.session_id} on {ctx.node}:gpu{ctx.gpu}", flush=True)
     return run_context(ctx, entry, handle_sigterm=True)
 
@@ -290,10 +291,25 @@ def _renice() -> None:
             print(f"tailspec session: could not set niceness {n}: {e}", file=sys.stderr)
 
 
+def _place() -> None:
+    # A session lent on a simulated GPU runs on that GPU's cores only ($TAILSPEC_CPUS, set by the
+    # dispatcher): the other GPUs' rollout tail keeps its own compute.
+    from tailspec.scheduler.placement import pin_from_env
+
+    try:
+        cpus = pin_from_env()
+    except (ValueError, OSError) as e:
+        print(f"tailspec session: could not pin to the GPU's cores: {e}", file=sys.stderr)
+        return
+    if cpus is not None:
+        print(f"tailspec session: pinned to cores {cpus}", flush=True)
+
+
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--warm":
         return warm_main(sys.argv[2])
     _renice()
+    _place()
     raw = os.environ.get(CONTEXT_ENV)
     if not raw:
         print(f"tailspec session: ${CONTEXT_ENV} is not set", file=sys.stderr)

@@ -54,6 +54,10 @@ class SchedulerConfig(_Section):
     )
     tick_s: float = Field(0.05, gt=0, le=5, description="period of the scheduler's decision loop")
     simulated_gpus: int = Field(4, ge=1, le=64, description="GPUs per node shown by simulated telemetry")
+    simulated_gpu_cpus: Literal["split", "shared"] = Field(
+        "split", description="split: each simulated GPU owns an equal share of the host's cores, used by its rollout "
+        "worker and any session lent on it (the demo runs at most one simulated GPU per core); shared: all cores "
+        "shared by everything")
     progress_ttl_s: float = Field(5.0, gt=0, description="a worker's progress expires unless re-reported within this")
 
 

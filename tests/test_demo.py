@@ -308,7 +308,7 @@ def test_intro_lines_fit_80_columns():
     from tailspec.tasks.policy import PRESETS
 
     meta = {"params": 12_345_678, "accuracy": 0.578, "len_p50": 143, "len_p90": 995, "len_p99": 1999}
-    lines = [policy_line(p, "runsum") for p in PRESETS] + intro_lines(64, meta)
+    lines = [policy_line(p, "runsum") for p in PRESETS] + intro_lines("64 simulated GPUs (128 asked, 64 cores), 1 own core each", meta)
     out = _render(*lines)
     assert len(out.splitlines()) == len(lines), out  # none wrapped
     assert max(len(line) for line in out.splitlines()) <= 80, out

@@ -12,4 +12,5 @@ BENCHES: dict[str, str] = {
     "cotrain": "tailspec.bench.cotrain",
     "engine": "tailspec.bench.engine",
     "e2e": "tailspec.bench.e2e",
+    "isolation": "tailspec.bench.isolation",
 }

@@ -81,14 +81,15 @@ def policy_line(policy: str, task_name: str) -> str:
     return f"policy: built-in {policy} Llama trained on the {task_name} task (built once, cached)"
 
 
-def intro_lines(workers: int, meta: dict) -> list[str]:
+def intro_lines(placement_note: str, meta: dict) -> list[str]:
     """What the run is, before it starts: short lines, each ending where it should on 80 columns."""
     lines = []
     if meta:
         lines.append(f"  {meta['params']:,} params; accuracy {meta['accuracy']:.1%} at temperature 1.0")
         lines.append(f"  response tokens p50 {meta['len_p50']:.0f}, p90 {meta['len_p90']:.0f}, p99 {meta['len_p99']:.0f}; "
                      f"p99/p50 = {meta['len_p99'] / max(meta['len_p50'], 1):.1f} (the long tail)")
-    lines.append(f"{workers} rollout workers on [yellow]simulated[/] GPUs (telemetry from their activity)")
+    lines.append(f"rollout workers: {placement_note}")
+    lines.append("GPU telemetry: [yellow]simulated[/] (from the workers' and sessions' activity)")
     return lines
 
 
@@ -148,6 +149,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     from tailspec.cli import config_from_args
     from tailspec.demo.report import write_report
+    from tailspec.demo.run import place_workers
     from tailspec.tasks.policy import policy_meta, resolve_policy
 
     console = Console()
@@ -167,7 +169,9 @@ def _demo(args: argparse.Namespace) -> int:
     if not Path(opts.policy).is_dir():
         console.print(policy_line(opts.policy, cfg.task.name), overflow="fold")
     path = resolve_policy(opts.policy, cfg.task, cache_dir=Path(cfg.cache_dir))
-    for line in intro_lines(opts.workers, policy_meta(path)):
+    placement = place_workers(opts.workers, cfg)
+    opts.workers = placement.workers
+    for line in intro_lines(placement.note, policy_meta(path)):
         console.print(line, overflow="fold")
     opts.policy = str(path)
 

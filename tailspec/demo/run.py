@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -57,6 +57,33 @@ def apply_demo_trainer(tc) -> None:
     for k, v in DEMO_TRAINER.items():
         if k not in tc.model_fields_set:
             setattr(tc, k, v if k != "batch_size" else min(tc.batch_size, v))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How the run's simulated GPUs share this host: `cpus[g]` are GPU g's own cores (None: all shared)."""
+    workers: int
+    cpus: list[list[int]] | None
+    note: str
+
+
+def place_workers(requested: int, cfg: TailspecConfig) -> Placement:
+    """One simulated GPU per worker, each owning an equal share of the cores (scheduler/placement.py) under
+    `scheduler.simulated_gpu_cpus: split`: at most one per core, so fewer than requested on a small machine.
+    With CUDA the workers run on real devices and nothing is pinned."""
+    from tailspec.scheduler import placement
+
+    if torch.cuda.is_available():
+        return Placement(requested, None, f"{requested} rollout workers on CUDA devices")
+    host = placement.host_cpus()
+    if cfg.scheduler.simulated_gpu_cpus != "split":
+        return Placement(requested, None, f"{requested} simulated GPUs sharing {len(host)} cores "
+                                          "(scheduler.simulated_gpu_cpus=shared)")
+    n = placement.gpus_that_fit(requested, host)
+    cpus = placement.split(n, host)
+    fewer = f" ({requested} asked, {len(host)} cores)" if n < requested else ""
+    per = len(cpus[0])
+    return Placement(n, cpus, f"{n} simulated GPUs{fewer}, {per} own core{'s' if per > 1 else ''} each")
 
 
 @dataclass
@@ -125,7 +152,8 @@ def _counters(r, cluster: str) -> dict[str, float]:
 
 class Demo:
     def __init__(self, opts: DemoOptions, cfg: TailspecConfig):
-        self.o = opts
+        self.placement = place_workers(opts.workers, cfg)
+        self.o = replace(opts, workers=self.placement.workers)
         ts = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(opts.run_dir or Path("runs") / ts).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -196,6 +224,10 @@ class Demo:
         for w in range(self.o.workers):
             cmd = [sys.executable, "-m", "tailspec.demo.worker", "--name", f"w{w}", "--gpu", str(w),
                    "--redis", self.redis_url, "--cluster", self.cluster, "--node", self.cfg.cluster.node]
+            if self.placement.cpus is not None:
+                from tailspec.scheduler.placement import format_cpus
+
+                cmd += ["--cpus", format_cpus(self.placement.cpus[w])]
             logf = open(self.run_dir / f"worker-w{w}.log", "w")
             self._procs.append(subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT))
 

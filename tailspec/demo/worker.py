@@ -254,8 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis", required=True)
     ap.add_argument("--cluster", required=True)
     ap.add_argument("--node", default="node0")
+    ap.add_argument("--cpus", help="the simulated GPU's own cores, e.g. '0' or '2,3': pin to them (default: share all)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)  # one simulated GPU = one core's worth of work; workers share 2 cores
+    if args.cpus:
+        from tailspec.scheduler.placement import parse_cpus, pin
+
+        pin(parse_cpus(args.cpus))  # the GPU's cores, shared only with a session lent on this GPU
+    else:
+        torch.set_num_threads(1)  # one simulated GPU = one core's worth of work, sharing the host's cores
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -1,0 +1,194 @@
+"""Simulated GPUs as their own compute: a tail worker's decode speed with and without a drafter session training on another simulated GPU.
+
+Two child processes, each pinned the way the demo pins them (scheduler/placement.py):
+- the **tail worker** on simulated GPU 0: the rollout engine decoding small batches (a long tail's batch) of
+  the task's prompts with the policy, answering "decode for S seconds" with the tokens it produced;
+- the **session** on simulated GPU 1: a real drafter-training loop (teacher forward of the policy + the
+  EAGLE-3 TTT step, `TrainingSession`) on the policy's own samples, paused (SIGSTOP) and resumed
+  (SIGCONT) between windows, so every "with" window finds it mid-training, as a lent GPU's session is.
+
+Windows alternate alone / with (A/B, `--repeats` pairs) so drift of the machine hits both alike; the figure is
+the median over pairs of with ÷ alone. `--placement shared` runs the same without pinning (every process on
+every core, the demo before cores were split), to show what the split buys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", default="deep", help="policy preset or directory (default deep: the demo's)")
+    p.add_argument("--batch", type=int, default=4, help="tail worker's batch (default 4: a tail's few sequences)")
+    p.add_argument("--window-s", type=float, default=4.0, help="seconds per measurement window (default 4)")
+    p.add_argument("--repeats", type=int, default=5, help="alone/with pairs (default 5)")
+    p.add_argument("--placement", choices=("split", "shared", "both"), default="both",
+                   help="split: each simulated GPU on its own cores (the demo's default); shared: no pinning")
+    p.add_argument("--child", choices=("decode", "train"), help=argparse.SUPPRESS)
+    p.add_argument("--cpus", help=argparse.SUPPRESS)
+
+
+# -- children --------------------------------------------------------------------------------------------
+def _decode_child(args: argparse.Namespace) -> int:
+    import torch
+
+    from tailspec.config import TaskConfig
+    from tailspec.rollout.engine import Engine
+    from tailspec.rollout.sequence import SamplingParams
+    from tailspec.tasks.policy import load_policy, resolve_policy
+    from tailspec.tasks.runsum import sample_problems
+    from tailspec.tasks.tokenizer import encode_prompt
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if args.cpus else 1)
+    model, tok = load_policy(resolve_policy(args.policy, TaskConfig()))
+    prompts = [encode_prompt(tok, p.prompt) for p in sample_problems(256, TaskConfig(), seed=5)]
+    engine = Engine(model, None, max_batch=args.batch, max_seq_len=640, seed=0)
+    i = 0
+
+    def batch():
+        nonlocal i
+        ps = [prompts[(i + j) % len(prompts)] for j in range(args.batch)]
+        i += args.batch
+        # a fixed length per request, so every window decodes the same mix of batch sizes
+        return ps, [SamplingParams(max_tokens=96, temperature=1.0, seed=i + j, ignore_eos=True) for j in range(len(ps))]
+
+    engine.generate(*batch())  # warm-up
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        seconds = float(line)
+        t0 = time.perf_counter()
+        tokens = 0
+        while time.perf_counter() - t0 < seconds:
+            tokens += sum(len(o.token_ids) for o in engine.generate(*batch()))
+        print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - t0}), flush=True)
+    return 0
+
+
+def _train_child(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import torch
+
+    from tailspec.config import TailspecConfig
+    from tailspec.demo.bootstrap import rollout_samples
+    from tailspec.drafter_trainer.samples import fill_buffer
+    from tailspec.drafter_trainer.session import TrainingSession
+    from tailspec.drafter_trainer.teacher import Teacher
+    from tailspec.sessions import make_buffer
+    from tailspec.tasks.policy import resolve_policy
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if args.cpus else 1)
+    cfg = TailspecConfig()
+    cfg.trainer.batch_size = 8  # the demo's session batch
+    path = resolve_policy(args.policy, cfg.task)
+    samples = rollout_samples(path, cfg, 32, seed=1)
+    teacher = Teacher.from_dir(path)
+    buffer = make_buffer(cfg)
+    fill_buffer(buffer, samples, teacher.config.vocab_size, cfg.trainer.max_seq_len)
+    with tempfile.TemporaryDirectory(prefix="tailspec-isolation-") as tmp:
+        session = TrainingSession(cfg.trainer, teacher, buffer, checkpoint_dir=tmp)
+        session.run(max_steps=2)
+        print(json.dumps({"ready": True}), flush=True)
+        session.run(max_seconds=24 * 3600.0)  # until the parent kills it
+    return 0
+
+
+# -- parent ----------------------------------------------------------------------------------------------
+def _spawn(kind: str, args: argparse.Namespace, cpus: list[int] | None) -> subprocess.Popen:
+    from tailspec.scheduler.placement import format_cpus
+
+    cmd = [sys.executable, "-m", "tailspec.bench.isolation", "--child", kind, "--policy", args.policy,
+           "--batch", str(args.batch)]
+    if cpus is not None:
+        cmd += ["--cpus", format_cpus(cpus)]  # the child pins itself, as demo workers and sessions do
+    env = dict(os.environ, OMP_NUM_THREADS=str(len(cpus) if cpus else 1), TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line or not json.loads(line).get("ready"):
+        proc.kill()
+        raise RuntimeError(f"isolation bench: the {kind} child did not start (exit {proc.poll()})")
+    return proc
+
+
+def _window(decoder: subprocess.Popen, seconds: float) -> float:
+    decoder.stdin.write(f"{seconds}\n")
+    decoder.stdin.flush()
+    r = json.loads(decoder.stdout.readline())
+    return r["tokens"] / r["seconds"]
+
+
+def _measure(args: argparse.Namespace, split: bool, out) -> dict:
+    from tailspec.scheduler import placement
+
+    cpus = placement.split(2) if split else [None, None]
+    decoder = _spawn("decode", args, cpus[0])
+    trainer = _spawn("train", args, cpus[1])
+    os.kill(trainer.pid, signal.SIGSTOP)
+    alone, with_, ratios = [], [], []
+    try:
+        for i in range(args.repeats):
+            a = _window(decoder, args.window_s)
+            os.kill(trainer.pid, signal.SIGCONT)
+            time.sleep(0.2)  # the session is mid-step when the window opens
+            w = _window(decoder, args.window_s)
+            os.kill(trainer.pid, signal.SIGSTOP)
+            alone.append(a)
+            with_.append(w)
+            ratios.append(w / a)
+            print(f"  {'split' if split else 'shared'} pair {i + 1}/{args.repeats}: alone {a:.0f} tok/s, "
+                  f"with a session on the other GPU {w:.0f} tok/s ({w / a:.3f})", file=out, flush=True)
+    finally:
+        os.kill(trainer.pid, signal.SIGCONT)
+        trainer.kill()
+        decoder.stdin.close()
+        decoder.wait(timeout=30)
+        trainer.wait(timeout=30)
+    ratio = statistics.median(ratios)
+    return {"cpus": cpus if split else "shared", "alone_tok_s": [round(x, 1) for x in alone],
+            "with_session_tok_s": [round(x, 1) for x in with_], "ratios": [round(x, 4) for x in ratios],
+            "with_over_alone": round(ratio, 4), "slowdown": round(1 - ratio, 4)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tailspec.commands.bench import machine
+    from tailspec.scheduler import placement
+
+    out = sys.stderr if args.json else sys.stdout
+    host = placement.host_cpus()
+    result: dict = {"device": machine(), "policy": args.policy, "batch": args.batch, "window_s": args.window_s,
+                    "repeats": args.repeats, "host_cpus": host}
+    modes = ("split", "shared") if args.placement == "both" else (args.placement,)
+    if "split" in modes and len(host) < 2:
+        print(f"isolation: {len(host)} core: two simulated GPUs cannot each own one; split skipped", file=out)
+        modes = tuple(m for m in modes if m != "split")
+    print(f"bench isolation: policy={args.policy} batch={args.batch} {args.repeats} x ({args.window_s:.0f} s alone, "
+          f"{args.window_s:.0f} s with a session) on {len(host)} cores", file=out, flush=True)
+    for m in modes:
+        result[m] = _measure(args, m == "split", out)
+    for m in modes:
+        r = result[m]
+        print(f"{m}: tail worker with a session training on the other simulated GPU runs at "
+              f"{r['with_over_alone']:.3f} x its speed alone (slowdown {r['slowdown']:.1%}; target ≤ 5% split)", file=out)
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args()
+    if args.cpus:
+        from tailspec.scheduler.placement import parse_cpus, pin
+
+        pin(parse_cpus(args.cpus))
+    return _decode_child(args) if args.child == "decode" else _train_child(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

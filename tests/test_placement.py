@@ -1,0 +1,96 @@
+"""Simulated GPUs own CPU cores: the split, the pinning of workers and of sessions lent on a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tailspec.scheduler import placement
+from tailspec.scheduler.dispatch import LocalDispatcher
+from tailspec.scheduler.session import SessionContext
+
+
+def test_split_gives_each_gpu_an_equal_contiguous_share():
+    assert placement.split(2, [0, 1, 2, 3]) == [[0, 1], [2, 3]]
+    assert placement.split(4, [0, 1, 2, 3]) == [[0], [1], [2], [3]]
+    assert placement.split(2, [4, 5, 6]) == [[4], [5]]  # the odd core stays the host's
+    shares = placement.split(3, list(range(8)))
+    assert all(len(s) == 2 for s in shares) and len({c for s in shares for c in s}) == 6  # disjoint
+
+
+def test_split_refuses_more_gpus_than_cores_and_fit_says_how_many():
+    with pytest.raises(ValueError, match="cannot each own a core.*at most 2"):
+        placement.split(4, [0, 1])
+    assert placement.gpus_that_fit(4, [0, 1]) == 2
+    assert placement.gpus_that_fit(1, [0, 1]) == 1
+
+
+def test_parse_cpus_names_the_bad_entry():
+    assert placement.parse_cpus("0, 2,5") == [0, 2, 5]
+    with pytest.raises(ValueError, match="'x' is not a core number"):
+        placement.parse_cpus("0,x")
+
+
+def test_demo_worker_pins_itself_to_its_gpus_cores():
+    core = placement.host_cpus()[-1]
+    code = ("import os, sys; from tailspec.scheduler.placement import parse_cpus, pin; import torch; "
+            f"pin(parse_cpus('{core}')); print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [f"[{core}]", "1"]
+
+
+def test_place_workers_runs_fewer_simulated_gpus_than_asked_on_a_small_machine(monkeypatch):
+    import torch
+
+    from tailspec.config import load_config
+    from tailspec.demo.run import place_workers
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(placement, "host_cpus", lambda: [0, 1])
+    p = place_workers(4, load_config(environ={}))
+    assert (p.workers, p.cpus) == (2, [[0], [1]])
+    assert "4 asked" in p.note and "2 cores" in p.note
+    shared = place_workers(4, load_config(overrides=["scheduler.simulated_gpu_cpus=shared"], environ={}))
+    assert (shared.workers, shared.cpus) == (4, None)
+
+
+def _ctx(redis_url, sid, gpu):
+    return SessionContext(session_id=sid, node="n0", gpu=gpu, lease_token=1, redis_url=redis_url, cluster="p",
+                          require_heartbeat=False)
+
+
+@pytest.mark.parametrize("warm", [1, 0])
+def test_a_session_lent_on_a_simulated_gpu_runs_on_that_gpus_cores(tmp_path, redis_url, warm):
+    host = placement.host_cpus()
+    gpu_cpus = {0: host[:1], 1: host[-1:]}
+    d = LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=warm,
+                        gpu_cpus=gpu_cpus, extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
+    sid = f"s-pin-{warm}"
+    try:
+        d.start(_ctx(redis_url, sid, gpu=1))
+        deadline = time.time() + 60
+        while sid not in d.poll() and time.time() < deadline:
+            time.sleep(0.05)
+        assert d.ended.get(sid) == 0
+        probe = json.loads((tmp_path / f"probe-{sid}.json").read_text())
+        assert probe["cpus"] == gpu_cpus[1]
+        with pytest.raises(ValueError, match="GPU 5 owns no cores"):
+            d.start(_ctx(redis_url, "s-nowhere", gpu=5))
+    finally:
+        d.shutdown()
+
+
+def test_service_splits_only_simulated_gpus_that_fit(monkeypatch):
+    from tailspec.config import load_config
+    from tailspec.scheduler.service import simulated_gpu_cpus
+
+    monkeypatch.setattr(placement, "host_cpus", lambda: [0, 1, 2, 3])
+    cfg = load_config(overrides=["scheduler.simulated_gpus=2"], environ={})
+    assert simulated_gpu_cpus(cfg) == {0: [0, 1], 1: [2, 3]}
+    cfg = load_config(overrides=["scheduler.simulated_gpus=8"], environ={})
+    assert simulated_gpu_cpus(cfg) is None  # more GPUs than cores: shared, with a warning
+    cfg = load_config(overrides=["scheduler.simulated_gpus=2", "scheduler.simulated_gpu_cpus=shared"], environ={})
+    assert simulated_gpu_cpus(cfg) is None
