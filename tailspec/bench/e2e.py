@@ -1,4 +1,9 @@
-"""End-to-end benchmark: the demo's RL loop run three ways with the same seeds (no SD; SD with a frozen drafter; SD with co-training)."""
+"""End-to-end benchmark: the demo's RL loop run three ways with the same seeds (no SD; SD with a frozen drafter; SD with co-training).
+
+Defaults are the demo's (`tailspec demo`): the deep policy, its EAGLE-3 drafter, one simulated GPU per core
+up to 4. Step times are means over the steps after the first (`--skip-first`); `speedup_vs_frozen_last_third`
+compares the last third of the steps, where a frozen drafter is stalest.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +15,15 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=4, help="RL steps per run (default 4)")
-    p.add_argument("--workers", type=int, default=4)
+    from tailspec.demo.run import DemoOptions
+
+    d = DemoOptions()
+    p.add_argument("--steps", type=int, default=d.steps, help=f"RL steps per run (default {d.steps}, the demo's)")
+    p.add_argument("--workers", type=int, default=d.workers,
+                   help=f"simulated GPUs (default {d.workers}; at most one per core)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=4)
-    p.add_argument("--policy", default="tiny")
+    p.add_argument("--policy", default=d.policy, help=f"policy preset or directory (default {d.policy})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-first", type=int, default=1,
                    help="steps left out of the step-time mean (default 1: the first runs on cold caches; the engines' "
@@ -32,12 +41,14 @@ def run(args: argparse.Namespace) -> dict:
     tmp = None if args.out else tempfile.TemporaryDirectory(prefix="tailspec-bench-e2e-")
     root = Path(args.out or tmp.name)
     runs = {}
+    demos = {}
     for mode in ("nospec", "frozen", "cotrained"):
         opts = DemoOptions(steps=args.steps, workers=args.workers, mode=mode, seed=args.seed, policy=args.policy,
                            prompts_per_step=args.prompts, group_size=args.group, run_dir=root / mode,
                            dashboard=False, export=False)
-        print(f"== {mode}: {args.steps} steps, {args.workers} workers", file=out)
-        rows = Demo(opts, cfg).run(on_row=lambda r: print(
+        demo = demos[mode] = Demo(opts, cfg)
+        print(f"== {mode}: {args.steps} steps; {demo.placement.note}", file=out)
+        rows = demo.run(on_row=lambda r: print(
             f"  step {r.step}: {r.step_time_s:.1f}s (rollout {r.rollout_time_s:.1f}s) acc.len {r.acceptance_length:.2f}"
             f" idle {r.idle_gpu_seconds:.1f} lent {r.lent_gpu_seconds:.1f} reward {r.mean_reward:.2f}", file=print_to))
         runs[mode] = rows
@@ -50,24 +61,48 @@ def run(args: argparse.Namespace) -> dict:
         return statistics.fmean(xs)
 
     step = {m: mean_of(rows, "step_time_s") for m, rows in runs.items()}
+    third = max(1, len(runs["frozen"]) // 3)
+    last_third = {m: statistics.fmean(r.step_time_s for r in rows[-third:]) for m, rows in runs.items()}
+    wall = {m: sum(r.step_time_s + r.measure_s for r in rows) for m, rows in runs.items()}
+    measured = {m: sum(r.measure_s for r in rows) for m, rows in runs.items()}
     rollout = {m: mean_of(rows, "rollout_time_s") for m, rows in runs.items()}
     co = runs["cotrained"]
     idle = sum(r.idle_gpu_seconds for r in co)
     lent = sum(r.lent_gpu_seconds for r in co)
+    tail_idle = sum(r.tail_idle_gpu_seconds for rows in runs.values() for r in rows)
+    rollout_gpu_s = sum(len(r.worker_busy_s) * r.rollout_time_s for rows in runs.values() for r in rows)
+    placement = demos["cotrained"].placement
     result = {
         "device": machine(),
+        "policy": args.policy,
         "steps": args.steps,
-        "workers": args.workers,
+        "workers": placement.workers,
+        "placement": {"note": placement.note, "cpus": placement.cpus},
         "step_time_s": {m: round(v, 3) for m, v in step.items()},  # mean over steps skip_first+
         "step_times_s": {m: [round(r.step_time_s, 3) for r in rows] for m, rows in runs.items()},
         "rollout_time_s": {m: round(v, 3) for m, v in rollout.items()},
         "speedup_vs_nospec": {m: round(step["nospec"] / step[m], 3) for m in ("frozen", "cotrained")},
+        "speedup_vs_frozen_last_third": round(last_third["frozen"] / last_third["cotrained"], 3),
+        "last_third_step_time_s": {m: round(v, 3) for m, v in last_third.items()},
         "rollout_speedup_vs_nospec": {m: round(rollout["nospec"] / rollout[m], 3) for m in ("frozen", "cotrained")},
         "acceptance_first_last": {
             "frozen": [runs["frozen"][0].acceptance_frozen, runs["frozen"][-1].acceptance_frozen],
             "cotrained": [co[0].acceptance_cotrained, co[-1].acceptance_cotrained],
         },
         "frozen_on_cotrained_samples_first_last": [co[0].acceptance_frozen, co[-1].acceptance_frozen],
+        "acceptance_curves": {
+            "frozen": {r.step: r.acceptance_frozen for r in runs["frozen"] if r.acceptance_frozen is not None},
+            "cotrained": {r.step: r.acceptance_cotrained for r in co if r.acceptance_cotrained is not None},
+        },
+        "promotions": demos["cotrained"].promotions,
+        "drafter_versions": [r.drafter_version for r in co],
+        # the long tail: GPU-seconds a worker sat drained while another decoded, ÷ workers x rollout time
+        "tail_idle_share": round(tail_idle / rollout_gpu_s, 3) if rollout_gpu_s else 0.0,
+        "tail_idle_share_by_mode": {m: round(sum(r.tail_idle_gpu_seconds for r in rows) /
+                                             max(sum(len(r.worker_busy_s) * r.rollout_time_s for r in rows), 1e-9), 3)
+                                    for m, rows in runs.items()},
+        # instrumentation (logprob check, acceptance of both drafters) ÷ the run's wall time over its steps
+        "instrumentation_share": {m: round(measured[m] / wall[m], 3) if wall[m] else 0.0 for m in runs},
         "reclaimed_share": round(lent / idle, 3) if idle else 0.0,
         "idle_gpu_seconds": round(idle, 2),
         "lent_gpu_seconds": round(lent, 2),
@@ -75,10 +110,37 @@ def run(args: argparse.Namespace) -> dict:
         "reward_curves": {m: [r.mean_reward for r in rows] for m, rows in runs.items()},
         "logprob_max_abs_diff": max(r.logprob_max_abs_diff for rows in runs.values() for r in rows),
     }
+    result.update(drafter_cost_ratio(demos["cotrained"]))
     print(f"step time (mean, steps {args.skip_first}+): " +
           ", ".join(f"{m} {v:.1f}s" for m, v in step.items()) +
           f"; co-trained speedup {result['speedup_vs_nospec']['cotrained']:.2f}x, frozen "
-          f"{result['speedup_vs_nospec']['frozen']:.2f}x; reclaimed share {result['reclaimed_share']:.2f}", file=out)
+          f"{result['speedup_vs_nospec']['frozen']:.2f}x; co-trained / frozen over the last third "
+          f"{result['speedup_vs_frozen_last_third']:.2f}x; reclaimed share {result['reclaimed_share']:.2f}; "
+          f"{result['promotions']} promotions; tail idle share {result['tail_idle_share']:.2f}; "
+          f"drafter step / target forward {result['drafter_cost_ratio']}", file=out)
     if tmp is not None:
         tmp.cleanup()
     return result
+
+
+def drafter_cost_ratio(demo) -> dict:
+    """One EAGLE-3 drafter step ÷ one target forward at batch 1 (`tailspec bench engine`'s timing) for the
+    run's policy and first drafter: the miniature's cost ratio, which a GPU deployment's is a few percent."""
+    from tailspec.bench.engine import drafter_cost
+    from tailspec.drafter_trainer.model import Eagle3Drafter
+    from tailspec.tasks.runsum import sample_problems
+    from tailspec.tasks.tokenizer import encode_prompt
+
+    if demo.frozen_path is None:
+        return {"drafter_cost_ratio": None}
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(demo.placement.cpus[0]) if demo.placement.cpus else 1)  # a worker's cores
+    try:
+        eagle = Eagle3Drafter.load(demo.frozen_path, demo.model.get_input_embeddings()).eval()
+        prompts = [encode_prompt(demo.tokenizer, p.prompt) for p in sample_problems(16, seed=30_000)]
+        per = drafter_cost(demo.model.eval(), eagle, [1], prompts, repeats=3)
+    finally:
+        torch.set_num_threads(threads)
+    return {"drafter_cost_ratio": round(per[1]["ratio"], 4)}

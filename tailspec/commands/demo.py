@@ -17,16 +17,19 @@ from pathlib import Path
 
 def register(sub: argparse._SubParsersAction) -> None:
     from tailspec.cli import add_config_args
+    from tailspec.demo.run import DemoOptions
 
     p = sub.add_parser("demo", help="RL with long-tail rollouts, idle-GPU drafter co-training, export (the main job)")
-    p.add_argument("--steps", type=int, default=6, help="RL steps (default 6)")
-    p.add_argument("--workers", type=int, default=4, help="simulated GPUs / rollout workers (default 4)")
+    p.add_argument("--steps", type=int, default=DemoOptions.steps, help=f"RL steps (default {DemoOptions.steps})")
+    p.add_argument("--workers", type=int, default=DemoOptions.workers,
+                   help=f"simulated GPUs / rollout workers (default {DemoOptions.workers}; at most one per core)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--no-spec", action="store_true", help="baseline: plain decoding, no co-training")
     mode.add_argument("--frozen-drafter", action="store_true",
                       help="baseline: speculative decoding with the first drafter, never retrained")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policy", default="tiny", help="policy preset (micro|tiny|small) or directory (default tiny)")
+    p.add_argument("--policy", default=DemoOptions.policy,
+                   help=f"policy preset (micro|tiny|deep|small) or directory (default {DemoOptions.policy})")
     p.add_argument("--prompts", type=int, default=16, help="prompts per RL step (default 16)")
     p.add_argument("--group", type=int, default=4, help="responses per prompt (GRPO group, default 4)")
     p.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private redis-server")

@@ -83,13 +83,12 @@ def plot_timeline(timeline: list[dict], steps: list[dict], out: Path, title_note
 def plot_acceptance(rows: list[dict], out: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
-    x = [r["step"] for r in rows]
-    co = [r.get("acceptance_cotrained") for r in rows]
-    fr = [r.get("acceptance_frozen") for r in rows]
-    if any(v is not None for v in co):
-        ax.plot(x, co, "o-", color="#54a24b", label="co-trained drafter (current version)")
-    if any(v is not None for v in fr):
-        ax.plot(x, fr, "s--", color="#e45756", label="frozen copy of the first drafter")
+    # measured every few steps (instrumentation is subsampled): plot the steps that have a value
+    for key, style, color, label in (("acceptance_cotrained", "o-", "#54a24b", "co-trained drafter (current version)"),
+                                      ("acceptance_frozen", "s--", "#e45756", "frozen copy of the first drafter")):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), style, color=color, label=label)
     return _save(fig, ax, out, "Acceptance on each step's own samples: co-trained vs frozen",
                  "expected acceptance length (k = 4)", grid=True)
 

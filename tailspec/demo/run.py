@@ -94,19 +94,27 @@ class DemoOptions:
     seed: int = 0
     prompts_per_step: int = 16
     group_size: int = 4
-    policy: str = "tiny"
+    policy: str = "deep"
     lr: float = 3e-5
     temperature: float = 1.0
     max_tokens: int = 512
     max_seq_len: int = 640
     k: int = 4
-    # How requests are dealt to workers: round_robin (a random mix per worker, as RL frameworks do) or
-    # by_length (contiguous blocks of problems sorted by step count: the last worker gets the longest —
-    # a guaranteed tail, for tests on policies too small to have one of their own).
-    deal: Literal["round_robin", "by_length"] = "round_robin"
+    # How requests are dealt to workers:
+    # - chunk: contiguous blocks of the prompt-major batch (each prompt's whole group on one worker), as verl
+    #   and OpenRLHF split a step's batch across rollout workers (DataProto.chunk): a worker's load is the
+    #   luck of its prompts' lengths, which nobody knows before decoding;
+    # - round_robin: request i to worker i mod W: every worker gets samples of every prompt, which evens the
+    #   load out (no framework deals a group apart like this);
+    # - by_length: blocks of problems sorted by prompt length (≈ step count): the last worker gets the
+    #   longest — a guaranteed tail, for tests on policies too small to have one of their own.
+    deal: Literal["chunk", "round_robin", "by_length"] = "chunk"
     bootstrap_samples: int = 256
     bootstrap_seconds: float = 60.0
-    validation_samples: int = 32
+    validation_samples: int = 32  # held-out samples of a promotion's paired test (trainer.validation_samples)
+    # Instrumentation: both drafters' acceptance on this many of a step's samples, every N steps and the last.
+    measure_samples: int = 24
+    measure_every: int = 2
     run_dir: Path | None = None
     redis_url: str | None = None
     dashboard: bool = True
@@ -141,6 +149,10 @@ class StepRow:
     sessions: int
     t_start: float = 0.0
     t_end: float = 0.0
+    # GPU-seconds of the rollout during which a worker had finished and the slowest had not (the long tail's
+    # idle time, from the workers' own clocks), and their share of workers x rollout time
+    tail_idle_gpu_seconds: float = 0.0
+    tail_idle_share: float = 0.0
     worker_busy_s: dict[str, float] = field(default_factory=dict)
     strategy_mix: dict[str, int] = field(default_factory=dict)
 
@@ -169,6 +181,7 @@ class Demo:
         self.export_errors: dict[str, str] = {}
         self.timeline: list[dict] = []
         self.rows: list[StepRow] = []
+        self.promotions = 0
 
     # -- set-up --------------------------------------------------------------------------------------------
     def config(self) -> TailspecConfig:
@@ -311,7 +324,10 @@ class Demo:
             ordered = sorted(reqs, key=lambda q: len(q.prompt_ids))
             n = -(-len(ordered) // self.o.workers)
             return [ordered[w * n : (w + 1) * n] for w in range(self.o.workers)]
-        return [reqs[w :: self.o.workers] for w in range(self.o.workers)]
+        if self.o.deal == "round_robin":
+            return [reqs[w :: self.o.workers] for w in range(self.o.workers)]
+        n = -(-len(reqs) // self.o.workers)
+        return [reqs[w * n : (w + 1) * n] for w in range(self.o.workers)]
 
     def worker_rollout_config(self):
         """The `rollout` section the workers build their engines from: the user's, with the demo's
@@ -393,29 +409,33 @@ class Demo:
             rollouts.append(Rollout(q.prompt_ids, o.token_ids, o.logprobs, g.reward, rid // self.o.group_size))
             samples.append(Sample(prompt_ids=q.prompt_ids, response_ids=o.token_ids, reward=g.reward,
                                   policy_version=self.policy_version, group_id=f"{step}:{rid // self.o.group_size}"))
-        # Instrumentation, not part of an RL step (a user's trainer does neither): the logprob check and the
-        # frozen-vs-co-trained acceptance measurement. Timed apart and left out of step_time_s.
+        # The RL trainer needs every GPU back before its update (the wait a real trainer does for reclaim).
+        t_wait = time.time()
+        self.wait_sessions_stopped()
+        wait_s = time.time() - t_wait
+        # Instrumentation, not part of an RL step (a user's trainer does neither): the logprob check every step
+        # (one forward of 8 responses) and the frozen-vs-co-trained acceptance every `measure_every` steps and
+        # at the last. Timed apart, left out of step_time_s, and run after the GPUs are back, so it takes no
+        # compute from a session.
         t_measure = time.time()
-        # RL fidelity: the rollout's logprobs are the policy's own (checked on a slice every step).
         check = rollouts[: min(8, len(rollouts))]
         ref = recompute_logprobs(self.model, check, self.tokenizer.pad_token_id, temperature=self.o.temperature)
         lp_diff = max((abs(a - b) for ro, rf in zip(check, ref) for a, b in zip(ro.logprobs, rf)), default=0.0)
         acc_frozen = acc_co = None
-        if self.o.mode != "nospec":
+        if self.o.mode != "nospec" and (step % self.o.measure_every == 0 or step == self.o.steps - 1):
             acc_frozen, acc_co = self.measure_acceptance(samples)
-            self.record_health(step, acc_frozen, acc_co, min(len(samples), self.o.validation_samples))
+            self.record_health(step, acc_frozen, acc_co, min(len(samples), self.o.measure_samples))
         measure_s = time.time() - t_measure
         stats = grpo_step(self.model, self.optimizer, rollouts, self.tokenizer.pad_token_id,
                           temperature=self.o.temperature)
         self.client.submit_samples(samples)
         self.policy_version += 1
         self.policy_path = self.publish_policy()
-        t_wait = time.time()
-        self.wait_sessions_stopped()
         t_end = time.time()
-        wait_s = t_end - t_wait
         after = _counters(self.r, self.cluster)
         outs = [o for res in results for o in res.outputs]
+        last_done = max(r.finished_at for r in results)
+        tail_idle = sum(last_done - r.finished_at for r in results)
         fwd = sum(o.target_forwards for o in outs)
         tokens = sum(len(o.token_ids) for o in outs)
         mix: dict[str, int] = {}
@@ -433,6 +453,7 @@ class Demo:
             accuracy=float(np.mean(correct)), policy_version=self.policy_version, logprob_max_abs_diff=lp_diff,
             sessions=int(after.get("sessions_started", 0) - before.get("sessions_started", 0)),
             t_start=t_start, t_end=t_end,
+            tail_idle_gpu_seconds=tail_idle, tail_idle_share=tail_idle / max(len(results) * rollout_s, 1e-9),
             worker_busy_s={r.worker: r.finished_at - r.started_at for r in results}, strategy_mix=mix,
         )
         self.publish_rollout_stats(row)
@@ -445,7 +466,7 @@ class Demo:
         from tailspec.drafter_trainer.teacher import Teacher
         from tailspec.drafter_trainer.versions import validate
 
-        held = samples[:: max(1, len(samples) // self.o.validation_samples)][: self.o.validation_samples]
+        held = samples[:: max(1, len(samples) // self.o.measure_samples)][: self.o.measure_samples]
         emb = self.model.get_input_embeddings()
         frozen = Eagle3Drafter.load(self.frozen_path, emb)
         teacher = Teacher(self.model, frozen.config.aux_layer_ids, policy_version=self.policy_version)
@@ -522,9 +543,16 @@ class Demo:
             from tailspec.demo.report import read_timeline
 
             self.timeline = read_timeline(self.r, self.cluster)
+            self.promotions = self.count_promotions()
         finally:
             self.stop_services()
         return self.rows
+
+    def count_promotions(self) -> int:
+        """Co-trained versions promoted during the run (the bootstrap drafter, version 1, is not one)."""
+        key = state.key(self.cluster, "drafter_versions")
+        versions = [state.decode(state.DrafterVersion, raw, where=key) for raw in self.r.lrange(key, 0, -1)]
+        return sum(1 for v in versions if v.promoted and v.session_id != "bootstrap")
 
     def seed_version_store(self) -> None:
         """Version 1 = the bootstrap drafter, promoted; sessions continue from its weights."""
