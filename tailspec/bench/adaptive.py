@@ -26,10 +26,13 @@ from collections import Counter
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="tiny", help="target policy: a preset (micro, tiny, small) or a policy directory")
-    p.add_argument("--drafter", default="draft_model", choices=["draft_model", "ngram", "eagle3"])
+    p.add_argument("--target", default="deep",
+                   help="target policy: a preset (micro, tiny, deep, small) or a policy directory (default deep, the demo's)")
+    p.add_argument("--drafter", default="eagle3", choices=["draft_model", "ngram", "eagle3"],
+                   help="default eagle3: the demo's first drafter for the target (trained and cached on first use)")
     p.add_argument("--draft-preset", default="micro", help="draft model: a policy preset or directory")
-    p.add_argument("--eagle3", default=None, help="directory of a trained EAGLE-3 drafter (drafter=eagle3)")
+    p.add_argument("--eagle3", default=None,
+                   help="directory of a trained EAGLE-3 drafter (default: the demo's bootstrap drafter for --target)")
     p.add_argument("--batches", default="1,2,4,8,16,32,64")
     p.add_argument("--ks", default="0,1,2,3,4,6", help="fixed strategies (draft lengths) to compare")
     p.add_argument("--repeats", type=int, default=3)
@@ -70,9 +73,16 @@ def _load(args, cfg):
             return DraftModelDrafter(draft)
         label = f"draft_model:{args.draft_preset}"
     else:
-        if not args.eagle3:
-            raise SystemExit("--drafter eagle3 needs --eagle3 DIR (a trained drafter; see `tailspec train`)")
         from tailspec.drafter_trainer.model import Eagle3Drafter as Eagle3Module
+
+        if not args.eagle3:
+            from tailspec.demo.bootstrap import bootstrap_drafter
+            from tailspec.demo.run import DemoOptions, apply_demo_trainer
+
+            # the demo's first drafter for this target (its trainer settings and budget: 256 samples, 60 s; cached)
+            demo_cfg = cfg.model_copy(deep=True)
+            apply_demo_trainer(demo_cfg.trainer, DemoOptions.validation_samples)
+            args.eagle3 = bootstrap_drafter(resolve_policy(args.target, cfg.task, cache_dir=cfg.cache_dir), demo_cfg)
 
         head = Eagle3Module.load(args.eagle3, target.get_input_embeddings()).to(device, dtype)
 

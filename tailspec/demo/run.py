@@ -52,11 +52,14 @@ Mode = Literal["cotrained", "frozen", "nospec"]
 DEMO_TRAINER = {"batch_size": 8, "validate_every_s": 5.0, "merge_every_steps": 2}
 
 
-def apply_demo_trainer(tc) -> None:
-    """DEMO_TRAINER into a TrainerConfig, except where the user set a value (batch_size: at most 8)."""
+def apply_demo_trainer(tc, validation_samples: int | None = None) -> None:
+    """DEMO_TRAINER into a TrainerConfig, except where the user set a value (batch_size: at most 8); and the
+    run's `validation_samples` when given (the demo's DemoOptions.validation_samples)."""
     for k, v in DEMO_TRAINER.items():
         if k not in tc.model_fields_set:
             setattr(tc, k, v if k != "batch_size" else min(tc.batch_size, v))
+    if validation_samples is not None:
+        tc.validation_samples = validation_samples
 
 
 @dataclass(frozen=True)
@@ -201,8 +204,7 @@ class Demo:
         # the tail leaves idle, but on 2 cores it is also starved while the RL step runs, and with this
         # policy's short tails it often finished no step at all (`--set scheduler.session_nice=19` to try).
         c.trainer.checkpoint_dir = str(self.run_dir / "drafter")
-        apply_demo_trainer(c.trainer)
-        c.trainer.validation_samples = self.o.validation_samples
+        apply_demo_trainer(c.trainer, self.o.validation_samples)
         return c
 
     def start_services(self) -> None:
