@@ -10,6 +10,12 @@ old logprobs are that distribution's (the engine's `sampling_logprobs`, not its 
 `grpo_step` / `recompute_logprobs` evaluate the policy at the same T (logits / T, as verl and OpenRLHF do).
 At T = 1 the two kinds of engine logprobs coincide; at T != 1 mixing them makes the ratio of an unchanged
 policy differ from 1 and the clip cut gradients it should not.
+
+An optional KL penalty against a frozen reference policy (`kl_coef`, `ref_model`), as GRPO has it: the k3
+estimator per response token, KL ~ exp(ref - new) - (ref - new) - 1 (unbiased for KL(new || ref) on the
+policy's own samples, always >= 0, zero with its gradient where new = ref), averaged over tokens like the
+clipped objective and added to the loss times `kl_coef`. It keeps a larger learning rate from running away
+from a working policy. `kl_coef` = 0 (the default) is the plain clipped objective.
 """
 
 from __future__ import annotations
@@ -95,6 +101,7 @@ class StepStats:
     clip_fraction: float
     mean_abs_advantage: float
     tokens: int
+    kl: float = 0.0  # mean k3 estimate of KL(policy || reference) over the trained tokens (0 without kl_coef)
 
 
 def grpo_step(
@@ -106,19 +113,29 @@ def grpo_step(
     minibatch: int = 32,
     temperature: float = 1.0,
     max_grad_norm: float = 1.0,
+    kl_coef: float = 0.0,
+    ref_model: torch.nn.Module | None = None,
 ) -> StepStats:
     """One GRPO update over `rollouts` (one pass, minibatches; token-level mean of the clipped objective).
 
     `temperature` is the rollout's: the ratio is p_T,new / p_T,old, both at that temperature, with the old
-    logprobs from `Rollout.logprobs` (the sampling distribution's). For an unchanged policy it is 1."""
+    logprobs from `Rollout.logprobs` (the sampling distribution's). For an unchanged policy it is 1.
+
+    `kl_coef` > 0 adds `kl_coef` x the token mean of the k3 estimate of KL(policy || `ref_model`) (the
+    reference evaluated at the same temperature, without gradient). Every response is then trained, those
+    of groups without reward signal too: their tokens carry the KL term alone."""
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef!r}")
+    if kl_coef > 0 and ref_model is None:
+        raise ValueError("kl_coef > 0 needs ref_model (the frozen reference policy)")
     rewards = np.array([r.reward for r in rollouts], dtype=np.float64)
     groups = np.array([r.group for r in rollouts])
     adv = group_advantages(rewards, groups)
-    informative = [i for i in range(len(rollouts)) if adv[i] != 0.0]
+    trained = list(range(len(rollouts))) if kl_coef > 0 else [i for i in range(len(rollouts)) if adv[i] != 0.0]
     model.train()
-    losses, clipped, ntok = [], 0.0, 0
-    for s in range(0, len(informative), minibatch):
-        idx = informative[s : s + minibatch]
+    losses, clipped, ntok, kl_sum = [], 0.0, 0, 0.0
+    for s in range(0, len(trained), minibatch):
+        idx = trained[s : s + minibatch]
         batch = [rollouts[i] for i in idx]
         ids, attn, resp, old = _pad(batch, pad_id)
         a = torch.tensor(adv[idx], dtype=torch.float32).unsqueeze(1)
@@ -127,6 +144,13 @@ def grpo_step(
         obj = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * a)
         n = resp.sum().clamp(min=1)
         loss = -(obj * resp).sum() / n
+        if kl_coef > 0:
+            with torch.no_grad():
+                ref = token_logprobs(ref_model, ids, attn, temperature)
+            log_r = torch.where(resp, ref - new, torch.zeros_like(new))
+            kl = ((torch.exp(log_r) - log_r - 1) * resp).sum() / n
+            loss = loss + kl_coef * kl
+            kl_sum += kl.item() * int(resp.sum())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -141,6 +165,7 @@ def grpo_step(
         clip_fraction=clipped / max(ntok, 1),
         mean_abs_advantage=float(np.abs(adv).mean()),
         tokens=ntok,
+        kl=kl_sum / max(ntok, 1),
     )
 
 

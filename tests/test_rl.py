@@ -1,3 +1,4 @@
+import pytest
 import numpy as np
 import torch
 
@@ -151,3 +152,50 @@ def test_grpo_ratio_at_temperature_compares_the_sampling_distribution(tmp_path, 
     got = torch.cat([(b - p.detach()).ravel() for b, p in zip(before, model.parameters())])
     want = torch.cat([g.ravel() for g in want])
     assert float((got - want).norm()) <= 1e-3 * float(want.norm()), float((got - want).norm() / want.norm())
+
+
+def _kl_setup():
+    import copy
+
+    model, tok = _model()
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():  # move the policy away from its reference
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    prompt = [1, 30, 5, 16]
+    ro = [Rollout(prompt, resp, [0.0] * len(resp), 1.0, 0) for resp in ([31, 15, 5, 2], [32, 16, 6, 11, 2])]
+    for r in ro:
+        r.logprobs = recompute_logprobs(model, [r], tok.pad_token_id)[0]
+    return model, ref, tok, ro
+
+
+def test_kl_term_value_is_the_k3_estimate_against_the_reference():
+    model, ref, tok, ro = _kl_setup()  # equal rewards: no policy-gradient signal, the KL term alone
+    new = recompute_logprobs(model, ro, tok.pad_token_id)
+    old = recompute_logprobs(ref, ro, tok.pad_token_id)
+    d = [r - n for a, b in zip(new, old) for n, r in zip(a, b)]
+    want = float(np.mean([np.exp(x) - x - 1 for x in d]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    stats = grpo_step(model, opt, ro, tok.pad_token_id, kl_coef=0.5, ref_model=ref)
+    assert stats.tokens == 9 and want > 1e-3
+    np.testing.assert_allclose(stats.kl, want, rtol=1e-4)
+    np.testing.assert_allclose(stats.loss, 0.5 * want, rtol=1e-4)
+
+
+def test_kl_term_pulls_the_policy_toward_the_reference():
+    model, ref, tok, ro = _kl_setup()
+
+    def kl_now():
+        return grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.0), ro, tok.pad_token_id,
+                         kl_coef=1.0, ref_model=ref).kl
+
+    before = kl_now()
+    # without kl_coef, equal rewards carry no signal: nothing moves
+    assert grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), ro, tok.pad_token_id).tokens == 0
+    assert kl_now() == before
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(10):
+        grpo_step(model, opt, ro, tok.pad_token_id, kl_coef=1.0, ref_model=ref)
+    assert kl_now() < 0.25 * before
+    with pytest.raises(ValueError):
+        grpo_step(model, opt, ro, tok.pad_token_id, kl_coef=0.1)
