@@ -88,13 +88,19 @@ class LocalDispatcher:
         env.update(self.extra_env)
         return env
 
-    def _refill(self) -> None:
+    def _refill(self, cpus: list[int] | None = None) -> None:
+        """Start warm processes up to `warm`. `cpus`: the cores the replacements import on — after a session
+        took a warm process, the cores of the GPU just lent (its session is the only other user there), so the
+        seconds of imports never run on a core another GPU's tail is decoding on."""
         self._warm = [(p, lp) for p, lp in self._warm if p.poll() is None]
         while len(self._warm) < self.warm:
             self._warm_seq += 1
             log_path = os.path.join(self.log_dir or ".", f"warm-{os.getpid()}-{self._warm_seq}.log")
             env = self._base_env()
             env.pop("CUDA_VISIBLE_DEVICES", None)  # chosen at assignment
+            env.pop(CPUS_ENV, None)
+            if cpus:
+                env[CPUS_ENV] = format_cpus(cpus)
             with open(log_path, "ab") as logf:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "tailspec.scheduler.session", "--warm", self.entry],
@@ -123,7 +129,7 @@ class LocalDispatcher:
                 proc.stdin.write((json.dumps(msg) + "\n").encode())
                 proc.stdin.close()
                 self.procs[ctx.session_id] = _Proc(ctx, proc, log_path)
-                self._refill()
+                self._refill(self.gpu_cpus.get(ctx.gpu) if self.gpu_cpus else None)
                 return
             except OSError:  # it died meanwhile: fall back to a cold start
                 proc.kill()
@@ -140,7 +146,7 @@ class LocalDispatcher:
                 stderr=subprocess.STDOUT,
             )
         self.procs[ctx.session_id] = _Proc(ctx, proc, log_path)
-        self._refill()
+        self._refill(self.gpu_cpus.get(ctx.gpu) if self.gpu_cpus else None)
 
     def stop(self, session_id: str) -> None:
         """Backstop after the deadline: the session should already have stopped on its lease check."""

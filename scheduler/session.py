@@ -25,6 +25,7 @@ from typing import Any
 
 from tailspec import state
 from tailspec.state import SessionInfo
+from tailspec.scheduler.placement import CPUS_ENV
 
 CONTEXT_ENV = "TAILSPEC_SESSION_CONTEXT"
 NICE_ENV = "TAILSPEC_SESSION_NICE"
@@ -252,6 +253,7 @@ def warm_main(entry: str) -> int:
     EOF on stdin (the dispatcher went away) ends the process without running anything."""
     import json
 
+    _place()  # a replacement started on the cores of the GPU just lent imports there (dispatch._refill)
     try:
         load_entry(entry)
         # The entry's module may pay its own first-use costs now (e.g. a model library's lazy imports):
@@ -272,9 +274,13 @@ def warm_main(entry: str) -> int:
     except (ValueError, KeyError, TypeError) as e:
         print(f"tailspec warm session: bad assignment: {e}", file=sys.stderr)
         return 2
+    os.environ.pop(CPUS_ENV, None)
     os.environ.update(env)
     _renice()
-    _place()
+    if CPUS_ENV in env:
+        _place()  # the assigned GPU's cores
+    else:
+        _unpin()
     print(f"tailspec session {ctx.session_id} on {ctx.node}:gpu{ctx.gpu}", flush=True)
     return run_context(ctx, entry, handle_sigterm=True)
 
@@ -289,6 +295,15 @@ def _renice() -> None:
             os.nice(int(n))
         except OSError as e:
             print(f"tailspec session: could not set niceness {n}: {e}", file=sys.stderr)
+
+
+_AFFINITY_AT_START = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
+def _unpin() -> None:
+    # assigned without cores (shared placement): the cores the process started with again
+    if _AFFINITY_AT_START is not None and set(os.sched_getaffinity(0)) != _AFFINITY_AT_START:
+        os.sched_setaffinity(0, _AFFINITY_AT_START)
 
 
 def _place() -> None:

@@ -94,3 +94,26 @@ def test_service_splits_only_simulated_gpus_that_fit(monkeypatch):
     assert simulated_gpu_cpus(cfg) is None  # more GPUs than cores: shared, with a warning
     cfg = load_config(overrides=["scheduler.simulated_gpus=2", "scheduler.simulated_gpu_cpus=shared"], environ={})
     assert simulated_gpu_cpus(cfg) is None
+
+
+def test_a_warm_replacement_imports_on_the_lent_gpus_cores(tmp_path, redis_url):
+    """After a session takes a warm process, the replacement starts on that GPU's cores (its imports never
+    run where another GPU's tail decodes), and is re-pinned to whichever GPU it is assigned next."""
+    host = placement.host_cpus()
+    gpu_cpus = {0: host[:1], 1: host[-1:]}
+    d = LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=1,
+                        gpu_cpus=gpu_cpus, extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
+    try:
+        d.start(_ctx(redis_url, "s-a", gpu=1))
+        replacement = d._warm[0][0]
+        deadline = time.time() + 30
+        while os.sched_getaffinity(replacement.pid) != set(gpu_cpus[1]) and time.time() < deadline:
+            time.sleep(0.05)
+        assert os.sched_getaffinity(replacement.pid) == set(gpu_cpus[1])
+        d.start(_ctx(redis_url, "s-b", gpu=0))
+        assert d.pid("s-b") == replacement.pid
+        while "s-b" not in d.poll() and time.time() < deadline + 30:
+            time.sleep(0.05)
+        assert json.loads((tmp_path / "probe-s-b.json").read_text())["cpus"] == gpu_cpus[0]
+    finally:
+        d.shutdown()
