@@ -253,7 +253,15 @@ def warm_main(entry: str) -> int:
     EOF on stdin (the dispatcher went away) ends the process without running anything."""
     import json
 
-    _place()  # a replacement started on the cores of the GPU just lent imports there (dispatch._refill)
+    if _place():
+        # A replacement started on the cores of the GPU just lent (dispatch._refill) imports there, beside
+        # that GPU's session, for seconds that outlast the tail and spill into the RL update, whose threads
+        # span every core. At nice 10 it takes only what they leave. It cannot renice back, and needs not:
+        # it runs its session on a lent GPU's cores, where the GPU's drained rollout worker is idle.
+        try:
+            os.nice(REFILL_NICE)
+        except OSError:
+            pass
     try:
         load_entry(entry)
         # The entry's module may pay its own first-use costs now (e.g. a model library's lazy imports):
@@ -306,7 +314,10 @@ def _unpin() -> None:
         os.sched_setaffinity(0, _AFFINITY_AT_START)
 
 
-def _place() -> None:
+REFILL_NICE = 10
+
+
+def _place() -> bool:
     # A session lent on a simulated GPU runs on that GPU's cores only ($TAILSPEC_CPUS, set by the
     # dispatcher): the other GPUs' rollout tail keeps its own compute.
     from tailspec.scheduler.placement import pin_from_env
@@ -315,9 +326,10 @@ def _place() -> None:
         cpus = pin_from_env()
     except (ValueError, OSError) as e:
         print(f"tailspec session: could not pin to the GPU's cores: {e}", file=sys.stderr)
-        return
+        return False
     if cpus is not None:
         print(f"tailspec session: pinned to cores {cpus}", flush=True)
+    return cpus is not None
 
 
 def main() -> int:

@@ -114,6 +114,8 @@ def test_a_warm_replacement_imports_on_the_lent_gpus_cores(tmp_path, redis_url):
         assert d.pid("s-b") == replacement.pid
         while "s-b" not in d.poll() and time.time() < deadline + 30:
             time.sleep(0.05)
-        assert json.loads((tmp_path / "probe-s-b.json").read_text())["cpus"] == gpu_cpus[0]
+        probe = json.loads((tmp_path / "probe-s-b.json").read_text())
+        assert probe["cpus"] == gpu_cpus[0]
+        assert probe["nice"] == min(19, os.nice(0) + 10)  # imported at nice 10 beside the lent GPU's session
     finally:
         d.shutdown()
