@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tailspec.scheduler.placement import CPUS_ENV, format_cpus
+from tailspec.scheduler.placement import CPUS_ENV, format_cpus, pin_process
 from tailspec.scheduler.session import CONTEXT_ENV, NICE_ENV, SessionContext
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,8 @@ class LocalDispatcher:
             import json
 
             proc, log_path = self._warm.pop(0)
+            if placement:  # at once: a process still importing reads its assignment (and pins) only after
+                pin_process(proc.pid, self.gpu_cpus[ctx.gpu])
             msg = {"env": {**self.extra_env, **session_env(ctx, self.entry), **placement},
                    "context": json.loads(ctx.to_json())}
             try:

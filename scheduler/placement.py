@@ -74,6 +74,20 @@ def pin(cpus: list[int]) -> None:
         torch.set_num_threads(len(cpus))
 
 
+def pin_process(pid: int, cpus: list[int]) -> None:
+    """Move another process (every thread of it) onto `cpus` now: a warm session process still importing
+    when it is assigned a GPU, which it reads only once its imports are done."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # a thread that just ended
+            pass
+
+
 def pin_from_env() -> list[int] | None:
     """Pin to $TAILSPEC_CPUS when it is set (a session lent on a simulated GPU); the cores, or None."""
     raw = os.environ.get(CPUS_ENV, "").strip()

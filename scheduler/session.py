@@ -256,7 +256,7 @@ def warm_main(entry: str) -> int:
     if _place():
         # A replacement started on the cores of the GPU just lent (dispatch._refill) imports there, beside
         # that GPU's session, for seconds that outlast the tail and spill into the RL update, whose threads
-        # span every core. At nice 19 it takes only what they leave. It cannot renice back and needs not:
+        # span every core. At nice 10 it yields most of the core to them. It cannot renice back and needs not:
         # whenever it is handed a session, that GPU's rollout worker has drained and the cores are its own.
         try:
             os.nice(REFILL_NICE)
@@ -314,7 +314,7 @@ def _unpin() -> None:
         os.sched_setaffinity(0, _AFFINITY_AT_START)
 
 
-REFILL_NICE = 19
+REFILL_NICE = 10
 
 
 def _place() -> bool:

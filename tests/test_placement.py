@@ -116,6 +116,6 @@ def test_a_warm_replacement_imports_on_the_lent_gpus_cores(tmp_path, redis_url):
             time.sleep(0.05)
         probe = json.loads((tmp_path / "probe-s-b.json").read_text())
         assert probe["cpus"] == gpu_cpus[0]
-        assert probe["nice"] == 19  # imported at nice 19 beside the lent GPU's session
+        assert probe["nice"] == min(19, os.nice(0) + 10)  # imported at nice 10 beside the lent GPU's session
     finally:
         d.shutdown()
