@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tailspec.scheduler.placement import CPUS_ENV, format_cpus, pin_process
-from tailspec.scheduler.session import CONTEXT_ENV, NICE_ENV, SessionContext
+from tailspec.scheduler.session import CONTEXT_ENV, DONE_ENV, NICE_ENV, SessionContext
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,17 @@ class _Proc:
     proc: subprocess.Popen
     log_path: str
     terminated_at: float | None = None
+    done_path: str | None = None  # a warm process: it writes the exit code here and waits for the next session
 
 
 @dataclass
 class LocalDispatcher:
     """`warm` > 0 keeps that many session processes pre-started with the entry imported (torch and the
     model code take seconds to import on a busy machine — often longer than the tail a GPU is lent for);
-    a lent GPU then starts training within a fraction of a second. Warm processes hold no GPU."""
+    a lent GPU then starts training within a fraction of a second. Warm processes hold no GPU. A warm process
+    serves one session after another: when its session ends it writes the exit code to a `.done` file in
+    `log_dir` and goes back to the idle pool (on real GPUs for the GPU its CUDA context is on only), so imports
+    are paid once per process, not once per lend."""
 
     entry: str
     log_dir: str | None = None
@@ -73,7 +77,11 @@ class LocalDispatcher:
     def __post_init__(self) -> None:
         self.procs: dict[str, _Proc] = {}
         self.ended: dict[str, int] = {}  # session id → exit code
-        self._warm: list[tuple[subprocess.Popen, str]] = []
+        self._warm: list[tuple[subprocess.Popen, str]] = []  # idle warm processes, oldest first
+        # pid → the GPU an idle warm process ran its last session on: CUDA initialised there, so on real GPUs it
+        # serves that GPU only (simulated GPUs have no CUDA state: any process serves any GPU)
+        self._served: dict[int, int] = {}
+        self._closing = False
         self._warm_seq = 0
         if self.log_dir is None:
             self.log_dir = tempfile.mkdtemp(prefix="tailspec-sessions-")
@@ -93,7 +101,7 @@ class LocalDispatcher:
         took a warm process, the cores of the GPU just lent (its session is the only other user there), so the
         seconds of imports never run on a core another GPU's tail is decoding on."""
         self._warm = [(p, lp) for p, lp in self._warm if p.poll() is None]
-        while len(self._warm) < self.warm:
+        while sum(1 for p, _ in self._warm if self.gpu_cpus or p.pid not in self._served) < self.warm:
             self._warm_seq += 1
             log_path = os.path.join(self.log_dir or ".", f"warm-{os.getpid()}-{self._warm_seq}.log")
             env = self._base_env()
@@ -116,21 +124,32 @@ class LocalDispatcher:
             raise ValueError(f"simulated GPU {ctx.gpu} owns no cores (placement covers GPUs {sorted(self.gpu_cpus)})")
         return {CPUS_ENV: format_cpus(cpus)}
 
-    def start(self, ctx: SessionContext) -> None:
+    def _take_warm(self, gpu: int) -> tuple[subprocess.Popen, str] | None:
         self._warm = [(p, lp) for p, lp in self._warm if p.poll() is None]
+        for match in (lambda p: self._served.get(p.pid) == gpu, lambda p: p.pid not in self._served,
+                      lambda p: bool(self.gpu_cpus)):
+            for i, (p, _) in enumerate(self._warm):
+                if match(p):
+                    self._served.pop(p.pid, None)
+                    return self._warm.pop(i)
+        return None
+
+    def start(self, ctx: SessionContext) -> None:
         placement = self._placement_env(ctx)
-        if self._warm:
+        taken = self._take_warm(ctx.gpu)
+        if taken is not None:
             import json
 
-            proc, log_path = self._warm.pop(0)
+            proc, log_path = taken
             if placement:  # at once: a process still importing reads its assignment (and pins) only after
                 pin_process(proc.pid, self.gpu_cpus[ctx.gpu])
-            msg = {"env": {**self.extra_env, **session_env(ctx, self.entry), **placement},
+            done = os.path.join(self.log_dir or ".", f"{ctx.session_id}.done")
+            msg = {"env": {**self.extra_env, **session_env(ctx, self.entry), **placement, DONE_ENV: done},
                    "context": json.loads(ctx.to_json())}
             try:
                 proc.stdin.write((json.dumps(msg) + "\n").encode())
-                proc.stdin.close()
-                self.procs[ctx.session_id] = _Proc(ctx, proc, log_path)
+                proc.stdin.flush()
+                self.procs[ctx.session_id] = _Proc(ctx, proc, log_path, done_path=done)
                 self._refill(self.gpu_cpus.get(ctx.gpu) if self.gpu_cpus else None)
                 return
             except OSError:  # it died meanwhile: fall back to a cold start
@@ -158,12 +177,26 @@ class LocalDispatcher:
             p.terminated_at = time.monotonic()
 
     def poll(self) -> set[str]:
-        """Session ids whose process has exited (all since start; `forget` drops them)."""
+        """Session ids whose session has ended: its process exited, or a warm process wrote its exit code and
+        went back to the idle pool (all since start; `forget` drops them)."""
         for sid, p in list(self.procs.items()):
             rc = p.proc.poll()
             if rc is not None:
                 self.ended[sid] = rc
                 del self.procs[sid]
+            elif p.done_path is not None and os.path.exists(p.done_path):
+                try:
+                    with open(p.done_path) as f:
+                        self.ended[sid] = int(f.read().strip() or 0)
+                    os.unlink(p.done_path)
+                except (OSError, ValueError):
+                    self.ended[sid] = 0
+                del self.procs[sid]
+                if p.terminated_at is None and not self._closing:
+                    self._served[p.proc.pid] = p.ctx.gpu
+                    self._warm.append((p.proc, p.log_path))
+                else:
+                    self._end_warm(p.proc)
             elif p.terminated_at is not None and time.monotonic() - p.terminated_at > self.kill_grace_s:
                 p.proc.kill()
         return set(self.ended)
@@ -175,17 +208,25 @@ class LocalDispatcher:
         p = self.procs.get(session_id)
         return p.proc.pid if p else None
 
+    def _end_warm(self, proc: subprocess.Popen) -> None:
+        try:  # EOF on stdin ends an idle warm process without running anything
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(self.kill_grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
     def shutdown(self) -> None:
-        for proc, _ in self._warm:  # EOF on stdin ends a warm process without running anything
+        self._closing = True  # from now on a warm process whose session ends is ended, not pooled
+        for proc, _ in self._warm:
             try:
                 proc.stdin.close()
             except OSError:
                 pass
         for proc, _ in self._warm:
-            try:
-                proc.wait(self.kill_grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            self._end_warm(proc)
         self._warm.clear()
         for sid in list(self.procs):
             self.stop(sid)

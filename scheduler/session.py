@@ -246,17 +246,25 @@ def threading_is_main() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+DONE_ENV = "TAILSPEC_SESSION_DONE"  # a warm process writes the session's exit code here when it ends
+
+
 def warm_main(entry: str) -> int:
-    """A pre-started session process: import the entry (torch, models — seconds on a busy machine) now,
-    then wait for one line on stdin, {"env": {...}, "context": {...}}, and run that session at once. The
-    GPU is chosen only then: CUDA initialises lazily, so CUDA_VISIBLE_DEVICES set here still applies.
-    EOF on stdin (the dispatcher went away) ends the process without running anything."""
+    """A pre-started session process that serves one session after another: import the entry (torch, models —
+    seconds on a busy machine) once, then for each line on stdin, {"env": {...}, "context": {...}}, run that
+    session at once and write its exit code to the file `$TAILSPEC_SESSION_DONE` names, then wait for the
+    next line. The GPU is chosen per session: CUDA initialises lazily, so CUDA_VISIBLE_DEVICES set at the
+    first assignment applies (on simulated GPUs only the cores change, and they are re-pinned per session).
+    EOF on stdin (the dispatcher went away) ends the process; so does a session ended by SIGTERM.
+
+    Serving many sessions matters because lends are short and frequent: a process per lend pays its imports
+    per lend, seconds of CPU that a short tail does not have and that spill into the RL update."""
     import json
 
     if _place():
-        # A replacement started on the cores of the GPU just lent (dispatch._refill) imports there, beside
-        # that GPU's session, for seconds that outlast the tail and spill into the RL update, whose threads
-        # span every core. At nice 10 it yields most of the core to them. It cannot renice back and needs not:
+        # Started on the cores of the GPU just lent (dispatch._refill), it imports there beside that GPU's
+        # session, for seconds that can outlast the tail and spill into the RL update, whose threads span
+        # every core. At nice 10 it yields most of the core to them. It cannot renice back and needs not:
         # whenever it is handed a session, that GPU's rollout worker has drained and the cores are its own.
         try:
             os.nice(REFILL_NICE)
@@ -272,33 +280,48 @@ def warm_main(entry: str) -> int:
     except ValueError as e:
         print(f"tailspec warm session: {e}", file=sys.stderr)
         return 2
-    line = sys.stdin.readline()
-    if not line.strip():
-        return 0
-    try:
-        msg = json.loads(line)
-        env = {str(k): str(v) for k, v in dict(msg["env"]).items()}
-        ctx = SessionContext.from_json(json.dumps(msg["context"]))
-    except (ValueError, KeyError, TypeError) as e:
-        print(f"tailspec warm session: bad assignment: {e}", file=sys.stderr)
-        return 2
-    os.environ.pop(CPUS_ENV, None)
-    os.environ.update(env)
-    _renice()
-    if CPUS_ENV in env:
-        _place()  # the assigned GPU's cores
-    else:
-        _unpin()
-    print(f"tailspec session {ctx.session_id} on {ctx.node}:gpu{ctx.gpu}", flush=True)
-    return run_context(ctx, entry, handle_sigterm=True)
+    while True:
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0
+        try:
+            msg = json.loads(line)
+            env = {str(k): str(v) for k, v in dict(msg["env"]).items()}
+            ctx = SessionContext.from_json(json.dumps(msg["context"]))
+        except (ValueError, KeyError, TypeError) as e:
+            print(f"tailspec warm session: bad assignment: {e}", file=sys.stderr)
+            return 2
+        os.environ.pop(CPUS_ENV, None)
+        os.environ.pop(DONE_ENV, None)
+        os.environ.update(env)
+        _renice()
+        if CPUS_ENV in env:
+            _place()  # the assigned GPU's cores
+        else:
+            _unpin()
+        print(f"tailspec session {ctx.session_id} on {ctx.node}:gpu{ctx.gpu}", flush=True)
+        code = run_context(ctx, entry, handle_sigterm=True)
+        done = env.get(DONE_ENV)
+        if done:
+            tmp = done + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(str(code))
+            os.replace(tmp, done)  # whole or absent
+        if code == 143 or not done:  # terminated by the dispatcher, or a dispatcher that expects an exit
+            return code
+
+
+_reniced = False
 
 
 def _renice() -> None:
     # When a session is assigned, not before: a warm process imports at normal priority (at 19 it starved
     # behind busy rollout workers and was still importing when its GPU was lent). Lowering one's own
-    # priority needs no privileges; it cannot be raised back, so a warm process runs one session.
+    # priority needs no privileges; it cannot be raised back, so it stays for the sessions that follow.
+    global _reniced
     n = os.environ.get(NICE_ENV, "")
-    if n.isdigit() and int(n) > 0:
+    if n.isdigit() and int(n) > 0 and not _reniced:  # os.nice adds: once per process
+        _reniced = True
         try:
             os.nice(int(n))
         except OSError as e:

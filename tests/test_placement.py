@@ -119,3 +119,49 @@ def test_a_warm_replacement_imports_on_the_lent_gpus_cores(tmp_path, redis_url):
         assert probe["nice"] == min(19, os.nice(0) + 10)  # imported at nice 10 beside the lent GPU's session
     finally:
         d.shutdown()
+
+
+def test_a_warm_process_serves_one_session_after_another(tmp_path, redis_url):
+    """Lends are short and frequent: a warm process returns to the pool when its session ends and runs the
+    next one without importing again (same pid), re-pinned to the new GPU's cores."""
+    host = placement.host_cpus()
+    gpu_cpus = {0: host[:1], 1: host[-1:]}
+    d = LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=1,
+                        gpu_cpus=gpu_cpus, extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
+    try:
+        first = d._warm[0][0].pid
+        probes = []
+        for i, gpu in enumerate((0, 1, 0)):
+            sid = f"s-{i}"
+            d.start(_ctx(redis_url, sid, gpu=gpu))
+            deadline = time.time() + 60
+            while sid not in d.poll() and time.time() < deadline:
+                time.sleep(0.05)
+            assert d.ended.get(sid) == 0
+            probes.append(json.loads((tmp_path / f"probe-{sid}.json").read_text()))
+        assert [p["cpus"] for p in probes] == [gpu_cpus[0], gpu_cpus[1], gpu_cpus[0]]
+        assert probes[0]["pid"] == first and probes[2]["pid"] in {p["pid"] for p in probes[:2]}  # reused
+        pids = {p["pid"] for p in probes}
+    finally:
+        d.shutdown()
+    for pid in pids:  # no process outlives the dispatcher
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_on_real_gpus_a_warm_process_serves_only_the_gpu_it_initialised(tmp_path, redis_url):
+    d = LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=1,
+                        extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
+    try:
+        pids = []
+        for i, gpu in enumerate((0, 1, 0)):
+            sid = f"r-{i}"
+            d.start(_ctx(redis_url, sid, gpu=gpu))
+            deadline = time.time() + 60
+            while sid not in d.poll() and time.time() < deadline:
+                time.sleep(0.05)
+            probe = json.loads((tmp_path / f"probe-{sid}.json").read_text())
+            assert probe["CUDA_VISIBLE_DEVICES"] == str(gpu)
+            pids.append(probe["pid"])
+        assert pids[1] != pids[0] and pids[2] == pids[0]  # GPU 1 got another process; GPU 0 its own back
+    finally:
+        d.shutdown()
