@@ -41,6 +41,8 @@ class Dispatcher(Protocol):
 
     def stop(self, session_id: str) -> None: ...
 
+    def cancel(self, session_id: str) -> None: ...
+
     def poll(self) -> set[str]: ...
 
     def shutdown(self) -> None: ...
@@ -168,6 +170,14 @@ class LocalDispatcher:
             )
         self.procs[ctx.session_id] = _Proc(ctx, proc, log_path)
         self._refill(self.gpu_cpus.get(ctx.gpu) if self.gpu_cpus else None)
+
+    def cancel(self, session_id: str) -> None:
+        """A session revoked before it trained (still loading). A warm process's session is left to notice at
+        its next lease check (a fraction of a second: start-up renews between its phases): SIGTERM would end
+        the process, and the next lend would pay its imports again. A cold process is stopped now."""
+        p = self.procs.get(session_id)
+        if p is not None and p.done_path is None:
+            self.stop(session_id)
 
     def stop(self, session_id: str) -> None:
         """Backstop after the deadline: the session should already have stopped on its lease check."""
@@ -312,6 +322,9 @@ class RayDispatcher:
     def handle(self, session_id: str) -> Any:
         a = self.actors.get(session_id)
         return a[0] if a else None
+
+    def cancel(self, session_id: str) -> None:
+        self.stop(session_id)
 
     def stop(self, session_id: str) -> None:
         import ray

@@ -294,8 +294,8 @@ class Scheduler:
             self.leases.revoke(a.node, a.gpu, a.token, flag_ttl_s=max(60.0, 10 * sc.lease_ttl_s))
             if a.session_id is not None and self._still_starting(a.session_id):
                 # Not training yet (still importing / loading): nothing to save, cancel it now
-                # instead of waiting for a lease check it has not reached.
-                self.dispatcher.stop(a.session_id)
+                # instead of waiting for a lease check it has not reached (see LocalDispatcher.cancel).
+                self.dispatcher.cancel(a.session_id)
             pipe.hincrbyfloat(ck, "sessions_preempted", 1)
             self._event(
                 "lease_revoked", a.node, a.gpu, pipe, token=a.token, session_id=a.session_id, reason=a.reason
