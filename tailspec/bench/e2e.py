@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> dict:
         "lent_gpu_seconds": round(lent, 2),
         "reward_final": {m: rows[-1].mean_reward for m, rows in runs.items()},
         "reward_curves": {m: [r.mean_reward for r in rows] for m, rows in runs.items()},
+        "reward_agreement": reward_agreement(runs, args.prompts * args.group),
         "logprob_max_abs_diff": max(r.logprob_max_abs_diff for rows in runs.values() for r in rows),
     }
     result.update(drafter_cost_ratio(demos["cotrained"]))
@@ -144,3 +145,24 @@ def drafter_cost_ratio(demo) -> dict:
     finally:
         torch.set_num_threads(threads)
     return {"drafter_cost_ratio": round(per[1]["ratio"], 4)}
+
+
+def reward_agreement(runs: dict, n: int) -> dict:
+    """Do the modes' reward curves agree within seed noise? Speculative decoding is lossless but draws
+    different random numbers, so each step's responses are other draws from the same policy. The test: at
+    every step, |mean reward of a mode − no SD's| ≤ 2 standard errors of the difference of two means of n
+    rewards in [0, 1], each with variance at most p(1 − p) (p: the two modes' pooled mean; reward here is
+    0/1, so this is the binomial bound). Returns the largest gap, its bound, and whether every step holds."""
+    import math
+
+    base = runs["nospec"]
+    worst, bound_at, ok = 0.0, 0.0, True
+    for m in ("frozen", "cotrained"):
+        for a, b in zip(base, runs[m]):
+            p = (a.mean_reward + b.mean_reward) / 2
+            bound = 2 * math.sqrt(2 * max(p * (1 - p), 1e-4) / n)
+            gap = abs(a.mean_reward - b.mean_reward)
+            ok &= gap <= bound
+            if gap > worst:
+                worst, bound_at = gap, bound
+    return {"max_gap": round(worst, 4), "bound_2se": round(bound_at, 4), "within_noise": ok}
