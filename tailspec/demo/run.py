@@ -49,6 +49,7 @@ Mode = Literal["cotrained", "frozen", "nospec"]
 #   step): a session starved past its stop deadline and killed loses at most one step, and concurrent
 #   contributors see each other's work 2 steps late (measured: merging every 10 steps cost 0.31 of acceptance
 #   length against one session, every 2 steps 0.20; BENCHMARKS.md, cotrain).
+DEMO_SESSION_STARTUP_S = 1.0
 DEMO_TRAINER = {"batch_size": 8, "validate_every_s": 5.0, "merge_every_steps": 2}
 
 
@@ -196,8 +197,9 @@ class Demo:
         c.scheduler.lend = self.o.mode == "cotrained"
         c.scheduler.session_entry = "tailspec.sessions:run_session"
         # A warm session still loads the teacher and the drafter checkpoint: lend only when the remaining
-        # tail is longer than that.
-        c.scheduler.session_startup_s = 1.0
+        # tail is longer than that (the user's value wins).
+        if "session_startup_s" not in c.scheduler.model_fields_set:
+            c.scheduler.session_startup_s = DEMO_SESSION_STARTUP_S
         # Pre-started sessions (torch imported): a lent GPU trains at once instead of importing for seconds.
         c.scheduler.warm_sessions = max(1, self.o.workers - 1) if self.o.mode == "cotrained" else 0
         # scheduler.session_nice (default 0) is left to the user's config: at 19 a session takes only the CPU
