@@ -115,9 +115,13 @@ def test_report_and_plots_written(demo_run):
     from tailspec.demo.report import write_report
 
     demo, rows = demo_run
-    report = write_report(demo.run_dir, [asdict(r) for r in rows], demo.timeline, {"mode": "cotrained"})
+    report = write_report(demo.run_dir, [asdict(r) for r in rows], demo.timeline,
+                          {"mode": "cotrained", "placement": demo.placement.note})
     text = report.read_text()
     assert "| 0 |" in text and "| 1 |" in text
+    assert f"CPU split: {demo.placement.note}" in text  # the run says how it split the CPU
+    share = sum(r.tail_idle_gpu_seconds for r in rows) / sum(len(r.worker_busy_s) * r.rollout_time_s for r in rows)
+    assert 0 < share < 1 and f"(workers' clocks): {share:.2f}" in text  # deal=by_length: a tail every step
     for png in ("timeline.png", "acceptance.png", "step_time.png", "reward.png"):
         data = (demo.run_dir / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

@@ -210,7 +210,8 @@ def _demo(args: argparse.Namespace) -> int:
         status["text"] = "starting redis, the scheduler and the workers…"
         live.refresh()
         rows = demo.run(on_row=on_row, on_progress=on_progress)
-    meta = {"mode": opts.mode, "policy": opts.policy, "workers": opts.workers, "prompts_per_step": opts.prompts_per_step,
+    meta = {"mode": opts.mode, "policy": opts.policy, "workers": opts.workers, "placement": demo.placement.note,
+            "prompts_per_step": opts.prompts_per_step,
             "group_size": opts.group_size, "dashboard": demo.dashboard_url,
             "exported": demo.exported, "export_errors": demo.export_errors}
     report = write_report(demo.run_dir, [asdict(r) for r in rows], demo.timeline, meta)

@@ -80,6 +80,11 @@ def plot_timeline(timeline: list[dict], steps: list[dict], out: Path, title_note
     return out
 
 
+def _tail_share(rows: list[dict]) -> float:
+    gpu_s = sum(len(r.get("worker_busy_s") or {}) * r["rollout_time_s"] for r in rows)
+    return sum(r.get("tail_idle_gpu_seconds", 0.0) for r in rows) / gpu_s if gpu_s else 0.0
+
+
 def plot_acceptance(rows: list[dict], out: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -134,9 +139,12 @@ def write_report(run_dir: Path, rows: list[dict], timeline: list[dict], meta: di
         f"- run directory: `{run_dir}`",
         f"- policy: `{meta.get('policy')}`; {meta.get('workers')} rollout workers on **simulated** GPUs "
         "(telemetry derived from the workers' own activity)",
+        *([f"- CPU split: {meta['placement']}"] if meta.get("placement") else []),
         f"- steps: {len(rows)}; prompts × group per step: {meta.get('prompts_per_step')} × {meta.get('group_size')}",
         f"- idle GPU-seconds in the long tail: {idle:.1f}; lent to drafter training: {lent:.1f} "
         f"(reclaimed share {lent / idle if idle else 0:.2f})",
+        f"- long-tail idle share of the rollouts' GPU-seconds (workers' clocks): "
+        f"{_tail_share(rows):.2f}",
     ]
     if meta.get("dashboard"):
         lines.append(f"- live dashboard while the run went on: {meta['dashboard']} (read-only; gone with the run)")
