@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -30,6 +31,17 @@ from tailspec import state
 from tailspec.state import DrafterVersion, Event, PhaseInfo, Progress, Sample
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReclaimWait:
+    """What `wait_reclaimed` saw: how long it waited, whether every lent GPU came back, and if not, which GPUs
+    are still held and by whom ("node0:gpu1 held by session node0-g1-t3 (running, step 12)")."""
+
+    waited_s: float
+    reclaimed: bool
+    held: tuple[str, ...] = ()
+    error: str | None = None  # Redis unreachable: nothing could be checked
 
 
 class TailspecClient:
@@ -157,6 +169,52 @@ class TailspecClient:
             self._wake.set()
             self._refreshed.wait(wait_s)
         return self._drafter
+
+    def wait_reclaimed(self, timeout_s: float = 15.0, poll_s: float = 0.05) -> ReclaimWait:
+        """Block until every GPU lent to drafter training is back: no GPU lent or reclaiming, and every
+        session process ended (its final record written; the scheduler writes one for a killed session).
+        Call it after `set_phase("train", …)` and before the optimizer step needs the GPUs. A revoked GPU
+        counts as reclaimed at the scheduler's stop deadline, but a session still merging there would take
+        compute from the update, so sessions are waited for too. Returns how long it waited; on timeout,
+        which GPUs are still held and by whom (and logs a warning). Never raises: on a Redis error it
+        returns with `error` set, after at most 2 s spent flushing this client's queue, so an outage never
+        stalls training for longer."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        flushed = self.flush(min(timeout_s, 2.0))  # our own set_phase must be written before we look
+        while True:
+            try:
+                held = self._held()
+            except Exception as e:  # noqa: BLE001 — any client error: report it, do not block training
+                return ReclaimWait(time.monotonic() - t0, False, (), f"{type(e).__name__}: {e}")
+            if not held:
+                return ReclaimWait(time.monotonic() - t0, True)
+            if time.monotonic() >= deadline:
+                log.warning("tailspec: %d GPU(s) not back %.1fs after the phase ended%s: %s", len(held), timeout_s,
+                            "" if flushed else " (the phase change was not written yet)", "; ".join(held))
+                return ReclaimWait(time.monotonic() - t0, False, tuple(held))
+            time.sleep(poll_s)
+
+    def _held(self) -> list[str]:
+        held = []
+        for m in sorted(self.r.smembers(state.key(self.cluster, "gpus"))):
+            node, gpu = m.decode().split(":")
+            st = state.get(self.r, state.key(self.cluster, "gpu_status", node=node, gpu=int(gpu)), state.GpuStatus)
+            if st is not None and st.state in (state.GpuState.LENT, state.GpuState.RECLAIMING):
+                who = f"session {st.session_id}" if st.session_id else f"lease {st.lease_token}"
+                held.append(f"{node}:gpu{gpu} {st.state.value} by {who}")
+        keys = [state.key(self.cluster, "session", session_id=sid.decode())
+                for sid in sorted(self.r.smembers(state.key(self.cluster, "sessions")))]
+        for key, raw in zip(keys, self.r.mget(keys) if keys else []):
+            try:
+                info = None if raw is None else state.decode(state.SessionInfo, raw, where=key)
+            except state.StateError as e:  # one bad record must not make the trainer wait for nothing
+                log.warning("tailspec: skipping %s", e)
+                continue
+            if info is not None and info.status not in ("stopped", "failed"):
+                held.append(f"{info.node}:gpu{info.gpu} held by session {info.session_id} ({info.status}, "
+                            f"step {info.step})")
+        return held
 
     def current_phase(self) -> PhaseInfo | None:
         return self._phase_seen

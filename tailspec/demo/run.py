@@ -499,31 +499,10 @@ class Demo:
         except Exception as e:  # a view; the RL step is done
             log.warning("drafter health not recorded: %s", e)
 
-    def wait_sessions_stopped(self, timeout_s: float = 15.0) -> None:
-        """The RL trainer owns every GPU now: wait until no GPU is lent or reclaiming and every session process
-        has ended (its final record written; the scheduler writes one for a killed session). A revoked GPU
-        counts as reclaimed at the stop deadline, but a session still merging there would take compute from
-        the update."""
-        deadline = time.time() + timeout_s
-        gpus_key, sessions_key = state.key(self.cluster, "gpus"), state.key(self.cluster, "sessions")
-        while time.time() < deadline:
-            states = []
-            for m in self.r.smembers(gpus_key):
-                node, gpu = m.decode().split(":")
-                st = state.get(self.r, state.key(self.cluster, "gpu_status", node=node, gpu=int(gpu)), state.GpuStatus)
-                states.append(st.state if st else None)
-            busy = any(s in (state.GpuState.LENT, state.GpuState.RECLAIMING) for s in states)
-            if not busy:
-                for sid in self.r.smembers(sessions_key):
-                    info = state.get(self.r, state.key(self.cluster, "session", session_id=sid.decode()),
-                                     state.SessionInfo)
-                    if info is not None and info.status not in ("stopped", "failed"):
-                        busy = True
-                        break
-            if not busy:
-                return
-            time.sleep(0.05)
-        log.warning("GPUs or sessions still busy %.0fs after the phase ended", timeout_s)
+    def wait_sessions_stopped(self, timeout_s: float = 15.0) -> float:
+        """The RL trainer owns every GPU now: wait until every lent GPU is back (TailspecClient.wait_reclaimed:
+        no GPU lent or reclaiming, every session process ended). Returns the seconds waited."""
+        return self.client.wait_reclaimed(timeout_s).waited_s
 
     def publish_rollout_stats(self, row: StepRow) -> None:
         stats = state.RolloutStats(
