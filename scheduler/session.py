@@ -25,7 +25,7 @@ from typing import Any
 
 from tailspec import state
 from tailspec.state import SessionInfo
-from tailspec.scheduler.placement import CPUS_ENV
+from tailspec.scheduler.placement import CPUS_ENV, pin_from_env
 
 CONTEXT_ENV = "TAILSPEC_SESSION_CONTEXT"
 NICE_ENV = "TAILSPEC_SESSION_NICE"
@@ -343,8 +343,6 @@ REFILL_NICE = 10
 def _place() -> bool:
     # A session lent on a simulated GPU runs on that GPU's cores only ($TAILSPEC_CPUS, set by the
     # dispatcher): the other GPUs' rollout tail keeps its own compute.
-    from tailspec.scheduler.placement import pin_from_env
-
     try:
         cpus = pin_from_env()
     except (ValueError, OSError) as e:
