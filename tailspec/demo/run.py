@@ -478,7 +478,7 @@ class Demo:
         if self.o.mode != "cotrained":
             return a_frozen, a_frozen
         cur = state.get(self.r, state.key(self.cluster, "drafter_current"), state.DrafterVersion)
-        if cur is None:
+        if cur is None or cur.session_id == "bootstrap":  # still the first drafter: the same weights, same figure
             return a_frozen, a_frozen
         co = Eagle3Drafter.load(cur.path, emb)
         return a_frozen, validate(co, teacher, held, self.o.k).acceptance_length
