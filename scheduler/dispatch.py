@@ -59,7 +59,7 @@ class _Proc:
 
 @dataclass
 class LocalDispatcher:
-    """`warm` > 0 keeps that many session processes pre-started with the entry imported (torch and the
+    """`warm` > 0 keeps a pool of that many session processes pre-started with the entry imported (torch and the
     model code take seconds to import on a busy machine — often longer than the tail a GPU is lent for);
     a lent GPU then starts training within a fraction of a second. Warm processes hold no GPU. A warm process
     serves one session after another: when its session ends it writes the exit code to a `.done` file in
@@ -103,7 +103,10 @@ class LocalDispatcher:
         took a warm process, the cores of the GPU just lent (its session is the only other user there), so the
         seconds of imports never run on a core another GPU's tail is decoding on."""
         self._warm = [(p, lp) for p, lp in self._warm if p.poll() is None]
-        while sum(1 for p, _ in self._warm if self.gpu_cpus or p.pid not in self._served) < self.warm:
+        # `warm` is the pool's size: idle processes plus warm processes running a session (they come back).
+        # On real GPUs, an idle process that served another GPU does not count for a new GPU's lend.
+        busy = sum(1 for p in self.procs.values() if p.done_path is not None)
+        while sum(1 for p, _ in self._warm if self.gpu_cpus or p.pid not in self._served) + busy < self.warm:
             self._warm_seq += 1
             log_path = os.path.join(self.log_dir or ".", f"warm-{os.getpid()}-{self._warm_seq}.log")
             env = self._base_env()

@@ -97,14 +97,17 @@ def test_service_splits_only_simulated_gpus_that_fit(monkeypatch):
 
 
 def test_a_warm_replacement_imports_on_the_lent_gpus_cores(tmp_path, redis_url):
-    """After a session takes a warm process, the replacement starts on that GPU's cores (its imports never
-    run where another GPU's tail decodes), and is re-pinned to whichever GPU it is assigned next."""
+    """When the pool must start a process during a run (one of its processes died), the replacement imports
+    on the cores of the GPU just lent, at nice 10 (its imports never run where another GPU's tail decodes),
+    and is moved to whichever GPU it is assigned next."""
     host = placement.host_cpus()
     gpu_cpus = {0: host[:1], 1: host[-1:]}
     d = LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=1,
                         gpu_cpus=gpu_cpus, extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
     try:
-        d.start(_ctx(redis_url, "s-a", gpu=1))
+        d._warm[0][0].kill()  # the pool's only process dies
+        d._warm[0][0].wait()
+        d.start(_ctx(redis_url, "s-a", gpu=1))  # a cold start, and a replacement for the pool
         replacement = d._warm[0][0]
         deadline = time.time() + 30
         while os.sched_getaffinity(replacement.pid) != set(gpu_cpus[1]) and time.time() < deadline:

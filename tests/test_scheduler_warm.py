@@ -27,9 +27,10 @@ def test_warm_process_runs_the_assigned_session_with_its_gpu(tmp_path, redis_url
         time.sleep(1.0)  # let it import
         d.start(_ctx(redis_url, "s-warm", gpu=3))
         assert d.pid("s-warm") == warm_pid  # the pre-started process took the session
-        assert len(d._warm) == 1 and d._warm[0][0].pid != warm_pid  # and was replaced
+        assert d._warm == []  # a pool of one: its process is busy, none imports meanwhile
         _wait_ended(d, "s-warm")
         assert d.ended.get("s-warm") == 0
+        assert [p.pid for p, _ in d._warm] == [warm_pid]  # back in the pool for the next lend
         out = json.loads((tmp_path / "probe-s-warm.json").read_text())
         assert out["CUDA_VISIBLE_DEVICES"] == "3"
     finally:

@@ -200,8 +200,9 @@ class Demo:
         # tail is longer than that (the user's value wins).
         if "session_startup_s" not in c.scheduler.model_fields_set:
             c.scheduler.session_startup_s = DEMO_SESSION_STARTUP_S
-        # Pre-started sessions (torch imported): a lent GPU trains at once instead of importing for seconds.
-        c.scheduler.warm_sessions = max(1, self.o.workers - 1) if self.o.mode == "cotrained" else 0
+        # Pre-started session processes (torch imported), one per GPU, all started before the first rollout:
+        # a lent GPU trains at once instead of importing for seconds, and no process imports during a run.
+        c.scheduler.warm_sessions = self.o.workers if self.o.mode == "cotrained" else 0
         # scheduler.session_nice (default 0) is left to the user's config: at 19 a session takes only the CPU
         # the tail leaves idle, but on 2 cores it is also starved while the RL step runs, and with this
         # policy's short tails it often finished no step at all (`--set scheduler.session_nice=19` to try).
