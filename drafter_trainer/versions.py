@@ -184,6 +184,11 @@ def validate_paired(candidate: Eagle3Drafter, current: Eagle3Drafter, teacher: T
     return Paired(cand, cur, weights, k)
 
 
+# A session validating on a lent GPU checks its lease before each teacher batch; batches of 8 held-out samples
+# (~0.25 s of the deep policy's teacher on one core; 32 took ~1 s) bound how long a revoked session keeps it.
+CHECKED_BATCH = 8
+
+
 # KEYS: drafter:current. ARGV: expected version (-1 = none), new record. 1 = swapped.
 _PROMOTE = """
 local v = redis.call('GET', KEYS[1])
@@ -286,14 +291,16 @@ class VersionStore:
                 note = f"{note or ''} current version {cur_info.version} unreadable: {e}".strip()
                 cur = None
         if cur is not None:
-            paired = validate_paired(candidate, cur, teacher, holdout, k, check=check)
+            paired = validate_paired(candidate, cur, teacher, holdout, k, check=check,
+                                     batch_size=CHECKED_BATCH if check is not None else 32)
             cand_len, baseline = paired.mean("candidate"), paired.mean("current")
             d = decide(paired.gains, level, min_pairs)
             self.record_health(DrafterHealth(
                 drafter_version=cur_info.version, policy_version=teacher.policy_version, acceptance_length=baseline,
                 at_promotion=cur_info.acceptance_length, samples=len(paired.current), source="validation"))
         else:
-            v = validate(candidate, teacher, holdout, k, check=check)
+            v = validate(candidate, teacher, holdout, k, check=check,
+                         batch_size=CHECKED_BATCH if check is not None else 32)
             cand_len, baseline = v.acceptance_length, None
             d = Decision(True, v.anchors, 0.0, 0.0, "no readable current version")
         number = self._next_number()

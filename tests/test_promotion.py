@@ -134,3 +134,26 @@ def test_racing_proposers_never_both_win(trained, tmp_path, redis_client, backen
     loser = next(o for o in out if not o.promoted)
     assert "lost the race" in loser.decision
     assert VersionStore(tmp_path / "v", r, "c").current().version == winners[0].version
+
+
+def test_a_session_validating_checks_its_lease_between_small_teacher_batches(trained, tmp_path, redis_client):
+    """A revoked session stops within one small teacher batch of its validation, not one batch of all samples."""
+    from tailspec.drafter_trainer.loss import StopRequested
+    from tailspec.drafter_trainer.versions import CHECKED_BATCH
+
+    teacher, holdout, untrained, better = trained
+    holdout = holdout[:32]  # one batch of the unchecked size; four of CHECKED_BATCH
+    assert CHECKED_BATCH < 32
+    store = VersionStore(tmp_path / "v", redis_client, "c")
+    store.propose(untrained, teacher, holdout, k=3)
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) == 2:
+            raise StopRequested("revoked")
+
+    with pytest.raises(StopRequested):
+        store.propose(better, teacher, holdout, k=3, check=check)
+    assert len(calls) == 2  # stopped before the second batch of CHECKED_BATCH samples
+    assert store.current().version == 1  # nothing half-proposed
