@@ -49,7 +49,7 @@ Mode = Literal["cotrained", "frozen", "nospec"]
 #   step): a session starved past its stop deadline and killed loses at most one step, and concurrent
 #   contributors see each other's work 2 steps late (measured: merging every 10 steps cost 0.31 of acceptance
 #   length against one session, every 2 steps 0.20; BENCHMARKS.md, cotrain).
-DEMO_SESSION_STARTUP_S = 1.0
+DEMO_SESSION_STARTUP_S = 0.3
 DEMO_TRAINER = {"batch_size": 8, "validate_every_s": 5.0, "merge_every_steps": 2}
 
 
@@ -196,8 +196,9 @@ class Demo:
         c.scheduler.simulated_gpus = self.o.workers
         c.scheduler.lend = self.o.mode == "cotrained"
         c.scheduler.session_entry = "tailspec.sessions:run_session"
-        # A warm session still loads the teacher and the drafter checkpoint: lend only when the remaining
-        # tail is longer than that (the user's value wins).
+        # A pooled session process still loads the teacher (0.1 s for deep) and pulls the lineage head: lend
+        # only when the remaining tail is longer than that (the user's value wins). At 1.0 s (before the pool)
+        # the reclaimed share was 0.41-0.51; at 0.3 s 0.59 in one run (BENCHMARKS.md, e2e).
         if "session_startup_s" not in c.scheduler.model_fields_set:
             c.scheduler.session_startup_s = DEMO_SESSION_STARTUP_S
         # Pre-started session processes (torch imported), one per GPU, all started before the first rollout:
