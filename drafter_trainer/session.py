@@ -60,7 +60,11 @@ class TorchBackend:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, sd: dict) -> None:
+        """The moments and step counts of `sd`; the hyperparameters stay this session's config (a saved state
+        carries its writer's lr, which load_state_dict would otherwise restore)."""
         self.optimizer.load_state_dict(sd)
+        for g in self.optimizer.param_groups:
+            g.update(lr=self.cfg.lr, betas=(self.cfg.beta1, 0.95), weight_decay=self.cfg.weight_decay)
 
     def close(self) -> None:
         self.optimizer.state.clear()

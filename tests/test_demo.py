@@ -344,3 +344,26 @@ def test_log_records_print_on_lines_of_their_own_above_the_live_table():
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue()).replace("\r", "\n")  # cursor moves, erasures
     assert any(line.strip() == "WARNING tailspec.demo: bootstrap drafter: 256 samples" for line in text.split("\n")), text
     assert plain.stream.getvalue() == ""
+
+
+def test_the_lineage_starts_with_the_bootstrap_runs_optimizer_state(demo_run, redis_url, tmp_path):
+    """The first head carries the offline run's AdamW moments: the first sessions continue that optimizer
+    instead of starting Adam afresh (whose first steps move every weight by about the full lr)."""
+    import redis
+
+    from tailspec.config import load_config
+    from tailspec.demo.bootstrap import load_optimizer, seed_store
+    from tailspec.drafter_trainer.checkpoint import load_checkpoint
+    from tailspec.drafter_trainer.lineage import Lineage
+
+    demo, _ = demo_run
+    saved = load_optimizer(demo.frozen_path)
+    assert saved is not None and saved["state"], "the bootstrap drafter was cached without its optimizer state"
+    assert all(int(v["step"]) > 0 for v in saved["state"].values())
+    cfg = load_config(overrides=["cluster.name=seedtest", f"trainer.checkpoint_dir={tmp_path}"], environ={})
+    r = redis.Redis.from_url(redis_url)
+    seed_store(demo.frozen_path, cfg, r)
+    head = Lineage(tmp_path / "lineage", r, "seedtest").head()
+    ck = load_checkpoint(head.path)
+    assert ck.optimizer_state is not None and ck.optimizer_state["state"].keys() == saved["state"].keys()
+    r.close()

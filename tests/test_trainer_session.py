@@ -230,3 +230,21 @@ def test_versions_promote_only_better_candidates(tmp_path, teacher, redis_client
     local = VersionStore(tmp_path / "local")
     local.propose(untrained, teacher, holdout, k=3)
     assert local.current().version == 1 and len(local.history()) == 1
+
+
+def test_a_loaded_optimizer_state_keeps_this_sessions_hyperparameters():
+    """A head's optimizer state carries its writer's lr; the session's own config wins."""
+    import torch
+
+    from tailspec.config import TrainerConfig
+    from tailspec.drafter_trainer.session import TorchBackend
+
+    p = [torch.nn.Parameter(torch.ones(3))]
+    writer = TorchBackend(p, TrainerConfig(lr=5e-2, beta1=0.5))
+    p[0].grad = torch.ones(3)
+    writer.optimizer.step()
+    reader = TorchBackend([torch.nn.Parameter(torch.ones(3))], TrainerConfig(lr=1e-3))
+    reader.load_state_dict(writer.state_dict())
+    g = reader.optimizer.param_groups[0]
+    assert g["lr"] == 1e-3 and g["betas"] == (0.9, 0.95)
+    assert int(reader.optimizer.state[reader.params[0]]["step"]) == 1  # the moments came along
