@@ -49,8 +49,12 @@ Mode = Literal["cotrained", "frozen", "nospec"]
 #   step): a session starved past its stop deadline and killed loses at most one step, and concurrent
 #   contributors see each other's work 2 steps late (measured: merging every 10 steps cost 0.31 of acceptance
 #   length against one session, every 2 steps 0.20; BENCHMARKS.md, cotrain).
+# - hold out a quarter of the samples: a session validates on its buffer's held-out share of ~2 policy
+#   versions' 64 samples each, and at 0.1 that was 12-18 samples, below the paired test's 16; training is
+#   short of seconds, not of samples.
+DEMO_TRAINER = {"batch_size": 8, "validate_every_s": 5.0, "merge_every_steps": 2, "holdout_fraction": 0.25}
+# Lend when the expected tail exceeds this (scheduler.session_startup_s; see Demo.config).
 DEMO_SESSION_STARTUP_S = 0.3
-DEMO_TRAINER = {"batch_size": 8, "validate_every_s": 5.0, "merge_every_steps": 2}
 
 
 def apply_demo_trainer(tc, validation_samples: int | None = None) -> None:
