@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tailspec.scheduler.placement import CPUS_ENV, format_cpus, pin_process
-from tailspec.scheduler.session import CONTEXT_ENV, DONE_ENV, NICE_ENV, SessionContext
+from tailspec.scheduler.session import CONTEXT_ENV, DONE_ENV, NICE_ENV, READY_ENV, SessionContext
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ class LocalDispatcher:
             env.pop(CPUS_ENV, None)
             if cpus:
                 env[CPUS_ENV] = format_cpus(cpus)
+            env[READY_ENV] = log_path[: -len(".log")] + ".ready"
             with open(log_path, "ab") as logf:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "tailspec.scheduler.session", "--warm", self.entry],
@@ -251,6 +252,14 @@ class LocalDispatcher:
             p.proc.kill()
             p.proc.wait(5)
         self.poll()
+
+
+def warm_ready(log_dir: str | os.PathLike) -> int:
+    """How many warm session processes started with this log directory have finished their imports."""
+    try:
+        return sum(1 for name in os.listdir(log_dir) if name.startswith("warm-") and name.endswith(".ready"))
+    except OSError:
+        return 0
 
 
 def _session_actor_class():

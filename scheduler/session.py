@@ -247,6 +247,7 @@ def threading_is_main() -> bool:
 
 
 DONE_ENV = "TAILSPEC_SESSION_DONE"  # a warm process writes the session's exit code here when it ends
+READY_ENV = "TAILSPEC_WARM_READY"  # a warm process creates this file when its imports are done
 
 
 def warm_main(entry: str) -> int:
@@ -280,6 +281,10 @@ def warm_main(entry: str) -> int:
     except ValueError as e:
         print(f"tailspec warm session: {e}", file=sys.stderr)
         return 2
+    ready = os.environ.get(READY_ENV)
+    if ready:  # imports done (scheduler.dispatch.warm_ready counts these)
+        with open(ready, "w"):
+            pass
     while True:
         line = sys.stdin.readline()
         if not line.strip():

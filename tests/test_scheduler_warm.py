@@ -63,3 +63,17 @@ def test_session_nice_applies_to_warm_and_cold_sessions(tmp_path, redis_url):
             assert out["nice"] == min(19, base + 7)
         finally:
             d.shutdown()
+
+
+def test_warm_ready_counts_processes_whose_imports_are_done(tmp_path):
+    from tailspec.scheduler.dispatch import warm_ready
+
+    assert warm_ready(tmp_path / "missing") == 0
+    d = LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=2)
+    try:
+        deadline = time.time() + 60
+        while warm_ready(tmp_path) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert warm_ready(tmp_path) == 2
+    finally:
+        d.shutdown()
