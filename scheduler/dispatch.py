@@ -99,9 +99,9 @@ class LocalDispatcher:
         return env
 
     def _refill(self, cpus: list[int] | None = None) -> None:
-        """Start warm processes up to `warm`. `cpus`: the cores the replacements import on — after a session
-        took a warm process, the cores of the GPU just lent (its session is the only other user there), so the
-        seconds of imports never run on a core another GPU's tail is decoding on."""
+        """Start warm processes until the pool has `warm` (one died, or at start). `cpus`: the cores a
+        replacement imports on — those of the GPU being lent (its session is the only other user there), so
+        the seconds of imports never run on a core another GPU's tail is decoding on."""
         self._warm = [(p, lp) for p, lp in self._warm if p.poll() is None]
         # `warm` is the pool's size: idle processes plus warm processes running a session (they come back).
         # On real GPUs, an idle process that served another GPU does not count for a new GPU's lend.
@@ -122,13 +122,14 @@ class LocalDispatcher:
                 )
             self._warm.append((proc, log_path))
 
-    def _placement_env(self, ctx: SessionContext) -> dict[str, str]:
+    def _cores(self, gpu: int) -> list[int] | None:
+        """The simulated GPU's own cores, or None when GPUs own no cores."""
         if not self.gpu_cpus:
-            return {}
-        cpus = self.gpu_cpus.get(ctx.gpu)
+            return None
+        cpus = self.gpu_cpus.get(gpu)
         if cpus is None:
-            raise ValueError(f"simulated GPU {ctx.gpu} owns no cores (placement covers GPUs {sorted(self.gpu_cpus)})")
-        return {CPUS_ENV: format_cpus(cpus)}
+            raise ValueError(f"simulated GPU {gpu} owns no cores (placement covers GPUs {sorted(self.gpu_cpus)})")
+        return cpus
 
     def _take_warm(self, gpu: int) -> tuple[subprocess.Popen, str] | None:
         self._warm = [(p, lp) for p, lp in self._warm if p.poll() is None]
@@ -141,14 +142,15 @@ class LocalDispatcher:
         return None
 
     def start(self, ctx: SessionContext) -> None:
-        placement = self._placement_env(ctx)
+        cores = self._cores(ctx.gpu)
+        placement = {CPUS_ENV: format_cpus(cores)} if cores else {}
         taken = self._take_warm(ctx.gpu)
         if taken is not None:
             import json
 
             proc, log_path = taken
-            if placement:  # at once: a process still importing reads its assignment (and pins) only after
-                pin_process(proc.pid, self.gpu_cpus[ctx.gpu])
+            if cores:  # at once: a process still importing reads its assignment (and pins) only after
+                pin_process(proc.pid, cores)
             done = os.path.join(self.log_dir or ".", f"{ctx.session_id}.done")
             msg = {"env": {**self.extra_env, **session_env(ctx, self.entry), **placement, DONE_ENV: done},
                    "context": json.loads(ctx.to_json())}
@@ -156,7 +158,7 @@ class LocalDispatcher:
                 proc.stdin.write((json.dumps(msg) + "\n").encode())
                 proc.stdin.flush()
                 self.procs[ctx.session_id] = _Proc(ctx, proc, log_path, done_path=done)
-                self._refill(self.gpu_cpus.get(ctx.gpu) if self.gpu_cpus else None)
+                self._refill(cores)
                 return
             except OSError:  # it died meanwhile: fall back to a cold start
                 proc.kill()
@@ -173,7 +175,7 @@ class LocalDispatcher:
                 stderr=subprocess.STDOUT,
             )
         self.procs[ctx.session_id] = _Proc(ctx, proc, log_path)
-        self._refill(self.gpu_cpus.get(ctx.gpu) if self.gpu_cpus else None)
+        self._refill(cores)
 
     def cancel(self, session_id: str) -> None:
         """A session revoked before it trained (still loading). A warm process's session is left to notice at

@@ -62,21 +62,29 @@ def _ctx(redis_url, sid, gpu):
                           require_heartbeat=False)
 
 
+def _probe_dispatcher(tmp_path, warm, gpu_cpus=None) -> LocalDispatcher:
+    return LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=warm,
+                           gpu_cpus=gpu_cpus, extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
+
+
+def _probe_when_ended(d: LocalDispatcher, tmp_path, sid: str) -> dict:
+    """Wait for the started session `sid` to end cleanly; what its env_probe_session recorded."""
+    deadline = time.time() + 60
+    while sid not in d.poll() and time.time() < deadline:
+        time.sleep(0.05)
+    assert d.ended.get(sid) == 0
+    return json.loads((tmp_path / f"probe-{sid}.json").read_text())
+
+
 @pytest.mark.parametrize("warm", [1, 0])
 def test_a_session_lent_on_a_simulated_gpu_runs_on_that_gpus_cores(tmp_path, redis_url, warm):
     host = placement.host_cpus()
     gpu_cpus = {0: host[:1], 1: host[-1:]}
-    d = LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=warm,
-                        gpu_cpus=gpu_cpus, extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
+    d = _probe_dispatcher(tmp_path, warm, gpu_cpus)
     sid = f"s-pin-{warm}"
     try:
         d.start(_ctx(redis_url, sid, gpu=1))
-        deadline = time.time() + 60
-        while sid not in d.poll() and time.time() < deadline:
-            time.sleep(0.05)
-        assert d.ended.get(sid) == 0
-        probe = json.loads((tmp_path / f"probe-{sid}.json").read_text())
-        assert probe["cpus"] == gpu_cpus[1]
+        assert _probe_when_ended(d, tmp_path, sid)["cpus"] == gpu_cpus[1]
         with pytest.raises(ValueError, match="GPU 5 owns no cores"):
             d.start(_ctx(redis_url, "s-nowhere", gpu=5))
     finally:
@@ -102,8 +110,7 @@ def test_a_warm_replacement_imports_on_the_lent_gpus_cores(tmp_path, redis_url):
     and is moved to whichever GPU it is assigned next."""
     host = placement.host_cpus()
     gpu_cpus = {0: host[:1], 1: host[-1:]}
-    d = LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=1,
-                        gpu_cpus=gpu_cpus, extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
+    d = _probe_dispatcher(tmp_path, 1, gpu_cpus)
     try:
         d._warm[0][0].kill()  # the pool's only process dies
         d._warm[0][0].wait()
@@ -115,9 +122,7 @@ def test_a_warm_replacement_imports_on_the_lent_gpus_cores(tmp_path, redis_url):
         assert os.sched_getaffinity(replacement.pid) == set(gpu_cpus[1])
         d.start(_ctx(redis_url, "s-b", gpu=0))
         assert d.pid("s-b") == replacement.pid
-        while "s-b" not in d.poll() and time.time() < deadline + 30:
-            time.sleep(0.05)
-        probe = json.loads((tmp_path / "probe-s-b.json").read_text())
+        probe = _probe_when_ended(d, tmp_path, "s-b")
         assert probe["cpus"] == gpu_cpus[0]
         assert probe["nice"] == min(19, os.nice(0) + 10)  # imported at nice 10 beside the lent GPU's session
     finally:
@@ -129,19 +134,13 @@ def test_a_warm_process_serves_one_session_after_another(tmp_path, redis_url):
     next one without importing again (same pid), re-pinned to the new GPU's cores."""
     host = placement.host_cpus()
     gpu_cpus = {0: host[:1], 1: host[-1:]}
-    d = LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=1,
-                        gpu_cpus=gpu_cpus, extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
+    d = _probe_dispatcher(tmp_path, 1, gpu_cpus)
     try:
         first = d._warm[0][0].pid
         probes = []
         for i, gpu in enumerate((0, 1, 0)):
-            sid = f"s-{i}"
-            d.start(_ctx(redis_url, sid, gpu=gpu))
-            deadline = time.time() + 60
-            while sid not in d.poll() and time.time() < deadline:
-                time.sleep(0.05)
-            assert d.ended.get(sid) == 0
-            probes.append(json.loads((tmp_path / f"probe-{sid}.json").read_text()))
+            d.start(_ctx(redis_url, f"s-{i}", gpu=gpu))
+            probes.append(_probe_when_ended(d, tmp_path, f"s-{i}"))
         assert [p["cpus"] for p in probes] == [gpu_cpus[0], gpu_cpus[1], gpu_cpus[0]]
         assert probes[0]["pid"] == first and probes[2]["pid"] in {p["pid"] for p in probes[:2]}  # reused
         pids = {p["pid"] for p in probes}
@@ -152,17 +151,12 @@ def test_a_warm_process_serves_one_session_after_another(tmp_path, redis_url):
 
 
 def test_on_real_gpus_a_warm_process_serves_only_the_gpu_it_initialised(tmp_path, redis_url):
-    d = LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=1,
-                        extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
+    d = _probe_dispatcher(tmp_path, 1)
     try:
         pids = []
         for i, gpu in enumerate((0, 1, 0)):
-            sid = f"r-{i}"
-            d.start(_ctx(redis_url, sid, gpu=gpu))
-            deadline = time.time() + 60
-            while sid not in d.poll() and time.time() < deadline:
-                time.sleep(0.05)
-            probe = json.loads((tmp_path / f"probe-{sid}.json").read_text())
+            d.start(_ctx(redis_url, f"r-{i}", gpu=gpu))
+            probe = _probe_when_ended(d, tmp_path, f"r-{i}")
             assert probe["CUDA_VISIBLE_DEVICES"] == str(gpu)
             pids.append(probe["pid"])
         assert pids[1] != pids[0] and pids[2] == pids[0]  # GPU 1 got another process; GPU 0 its own back

@@ -11,6 +11,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 
@@ -34,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     from tailspec.cli import config_from_args
     from tailspec.commands.bench import machine
+    from tailspec.demo.report import tail_idle_share
     from tailspec.demo.run import Demo, DemoOptions
 
     cfg = config_from_args(args)
@@ -69,8 +71,6 @@ def run(args: argparse.Namespace) -> dict:
     co = runs["cotrained"]
     idle = sum(r.idle_gpu_seconds for r in co)
     lent = sum(r.lent_gpu_seconds for r in co)
-    tail_idle = sum(r.tail_idle_gpu_seconds for rows in runs.values() for r in rows)
-    rollout_gpu_s = sum(len(r.worker_busy_s) * r.rollout_time_s for rows in runs.values() for r in rows)
     placement = demos["cotrained"].placement
     result = {
         "device": machine(),
@@ -97,10 +97,8 @@ def run(args: argparse.Namespace) -> dict:
         "promotions": demos["cotrained"].promotions,
         "drafter_versions": [r.drafter_version for r in co],
         # the long tail: GPU-seconds a worker sat drained while another decoded, ÷ workers x rollout time
-        "tail_idle_share": round(tail_idle / rollout_gpu_s, 3) if rollout_gpu_s else 0.0,
-        "tail_idle_share_by_mode": {m: round(sum(r.tail_idle_gpu_seconds for r in rows) /
-                                             max(sum(len(r.worker_busy_s) * r.rollout_time_s for r in rows), 1e-9), 3)
-                                    for m, rows in runs.items()},
+        "tail_idle_share": round(tail_idle_share([asdict(r) for rows in runs.values() for r in rows]), 3),
+        "tail_idle_share_by_mode": {m: round(tail_idle_share([asdict(r) for r in rows]), 3) for m, rows in runs.items()},
         # instrumentation (logprob check, acceptance of both drafters) ÷ the run's wall time over its steps
         "instrumentation_share": {m: round(measured[m] / wall[m], 3) if wall[m] else 0.0 for m in runs},
         "reclaimed_share": round(lent / idle, 3) if idle else 0.0,

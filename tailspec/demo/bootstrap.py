@@ -22,6 +22,7 @@ from tailspec.state import Sample
 
 log = logging.getLogger("tailspec.demo")
 SAMPLES = "bootstrap_samples.jsonl"
+BOOTSTRAP_SESSION = "bootstrap"  # the session id version 1 and the lineage's first head are recorded under
 OPTIMIZER = "bootstrap_optimizer.safetensors"  # the offline run's AdamW moments (+ OPTIMIZER_META)
 OPTIMIZER_META = "bootstrap_optimizer.json"
 
@@ -137,14 +138,14 @@ def seed_store(drafter_path: str, cfg: TailspecConfig, redis) -> None:
     root = Path(cfg.trainer.checkpoint_dir)
     drafter = Eagle3Drafter.load(drafter_path)
     Lineage(root / "lineage", redis, cfg.cluster.name).seed(
-        drafter, {"step": 0, "tokens": 0, "backend": cfg.trainer.backend, "policy_version": 0}, session_id="bootstrap",
+        drafter, {"step": 0, "tokens": 0, "backend": cfg.trainer.backend, "policy_version": 0}, session_id=BOOTSTRAP_SESSION,
         optimizer_state=load_optimizer(drafter_path))
     store = VersionStore(root / "versions", redis, cfg.cluster.name)
     number = store._next_number()
     dst = store.path(number)
     shutil.copytree(drafter_path, dst, dirs_exist_ok=True)
     info = DrafterVersion(version=number, path=str(dst.resolve()), policy_version=0, acceptance_length=None,
-                          promoted=True, created_at=time.time(), session_id="bootstrap",
+                          promoted=True, created_at=time.time(), session_id=BOOTSTRAP_SESSION,
                           note="bootstrap drafter (trained offline on the initial policy)", decision="the run's first drafter")
     (dst / "version.json").write_text(info.model_dump_json())
     store.seed(info)

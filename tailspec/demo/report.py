@@ -80,7 +80,8 @@ def plot_timeline(timeline: list[dict], steps: list[dict], out: Path, title_note
     return out
 
 
-def _tail_share(rows: list[dict]) -> float:
+def tail_idle_share(rows: list[dict]) -> float:
+    """The long tail's idle GPU-seconds (workers' clocks) ÷ workers x rollout time, over metrics rows."""
     gpu_s = sum(len(r.get("worker_busy_s") or {}) * r["rollout_time_s"] for r in rows)
     return sum(r.get("tail_idle_gpu_seconds", 0.0) for r in rows) / gpu_s if gpu_s else 0.0
 
@@ -144,7 +145,7 @@ def write_report(run_dir: Path, rows: list[dict], timeline: list[dict], meta: di
         f"- idle GPU-seconds in the long tail: {idle:.1f}; lent to drafter training: {lent:.1f} "
         f"(reclaimed share {lent / idle if idle else 0:.2f})",
         f"- long-tail idle share of the rollouts' GPU-seconds (workers' clocks): "
-        f"{_tail_share(rows):.2f}",
+        f"{tail_idle_share(rows):.2f}",
     ]
     if meta.get("dashboard"):
         lines.append(f"- live dashboard while the run went on: {meta['dashboard']} (read-only; gone with the run)")

@@ -35,6 +35,7 @@ import torch
 
 from tailspec import state
 from tailspec.config import TailspecConfig
+from tailspec.demo.bootstrap import BOOTSTRAP_SESSION
 from tailspec.rl import Rollout, grpo_step, recompute_logprobs, save_policy_weights
 from tailspec.state import Sample, WorkItem, WorkRequest, WorkResult
 
@@ -330,12 +331,10 @@ class Demo:
         return cur.path, cur.version
 
     def deal(self, reqs: list[WorkRequest]) -> list[list[WorkRequest]]:
-        if self.o.deal == "by_length":
-            ordered = sorted(reqs, key=lambda q: len(q.prompt_ids))
-            n = -(-len(ordered) // self.o.workers)
-            return [ordered[w * n : (w + 1) * n] for w in range(self.o.workers)]
         if self.o.deal == "round_robin":
             return [reqs[w :: self.o.workers] for w in range(self.o.workers)]
+        if self.o.deal == "by_length":
+            reqs = sorted(reqs, key=lambda q: len(q.prompt_ids))
         n = -(-len(reqs) // self.o.workers)
         return [reqs[w * n : (w + 1) * n] for w in range(self.o.workers)]
 
@@ -430,9 +429,7 @@ class Demo:
             samples.append(Sample(prompt_ids=q.prompt_ids, response_ids=o.token_ids, reward=g.reward,
                                   policy_version=self.policy_version, group_id=f"{step}:{rid // self.o.group_size}"))
         # The RL trainer needs every GPU back before its update (the wait a real trainer does for reclaim).
-        t_wait = time.time()
-        self.wait_sessions_stopped()
-        wait_s = time.time() - t_wait
+        wait_s = self.wait_sessions_stopped()
         # Instrumentation, not part of an RL step (a user's trainer does neither): the logprob check every step
         # (one forward of 8 responses) and the frozen-vs-co-trained acceptance every `measure_every` steps and
         # at the last. Timed apart, left out of step_time_s, and run after the GPUs are back, so it takes no
@@ -494,7 +491,7 @@ class Demo:
         if self.o.mode != "cotrained":
             return a_frozen, a_frozen
         cur = state.get(self.r, state.key(self.cluster, "drafter_current"), state.DrafterVersion)
-        if cur is None or cur.session_id == "bootstrap":  # still the first drafter: the same weights, same figure
+        if cur is None or cur.session_id == BOOTSTRAP_SESSION:  # still the first drafter: the same weights, same figure
             return a_frozen, a_frozen
         co = Eagle3Drafter.load(cur.path, emb)
         return a_frozen, validate(co, teacher, held, self.o.k).acceptance_length
@@ -564,7 +561,7 @@ class Demo:
         """Co-trained versions promoted during the run (the bootstrap drafter, version 1, is not one)."""
         key = state.key(self.cluster, "drafter_versions")
         versions = [state.decode(state.DrafterVersion, raw, where=key) for raw in self.r.lrange(key, 0, -1)]
-        return sum(1 for v in versions if v.promoted and v.session_id != "bootstrap")
+        return sum(1 for v in versions if v.promoted and v.session_id != BOOTSTRAP_SESSION)
 
     def seed_version_store(self) -> None:
         """Version 1 = the bootstrap drafter, promoted; sessions continue from its weights."""
