@@ -164,6 +164,12 @@ class StepRow:
     tail_idle_share: float = 0.0
     worker_busy_s: dict[str, float] = field(default_factory=dict)
     strategy_mix: dict[str, int] = field(default_factory=dict)
+    # per worker: response lengths, engine set-up and decode seconds; k -> [rows, accepted] over the step
+    # (what `tailspec simulate --calibrate` replays)
+    worker_lengths: dict[str, list[int]] = field(default_factory=dict)
+    worker_setup_s: dict[str, float] = field(default_factory=dict)
+    worker_decode_s: dict[str, float] = field(default_factory=dict)
+    accepted_by_k: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _counters(r, cluster: str) -> dict[str, float]:
@@ -392,7 +398,17 @@ class Demo:
         hide step 0's tail behind seconds of measuring and count against the first rollout."""
         drafter_path, drafter_version = self.drafter_for_phase()
         self.send_work(0, self.deal(self.requests(0)[1]), drafter_path, drafter_version, warmup=True)
-        self.collect(0, None if on_progress is None else lambda _, results: on_progress("warm-up", results))
+        results = self.collect(0, None if on_progress is None else lambda _, results: on_progress("warm-up", results))
+        self.write_run_record(results)
+
+    def write_run_record(self, warmup: list[WorkResult]) -> None:
+        """run.json: the options, the config and each worker's warm-up cost table, which with metrics.jsonl
+        is what `tailspec simulate --calibrate RUN_DIR` replays."""
+        opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.o).items()}
+        record = {"options": opts, "config": self.cfg.model_dump(mode="json"),
+                  "placement": asdict(self.placement),
+                  "cost_models": {r.worker: r.cost_model for r in warmup if r.cost_model is not None}}
+        (self.run_dir / "run.json").write_text(json.dumps(record, indent=1))
 
     def rollout(self, step: int, reqs: list[WorkRequest], on_progress=None) -> tuple[list[WorkResult], float]:
         drafter_path, drafter_version = self.drafter_for_phase()
@@ -456,9 +472,14 @@ class Demo:
         fwd = sum(o.target_forwards for o in outs)
         tokens = sum(len(o.token_ids) for o in outs)
         mix: dict[str, int] = {}
+        by_k: dict[str, list[int]] = {}
         for res in results:
             for k, v in res.strategy_mix.items():
                 mix[k] = mix.get(k, 0) + v
+            for k, (rows, acc) in res.accepted_by_k.items():
+                cell = by_k.setdefault(k, [0, 0])
+                cell[0] += rows
+                cell[1] += acc
         row = StepRow(
             step=step, mode=self.o.mode, step_time_s=t_end - t_start - measure_s, rollout_time_s=rollout_s,
             train_time_s=t_end - t_train - measure_s, measure_s=measure_s, wait_sessions_s=wait_s,
@@ -472,6 +493,9 @@ class Demo:
             t_start=t_start, t_end=t_end,
             tail_idle_gpu_seconds=tail_idle, tail_idle_share=tail_idle / max(len(results) * rollout_s, 1e-9),
             worker_busy_s={r.worker: r.finished_at - r.started_at for r in results}, strategy_mix=mix,
+            worker_lengths={r.worker: [len(o.token_ids) for o in r.outputs] for r in results},
+            worker_setup_s={r.worker: r.setup_s for r in results},
+            worker_decode_s={r.worker: r.decode_s for r in results}, accepted_by_k=by_k,
         )
         self.publish_rollout_stats(row)
         return row

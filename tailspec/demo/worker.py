@@ -195,7 +195,10 @@ class Worker:
         self._load_drafter(item, rc)
         engine = self._engine(item, rc)
         if item.warmup:
-            return WorkResult(worker=self.name, step=item.step, outputs=[], started_at=started, finished_at=time.time())
+            return WorkResult(worker=self.name, step=item.step, outputs=[], started_at=started, finished_at=time.time(),
+                              cost_model=self.cost.to_dict() if self.cost is not None else None)
+        setup_s = time.time() - started
+        decode_s = 0.0
         n = len(item.requests)
         rid_of: dict[int, int] = {}
         for req in item.requests:
@@ -209,6 +212,7 @@ class Worker:
             for out in engine.step():
                 outputs.append(work_output(rid_of[out.request_id], out))
                 tokens += len(out.token_ids)
+            decode_s += engine.stats.last_step_s
             now = time.monotonic()
             if now - last >= self.progress_period_s:
                 last = now
@@ -218,8 +222,14 @@ class Worker:
         self.client.report_progress(self.name, [self.gpu], active=0, finished=n, phase="rollout", total=n,
                                     step=item.step, tokens_done=tokens)
         mix = Counter(str(k) for _, k, _ in engine.step_log)
+        by_k: dict[str, list[int]] = {}
+        for rows, k, acc in engine.step_log:
+            cell = by_k.setdefault(str(k), [0, 0])
+            cell[0] += rows
+            cell[1] += acc
         return WorkResult(worker=self.name, step=item.step, outputs=outputs, started_at=started,
-                          finished_at=time.time(), decode_steps=len(engine.step_log), strategy_mix=dict(mix))
+                          finished_at=time.time(), decode_steps=len(engine.step_log), strategy_mix=dict(mix),
+                          setup_s=setup_s, decode_s=decode_s, accepted_by_k=by_k)
 
     def serve(self) -> None:
         parent = os.getppid()

@@ -1,0 +1,233 @@
+"""GPUs and models of a projection, and the roofline that turns them into step costs.
+
+A decode step reads the weights once and every running row's KV cache, and does 2 FLOPs per active
+parameter per token it scores; on a GPU it takes the larger of the two times (memory-bound at small
+batches, compute-bound at large ones), divided by the tensor-parallel size, plus a fixed per-step cost
+(launches, sampling) and, with tensor parallelism, two all-reduces per layer. Speculation scores k + 1
+tokens per row in one verify forward and runs k forwards of the one-layer drafter before it. The result is
+a `CostModel` table over the engine's own batch buckets and draft lengths: the selector that picks k
+from it is the engine's (`tailspec.rollout.selector`), not a copy.
+
+Every figure is a projection; the presets' numbers are the vendors' published peaks (dense bf16) and the
+models' published configs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tailspec.rollout.cost_model import CostModel, default_buckets, default_ks
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    hbm_tb_s: float  # HBM bandwidth, TB/s
+    bf16_tflops: float  # dense bf16 peak, TFLOP/s
+    memory_gb: float
+
+
+GPUS: dict[str, GpuSpec] = {
+    "H100": GpuSpec("H100", 3.35, 989.0, 80.0),  # H100 SXM5
+    "H200": GpuSpec("H200", 4.8, 989.0, 141.0),
+    "B200": GpuSpec("B200", 8.0, 2250.0, 192.0),
+    "GB200": GpuSpec("GB200", 8.0, 2500.0, 186.0),  # one Blackwell GPU of a GB200 superchip
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    params_b: float  # total parameters, billions
+    active_b: float  # parameters a token passes through (MoE: shared + routed experts), billions
+    experts: int = 0  # routed experts per MoE layer (0: dense)
+    experts_per_token: int = 0
+    expert_params_b: float = 0.0  # all routed experts' parameters, billions
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params_b * 1e9 * 2  # bf16
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.layers * 2 * self.kv_heads * self.head_dim * 2
+
+    def weight_bytes_read(self, tokens: float) -> float:
+        """Bytes of weights one forward over `tokens` tokens reads: all of a dense model; for an MoE, the
+        dense part plus the routed experts at least one token picked (uniform routing)."""
+        if not self.experts:
+            return self.weight_bytes
+        dense = (self.params_b - self.expert_params_b) * 1e9 * 2
+        touched = 1.0 - (1.0 - self.experts_per_token / self.experts) ** max(tokens, 1.0)
+        return dense + self.expert_params_b * 1e9 * 2 * touched
+
+    def flops_per_token(self, context: float) -> float:
+        """Forward FLOPs of one token: 2 per active parameter plus attention over `context` positions."""
+        return 2 * self.active_b * 1e9 + 4 * self.layers * self.heads * self.head_dim * context
+
+    @property
+    def drafter_params(self) -> float:
+        """An EAGLE-3 drafter for this model: fc over three hidden states, one decoder layer whose q/k/v take
+        2 x hidden, an MLP of 3 x hidden x 4 hidden, and a 32k-token draft vocabulary head."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        attn = 2 * h * (self.heads * self.head_dim) + 2 * 2 * h * kv + self.heads * self.head_dim * h
+        return 3 * h * h + attn + 3 * h * 4 * h + min(self.vocab, 32_000) * h
+
+
+MODELS: dict[str, ModelSpec] = {
+    # Qwen2.5-7B config.json: 28 layers, hidden 3584, 28 heads, 4 KV heads, vocab 152064, 7.6B params
+    "qwen2.5-7b": ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 128, 152_064, 7.62, 7.62),
+    # Qwen3-8B: 36 layers, hidden 4096, 32 heads, 8 KV heads, head_dim 128, 8.2B params
+    "qwen3-8b": ModelSpec("qwen3-8b", 36, 4096, 32, 8, 128, 151_936, 8.19, 8.19),
+    # Qwen3-32B: 64 layers, hidden 5120, 64 heads, 8 KV heads, head_dim 128, 32.8B params
+    "qwen3-32b": ModelSpec("qwen3-32b", 64, 5120, 64, 8, 128, 151_936, 32.8, 32.8),
+    # Qwen3-235B-A22B: 94 layers, hidden 4096, 64 heads, 4 KV heads, 128 experts (8 per token) of
+    # intermediate 1536: 3 x 4096 x 1536 x 128 x 94 = 227B of routed experts, 22B active
+    "qwen3-235b-a22b": ModelSpec("qwen3-235b-a22b", 94, 4096, 64, 4, 128, 151_936, 235.0, 22.0,
+                                 experts=128, experts_per_token=8, expert_params_b=227.0),
+}
+
+
+def model_from_hf_config(path: str | Path) -> ModelSpec:
+    """A ModelSpec from a Hugging Face `config.json` (a file or the directory holding it)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        c = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read a model config from {p}: {e}") from e
+    try:
+        layers, h, heads = int(c["num_hidden_layers"]), int(c["hidden_size"]), int(c["num_attention_heads"])
+        vocab, inter = int(c["vocab_size"]), int(c.get("intermediate_size", 4 * h))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{p}: not a decoder config (missing or bad {e})") from e
+    kv = int(c.get("num_key_value_heads", heads))
+    hd = int(c.get("head_dim") or h // heads)
+    attn = h * heads * hd * 2 + 2 * h * kv * hd
+    experts, per_tok = int(c.get("num_experts", c.get("num_local_experts", 0)) or 0), int(c.get("num_experts_per_tok", 0) or 0)
+    tied = bool(c.get("tie_word_embeddings", False))
+    emb = vocab * h * (1 if tied else 2)
+    if experts:
+        moe_inter = int(c.get("moe_intermediate_size", inter))
+        expert_total = 3 * h * moe_inter * experts * layers
+        total = layers * attn + expert_total + emb
+        active = layers * (attn + 3 * h * moe_inter * per_tok) + emb
+        return ModelSpec(p.parent.name or "custom", layers, h, heads, kv, hd, vocab, total / 1e9, active / 1e9,
+                         experts, per_tok, expert_total / 1e9)
+    total = layers * (attn + 3 * h * inter) + emb
+    return ModelSpec(p.parent.name or "custom", layers, h, heads, kv, hd, vocab, total / 1e9, total / 1e9)
+
+
+def resolve_model(name: str) -> ModelSpec:
+    if name in MODELS:
+        return MODELS[name]
+    if Path(name).exists():
+        return model_from_hf_config(name)
+    raise ValueError(f"unknown model {name!r}: choose {', '.join(MODELS)} or a path to a config.json")
+
+
+def resolve_gpu(name: str) -> GpuSpec:
+    try:
+        return GPUS[name.upper()]
+    except KeyError:
+        raise ValueError(f"unknown GPU {name!r}: choose {', '.join(GPUS)}") from None
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Step costs of one replica (`tp` GPUs) of `model` on `gpu`."""
+
+    model: ModelSpec
+    gpu: GpuSpec
+    tp: int = 1
+    bandwidth_efficiency: float = 0.7  # achieved / peak HBM bandwidth in decode (vLLM-class engines: 0.6-0.8)
+    flops_efficiency: float = 0.5  # achieved / peak FLOPs in a compute-bound forward
+    step_overhead_s: float = 0.5e-3  # launches, sampling, scheduling per decode step (with CUDA graphs)
+    draft_overhead_s: float = 0.1e-3  # the same per drafter forward
+    allreduce_s: float = 10e-6  # one all-reduce's latency with tensor parallelism (two per layer)
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or not 0 < self.bandwidth_efficiency <= 1 or not 0 < self.flops_efficiency <= 1:
+            raise ValueError(f"need tp >= 1 and efficiencies in (0, 1], got tp={self.tp}, "
+                             f"{self.bandwidth_efficiency}, {self.flops_efficiency}")
+
+    def _forward(self, bytes_: float, flops: float) -> float:
+        bw = self.gpu.hbm_tb_s * 1e12 * self.bandwidth_efficiency
+        peak = self.gpu.bf16_tflops * 1e12 * self.flops_efficiency
+        comm = 2 * self.model.layers * self.allreduce_s if self.tp > 1 else 0.0
+        return max(bytes_ / bw, flops / peak) / self.tp + comm
+
+    def verify_s(self, batch: int, k: int, context: float) -> float:
+        """One target forward scoring k + 1 tokens for each of `batch` rows at mean context `context`."""
+        tokens = batch * (k + 1)
+        bytes_ = self.model.weight_bytes_read(tokens) + batch * context * self.model.kv_bytes_per_token
+        return self._forward(bytes_, tokens * self.model.flops_per_token(context)) + self.step_overhead_s
+
+    def draft_s(self, batch: int) -> float:
+        """One drafter forward (one token per row); the drafter runs on every GPU of the replica's TP group."""
+        p = self.model.drafter_params
+        return self._forward(p * 2 * self.tp, 2 * p * batch * self.tp) + self.draft_overhead_s
+
+    def step_s(self, batch: int, k: int, context: float) -> float:
+        return self.verify_s(batch, k, context) + k * self.draft_s(batch)
+
+    def cost_model(self, max_batch: int, k_max: int, context: float) -> CostModel:
+        """The t(b, k) table the engine would measure at warm-up, over its own buckets and strategies."""
+        buckets, ks = default_buckets(max_batch), default_ks(k_max)
+        table = {(b, k): self.step_s(b, k, context) for b in buckets for k in ks}
+        return CostModel(buckets, ks, table)
+
+    def prefill_s(self, requests: int, prompt_len: int) -> float:
+        """Prefill of `requests` prompts in one chunked pass (compute-bound for any real prompt)."""
+        tokens = requests * prompt_len
+        return self._forward(self.model.weight_bytes_read(tokens), tokens * self.model.flops_per_token(prompt_len / 2))
+
+    def with_tp(self, tp: int) -> Roofline:
+        return replace(self, tp=tp)
+
+
+def train_step_s(model: ModelSpec, gpu: GpuSpec, gpus: int, tokens: float, mfu: float = 0.4,
+                 flops_per_param_token: float = 10.0) -> float:
+    """The RL update on `gpus` GPUs: old-policy and reference forwards (2 + 2) and the policy's forward and
+    backward (6) FLOPs per active parameter per token, at model FLOPs utilisation `mfu`."""
+    if gpus < 1 or not 0 < mfu <= 1:
+        raise ValueError(f"need gpus >= 1 and 0 < mfu <= 1, got {gpus}, {mfu}")
+    return flops_per_param_token * model.active_b * 1e9 * tokens / (gpus * gpu.bf16_tflops * 1e12 * mfu)
+
+
+def drafter_tokens_per_s(model: ModelSpec, gpu: GpuSpec, tp: int, mfu: float = 0.3, ttt_length: int = 3) -> float:
+    """Drafter training throughput of one lent replica: a teacher forward of the policy (2 FLOPs per active
+    parameter per token) and `ttt_length` unrolled drafter forward + backward passes (6 per drafter
+    parameter each), at `mfu`."""
+    flops = 2 * model.active_b * 1e9 + ttt_length * 6 * model.drafter_params
+    return tp * gpu.bf16_tflops * 1e12 * mfu / flops
+
+
+def session_startup_s(model: ModelSpec, tp: int, load_gb_s: float = 8.0, fixed_s: float = 1.0) -> float:
+    """A lent replica's session start: the teacher's weights (its TP shard per GPU) from host memory or local
+    disk at `load_gb_s`, plus a fixed cost (CUDA context in a pre-started process, drafter and optimizer)."""
+    return model.weight_bytes / tp / (load_gb_s * 1e9) + fixed_s
+
+
+def weight_sync_s(model: ModelSpec, gb_s: float = 100.0, fixed_s: float = 0.5) -> float:
+    """Trainer → rollout weight broadcast after the update."""
+    return model.weight_bytes / (gb_s * 1e9) + fixed_s
+
+
+def min_tp(model: ModelSpec, gpu: GpuSpec, kv_share: float = 0.35) -> int:
+    """The smallest power-of-two TP size whose shards leave `kv_share` of each GPU's memory for the KV cache."""
+    tp = 1
+    while model.weight_bytes / tp > gpu.memory_gb * 1e9 * (1 - kv_share):
+        tp *= 2
+        if tp > 64:
+            raise ValueError(f"{model.name} does not fit on {gpu.name} with tp <= 64")
+    return tp

@@ -1,0 +1,115 @@
+"""Which drained replicas the scheduler lends, decided by the scheduler's own idle state machine.
+
+Each replica's GPUs get an `IdleDetector` (scheduler/idle.py, the class the service runs) ticked at the
+moments that matter instead of every `tick_s`: when the scheduler can first call the replica idle (its
+drain report seen, a low telemetry sample after it, the idle window passed), when the phase ends (revoke)
+and when the session has stopped (reclaimed). Between those moments the detector's inputs do not change,
+so the extra ticks of the real loop would return nothing. The expected remaining tail it lends on is the
+service's: the phase's elapsed time while any replica still decodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tailspec.scheduler.idle import IdleDetector
+from tailspec.state import PhaseInfo
+
+
+@dataclass(frozen=True)
+class Latencies:
+    """The scheduler's delays, in seconds (defaults: the config's defaults; `tailspec bench scheduler`
+    measures them on a machine)."""
+
+    see_s: float = 0.1  # drain → the scheduler has read the worker's report (report period / 2 + tick / 2)
+    telemetry_s: float = 0.1  # drain → the first telemetry sample after it (sample period / 2)
+    window_s: float = 0.2  # idle window (scheduler.idle_window_s)
+    tick_s: float = 0.05
+    startup_s: float = 0.5  # lend only if the expected tail is longer (scheduler.session_startup_s)
+    stop_s: float = 0.2  # revoke → session stopped and GPU free
+
+    @property
+    def detect_s(self) -> float:
+        return max(self.see_s, self.telemetry_s, self.window_s) + self.tick_s / 2
+
+
+@dataclass
+class Lending:
+    """Per replica, seconds from the rollout's start (NaN: never)."""
+
+    seen: np.ndarray  # the scheduler counts the replica idle from here (DRAINED)
+    lent: np.ndarray  # lease granted, session starting
+    revoked: np.ndarray
+    reclaimed: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class _Report:
+    """A worker's progress report as the idle state machine reads it (the fields of state.Progress):
+    built a few thousand times per simulated step, where validating a pydantic model would cost more than
+    the state machine itself."""
+
+    worker: str
+    gpus: tuple[int, ...]
+    active: int
+    step: int
+    ts: float
+    node: str = "sim"
+    phase: str = "rollout"
+    remaining_s: float | None = None
+    mem_released: bool | None = True  # the engine freed its memory at the drain (vLLM sleep)
+    free_mem: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Sample:
+    """A telemetry sample as the idle state machine reads it (the fields of state.GpuTelemetry)."""
+
+    gpu: int
+    util: float
+    ts: float
+    node: str = "sim"
+    error: str | None = None
+    simulated: bool = True
+    mem_used: int = 0
+    mem_total: int = 0  # 0: unknown (the session's own memory check is not modelled)
+
+
+def decide(finish: np.ndarray, phase_end: float, tp: int, lat: Latencies, lend: bool, step: int = 0) -> Lending:
+    """Run each replica's idle state machine through one rollout phase [0, phase_end]; `finish[r]` is when
+    replica r's last request finished (its GPUs drain then)."""
+    nan = np.full(len(finish), np.nan)
+    out = Lending(np.where(finish + lat.see_s < phase_end, finish + lat.see_s, np.nan), nan.copy(), nan.copy(),
+                  nan.copy())
+    if not lend:  # a watching scheduler only counts the idle time
+        return out
+    order = np.sort(finish)
+    phase = PhaseInfo.model_construct(phase="rollout", step=step, started_at=0.0, policy_version=0, policy_path=None)
+    ended = PhaseInfo.model_construct(phase="train", step=step, started_at=phase_end, policy_version=0, policy_path=None)
+    gpus = tuple(range(tp))
+    for r, f in enumerate(finish):
+        now = f + lat.detect_s
+        if now >= phase_end:
+            continue
+        det = IdleDetector(window_s=lat.window_s, startup_s=lat.startup_s, stop_deadline_s=max(lat.stop_s, 1e-3) * 4,
+                           lend=lend)
+        still = int(len(order) - np.searchsorted(order, now, side="right"))  # replicas decoding at `now`
+        progress = {"r": _Report("r", gpus, 0, step, f), "others": _Report("others", (), still, step, now)}
+        tel = {("sim", g): _Sample(g, 0.0, f + lat.telemetry_s) for g in gpus}
+        acts = det.tick(now, phase, progress, tel)  # type: ignore[arg-type]
+        if not any(a.kind == "lend" for a in acts):
+            continue
+        sid = f"s{r}"
+        for g in gpus:
+            det.lent("sim", g, token=1, session_id=sid, now=now)
+        out.lent[r] = now
+        acts = det.tick(phase_end, ended, progress, tel)  # type: ignore[arg-type]
+        if not any(a.kind == "revoke" for a in acts):
+            raise AssertionError("the idle state machine kept a GPU lent past the phase end")
+        out.revoked[r] = phase_end
+        acts = det.tick(phase_end + lat.stop_s, ended, progress, tel, {sid})  # type: ignore[arg-type]
+        out.reclaimed[r] = next((phase_end + a.latency_s for a in acts if a.kind == "reclaimed" and a.latency_s),
+                                phase_end + lat.stop_s)
+    return out

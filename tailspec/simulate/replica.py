@@ -1,0 +1,86 @@
+"""Decode time of rollout replicas under continuous batching, for all replicas at once.
+
+A replica runs at most `max_batch` requests; a finished one is replaced by the next waiting one. Every
+running row gains the same expected number of tokens per step (E[tokens | k], k chosen for the batch size by
+the engine's selector), so in *progress* (tokens per row since the rollout began) the batch is a list
+schedule: request i enters when a slot frees at progress s_i and leaves at s_i + L_i. While requests wait the
+batch is full; after the last admission it is the rows still running. Wall time is the integral of the
+seconds per token of progress, g(b) = t(b, k_b) / E[tokens | k_b], over progress. Rounding a row's last step
+(a step yields whole tokens) and the spread of per-row acceptance are left out: a projection of means.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tailspec.rollout.cost_model import CostModel
+from tailspec.rollout.selector import AdaptiveSelector
+from tailspec.simulate.drafter import FixedAcceptance
+
+
+_SELECTORS: dict[tuple[int, int], tuple[AdaptiveSelector, FixedAcceptance]] = {}
+
+
+def k_by_batch(cost: CostModel, acceptance: FixedAcceptance | None, max_batch: int) -> list[int]:
+    """k the adaptive selector picks at each batch size 0..max_batch (index 0 unused); all 0 without a drafter.
+    One selector per cost model is kept: its candidate strategies depend on the cost table alone."""
+    if acceptance is None or acceptance.k_max == 0:
+        return [0] * (max_batch + 1)
+    key = (id(cost), acceptance.k_max)
+    held = _SELECTORS.get(key)
+    if held is None or held[0].cost is not cost:
+        rates = FixedAcceptance(list(acceptance.tokens))
+        ks = [k for k in cost.ks if k <= acceptance.k_max]
+        held = _SELECTORS[key] = (AdaptiveSelector(cost, rates, ks=ks, epsilon=0.0, learn_cost=False), rates)  # type: ignore[arg-type]
+    sel, rates = held
+    rates.tokens = list(acceptance.tokens)
+    return [0] + [sel.best(b) for b in range(1, max_batch + 1)]
+
+
+def seconds_per_token(cost: CostModel, acceptance: FixedAcceptance | None, max_batch: int,
+                      fixed_k: int | None = None) -> np.ndarray:
+    """g[b]: wall seconds per token of per-row progress at batch b (g[0] = 0); k from the adaptive selector,
+    or `fixed_k` at every batch size."""
+    if fixed_k is not None and acceptance is not None:
+        if not 0 <= fixed_k <= acceptance.k_max:
+            raise ValueError(f"fixed k={fixed_k} outside 0..{acceptance.k_max}")
+        ks = [fixed_k] * (max_batch + 1)
+    else:
+        ks = k_by_batch(cost, acceptance, max_batch)
+    tokens = acceptance.token_table() if acceptance is not None else [1.0]
+    g = np.zeros(max_batch + 1)
+    for b in range(1, max_batch + 1):
+        g[b] = cost.t(b, ks[b]) / tokens[ks[b]]
+    return g
+
+
+def finish_times(lengths: np.ndarray, max_batch: int, g: np.ndarray) -> np.ndarray:
+    """Decode seconds until each request finishes. `lengths` [replicas, requests] in arrival order (0 pads
+    a replica with fewer requests); `g` from `seconds_per_token` (length >= max_batch + 1)."""
+    lengths = np.asarray(lengths, dtype=float)
+    if lengths.ndim != 2:
+        raise ValueError(f"lengths must be [replicas, requests], got shape {lengths.shape}")
+    r, n = lengths.shape
+    m = min(max_batch, n)
+    rows = np.arange(r)
+    done = lengths.copy()  # progress at which each request finishes
+    free = lengths[:, :m].copy()  # per slot: progress at which it frees
+    holder = np.tile(np.arange(m), (r, 1))  # per slot: the request in it
+    last_start = np.zeros(r)
+    for q in range(m, n):  # admissions while requests wait: the batch stays full
+        slot = free.argmin(axis=1)
+        start = free[rows, slot]
+        done[:, q] = start + lengths[:, q]
+        free[rows, slot] = done[:, q]
+        holder[rows, slot] = q
+        last_start = start
+    # Up to the last admission the batch is m (full): those requests take g[m] per token of progress. The m
+    # requests still in the slots then finish in order of progress, the batch shrinking by one at each.
+    out = g[m] * done
+    order = np.argsort(free, axis=1, kind="stable")
+    tail = np.take_along_axis(free, order, axis=1)
+    seg = np.diff(tail, axis=1, prepend=last_start[:, None])
+    per_seg = g[m - np.arange(m)]  # batch m, m-1, ..., 1
+    t_tail = g[m] * last_start[:, None] + np.cumsum(seg * per_seg[None, :], axis=1)
+    out[rows[:, None], np.take_along_axis(holder, order, axis=1)] = t_tail
+    return out
