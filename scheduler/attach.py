@@ -98,7 +98,8 @@ class _TelemetryActor:
         cfg = TailspecConfig.model_validate_json(cfg_json)
         sc = cfg.scheduler
         self.r = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
-        telemetry, self.warning = make_telemetry(sc.telemetry, node, self.r, cfg.cluster.name, num_gpus)
+        telemetry, self.warning = make_telemetry(sc.telemetry, node, self.r, cfg.cluster.name, num_gpus,
+                                                 simulated_mem=int(sc.simulated_gpu_mem_gib * (1 << 30)))
         self.monitor = TelemetryMonitor(
             telemetry, self.r, cfg.cluster.name, sc.sample_period_s, sc.history_maxlen, warning=self.warning
         ).start()

@@ -100,7 +100,13 @@ class TailspecClient:
         tokens_per_s: float = 0.0,
         remaining_s: float | None = None,
         node: str | None = None,
+        mem_released: bool | None = None,
+        free_mem: int | None = None,
     ) -> None:
+        """The worker's latest state (coalesced: latest wins). The GPU-memory handshake: a worker that finished
+        and released its GPU memory (vLLM `sleep`, KV cache freed, allocator cache emptied) says so with
+        `mem_released=True` and, if it measured it, `free_mem` (bytes free on its GPU); a worker that reports
+        `mem_released=False` is never lent before it reports True."""
         if step is None:
             known = self._phase or self._phase_seen
             step = known.step if known is not None else 0
@@ -117,6 +123,8 @@ class TailspecClient:
                 tokens_done=tokens_done,
                 tokens_per_s=tokens_per_s,
                 remaining_s=remaining_s,
+                mem_released=mem_released,
+                free_mem=free_mem,
                 ts=time.time(),
             )
         except ValidationError as e:

@@ -10,7 +10,10 @@ Rules (docs/architecture.md):
   It is *idle* once a telemetry sample taken after the drain shows utilization below the threshold and
   nothing above it has been seen for `window_s` (telemetry confirms nothing else is using the GPU).
 - It is lent only while the rollout phase goes on and the expected remaining tail exceeds the session
-  start-up cost.
+  start-up cost, and only once the memory handshake allows it: a worker that reports `mem_released=False`
+  (or none, under `require_release`) holds its GPU memory and is not lent; the free memory (telemetry's,
+  and the worker's own report when it gives one: the smaller) must cover `min_free_bytes` and the largest
+  footprint a session reported (`learn_need`).
 - A lent GPU is revoked at the first snapshot where the phase is no longer rollout, its worker is
   generating again (or gone, or in another step), or its telemetry is lost or failing. After
   `stop_deadline_s` it counts as reclaimed whether or not its session has confirmed the stop.
@@ -92,7 +95,24 @@ class IdleDetector:
     startup_s: float = 0.5
     stop_deadline_s: float = 1.0
     lend: bool = True  # False: detect and count idle time, never lend (baseline runs)
+    require_release: bool = False  # a worker that never reported mem_released is not lent either
+    min_free_bytes: int = 0
+    mem_needed: int = 0  # the largest footprint a session computed (learn_need): a GPU with less free is not lent
     machines: dict[GpuKey, GpuMachine] = field(default_factory=dict)
+
+    def learn_need(self, nbytes: int) -> None:
+        """A session computed it needs `nbytes` of GPU memory: do not lend a GPU with less free again."""
+        self.mem_needed = max(self.mem_needed, int(nbytes))
+
+    def memory_hold(self, p: Progress, t: GpuTelemetry) -> str | None:
+        """Why the memory handshake keeps this drained GPU from being lent, or None when it may be."""
+        if p.mem_released is False or (p.mem_released is None and self.require_release):
+            return "worker has not released its GPU memory"
+        known = [x for x in (t.mem_total - t.mem_used if t.mem_total > 0 else None, p.free_mem) if x is not None]
+        need = max(self.min_free_bytes, self.mem_needed)
+        if need > 0 and known and min(known) < need:
+            return f"{min(known) / 2**30:.2f} GiB free < {need / 2**30:.2f} GiB needed"
+        return None
 
     def machine(self, node: str, gpu: int) -> GpuMachine:
         m = self.machines.get((node, gpu))
@@ -207,7 +227,7 @@ class IdleDetector:
             if idle and m.detected_at is None:
                 m.detected_at = now
                 out.append(Action("idle", m.node, m.gpu, latency_s=now - m.drained_at))
-            if idle and self.lend and tail > self.startup_s:
+            if idle and self.lend and tail > self.startup_s and self.memory_hold(p, t) is None:
                 out.append(Action("lend", m.node, m.gpu, f"expected tail {tail:.2f}s"))
         else:
             m._forget_drain()

@@ -65,6 +65,8 @@ class Scheduler:
             startup_s=sc.session_startup_s,
             stop_deadline_s=sc.stop_deadline_s,
             lend=sc.lend,
+            require_release=sc.require_release,
+            min_free_bytes=int(sc.min_free_mem_gib * (1 << 30)),
         )
         self.leases = Leases(self.r, self.c)
         self._published: dict[tuple[str, int], tuple[GpuState, float]] = {}
@@ -318,6 +320,7 @@ class Scheduler:
             self.live.pop(sid, None)
             pipe.hincrbyfloat(ck, "sessions_stopped", 1)
             self._finalize_record(sid, a.reason)
+            self._note_memory(sid, a, pipe)
             self._event(
                 "session_stopped",
                 a.node,
@@ -357,6 +360,22 @@ class Scheduler:
                     )
                 ),
             )
+
+    def _note_memory(self, sid: str, a: Action, pipe: Any) -> None:
+        """The memory handshake, scheduler side: a session's computed footprint raises the free memory a GPU
+        needs to be lent (IdleDetector.learn_need), and a session that declined is counted and logged."""
+        try:
+            info = state.get(self.r, state.key(self.c, "session", session_id=sid), SessionInfo)
+        except StateError:
+            return
+        if info is None:
+            return
+        if info.mem_needed:
+            self.detector.learn_need(info.mem_needed)
+        if info.declined:
+            pipe.hincrbyfloat(state.key(self.c, "counters"), "sessions_declined", 1)
+            self._event("session_declined", a.node, a.gpu, pipe, session_id=sid, reason=info.stop_reason,
+                        mem_needed=info.mem_needed, mem_free=info.mem_free)
 
     def _publish_status(self, now: float, pipe: Any) -> None:
         for key, m in self.detector.machines.items():
@@ -463,7 +482,8 @@ def run_local(
     sc = cfg.scheduler
     r = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
     telemetry, warning = make_telemetry(
-        sc.telemetry, cfg.cluster.node, r, cfg.cluster.name, sc.simulated_gpus
+        sc.telemetry, cfg.cluster.node, r, cfg.cluster.name, sc.simulated_gpus,
+        simulated_mem=int(sc.simulated_gpu_mem_gib * (1 << 30)),
     )
     monitor = TelemetryMonitor(
         telemetry, r, cfg.cluster.name, sc.sample_period_s, sc.history_maxlen, warning=warning

@@ -55,6 +55,9 @@ class SessionContext:
         self._stopped = False
         self.stop_reason: str | None = None
         self.stop_seen_at: float | None = None  # wall time should_continue() first returned False
+        self.mem_needed: int | None = None  # what the session computed it needs (memory handshake)
+        self.mem_free: int | None = None
+        self.declined = False
 
     # -- serialisation (JSON only) --------------------------------------------------------------
     def to_json(self) -> str:
@@ -143,6 +146,18 @@ class SessionContext:
             return True
         return self._stop(L.REASONS.get(code, f"renew code {code}"))
 
+    def decline(self, reason: str, mem_needed: int | None = None, mem_free: int | None = None) -> None:
+        """Give the GPU back without using it (e.g. the session does not fit in its free memory): the lease is
+        released at once, the final record says why (status stopped, `declined`), and the scheduler sees the
+        process end at its next tick. The entry function returns right after calling this."""
+        self.declined = True
+        self.mem_needed, self.mem_free = mem_needed, mem_free
+        self._stop(f"declined: {reason}")
+        try:
+            self.leases.release(self.node, self.gpu, self.lease_token)
+        except Exception:  # Redis down: the lease expires within one TTL anyway
+            pass
+
     def report(
         self, step: int, loss: float | None = None, tokens: int = 0, drafter_version: int | None = None
     ) -> bool:
@@ -191,6 +206,9 @@ class SessionContext:
             stop_reason=reason,
             drafter_version=prev.drafter_version if prev else None,
             stop_latency_s=(now - self.stop_seen_at) if self.stop_seen_at else None,
+            mem_needed=self.mem_needed,
+            mem_free=self.mem_free,
+            declined=self.declined,
         )
         try:
             # The session's own record, written after the lease is gone: not fenced on purpose.

@@ -137,10 +137,28 @@ class SimulatedTelemetry:
     simulated = True
     MEM_TOTAL = 80 * GIB
 
-    def __init__(self, node: str, r: Any, cluster: str, num_gpus: int = 4, seed: int | None = None):
+    def __init__(self, node: str, r: Any, cluster: str, num_gpus: int = 4, seed: int | None = None,
+                 mem_total: int = MEM_TOTAL):
         self.node, self.r, self.cluster, self.num_gpus = node, r, cluster, num_gpus
+        self.mem_total = int(mem_total)
         self.rng = random.Random(seed)
         self.bad_progress = 0
+
+    def worker_mem(self, p: Progress | None) -> int:
+        """What a simulated GPU's rollout worker holds, in proportion to the GPU's size (of 80 GiB: 30 GiB of
+        weights and KV cache, 0.25 GiB more per active request; 1 GiB once it finished and reported its memory
+        released, as a sleeping vLLM keeps)."""
+        if p is None:
+            return 0
+        if p.active == 0 and p.mem_released:
+            return self.mem_total // 80
+        return self.mem_total * 3 // 8 + min(p.active, 64) * self.mem_total // 320
+
+    def free_for_session(self, gpu: int) -> int:
+        """Bytes free on simulated GPU `gpu` for a session, sessions' own share left out (the check a session
+        makes before loading, where NVML is not there to ask)."""
+        owners, _ = self._activity()
+        return max(0, self.mem_total - self.worker_mem(owners.get(gpu)))
 
     def gpu_ids(self) -> list[int]:
         return list(range(self.num_gpus))
@@ -184,15 +202,12 @@ class SimulatedTelemetry:
         out = []
         for g in range(self.num_gpus):
             p = owners.get(g)
-            mem = 0
-            if p is not None:
-                mem += 30 * GIB  # resident policy weights + KV cache of the rollout engine
+            mem = self.worker_mem(p)
             if p is not None and p.active > 0:
                 util = 70.0 + 25.0 * min(1.0, p.active / 8) + self.rng.uniform(-3, 3)
-                mem += min(p.active, 64) * GIB // 4
             elif g in leased:
                 util = 55.0 + self.rng.uniform(-5, 5)
-                mem += 8 * GIB
+                mem += self.mem_total // 10  # a session's teacher, drafter and optimizer
             else:
                 util = self.rng.uniform(0.0, 2.0)
             util = min(100.0, max(0.0, util))
@@ -201,8 +216,8 @@ class SimulatedTelemetry:
                     node=self.node,
                     gpu=g,
                     util=round(util, 1),
-                    mem_used=mem,
-                    mem_total=self.MEM_TOTAL,
+                    mem_used=min(mem, self.mem_total),
+                    mem_total=self.mem_total,
                     power_w=round(70 + 6 * util, 1),
                     processes=[],
                     simulated=True,
@@ -216,14 +231,15 @@ class SimulatedTelemetry:
 
 
 def make_telemetry(
-    kind: str, node: str, r: Any, cluster: str, num_gpus: int = 4, nvml: Any = None
+    kind: str, node: str, r: Any, cluster: str, num_gpus: int = 4, nvml: Any = None,
+    simulated_mem: int = SimulatedTelemetry.MEM_TOTAL,
 ) -> tuple[Telemetry, str | None]:
     """Build the configured telemetry. Returns (telemetry, warning): `auto` falls back to simulated
     with a warning when NVML does not initialize or sees no device; `nvml` raises TelemetryError."""
     if kind not in ("auto", "nvml", "simulated"):
         raise TelemetryError(f"scheduler.telemetry must be auto, nvml or simulated, got {kind!r}")
     if kind == "simulated":
-        return SimulatedTelemetry(node, r, cluster, num_gpus), None
+        return SimulatedTelemetry(node, r, cluster, num_gpus, mem_total=simulated_mem), None
     try:
         t = NvmlTelemetry(node, nvml=nvml)
     except TelemetryError as e:
@@ -231,10 +247,37 @@ def make_telemetry(
             raise
         msg = f"NVML unavailable ({e}); using SIMULATED GPU telemetry on node {node}"
         log.warning(msg)
-        return SimulatedTelemetry(node, r, cluster, num_gpus), msg
+        return SimulatedTelemetry(node, r, cluster, num_gpus, mem_total=simulated_mem), msg
     if t.count == 0 and kind == "auto":
         t.close()
         msg = f"NVML sees no GPU on node {node}; using SIMULATED GPU telemetry"
         log.warning(msg)
-        return SimulatedTelemetry(node, r, cluster, num_gpus), msg
+        return SimulatedTelemetry(node, r, cluster, num_gpus, mem_total=simulated_mem), msg
     return t, None
+
+
+def free_memory(r: Any, cluster: str, node: str, gpu: int, simulated_mem: int = SimulatedTelemetry.MEM_TOTAL,
+                nvml: Any = None) -> tuple[int | None, str]:
+    """Bytes free on one GPU right now and where the figure came from, without creating a CUDA context (a
+    session asks this before it loads anything). A GPU whose telemetry is simulated answers from the simulation
+    (the configured size less what its rollout worker holds); a real one from NVML. (None, why) when neither
+    can say: the caller decides without the check."""
+    try:
+        t = state.get(r, state.key(cluster, "telemetry", node=node, gpu=gpu), GpuTelemetry)
+    except (StateError, Exception) as e:  # noqa: BLE001 - Redis down: fall through to NVML
+        t, why = None, f"telemetry unreadable: {e}"
+    else:
+        why = "no telemetry for this GPU"
+    if t is not None and t.simulated:
+        sim = SimulatedTelemetry(node, r, cluster, num_gpus=gpu + 1, mem_total=simulated_mem)
+        return sim.free_for_session(gpu), "simulated"
+    try:
+        if nvml is None:
+            import pynvml as nvml
+        nvml.nvmlInit()
+        try:
+            return int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(gpu)).free), "nvml"
+        finally:
+            nvml.nvmlShutdown()
+    except Exception as e:  # noqa: BLE001 - no driver, no device: unknown, not an error of the session
+        return None, f"{why}; NVML: {e}"

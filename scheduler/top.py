@@ -40,6 +40,7 @@ class Snapshot:
     rows: list[Row]
     counters: dict[str, float]
     heartbeat_age_s: float | None
+    last_decline: str | None = None  # "node0:gpu1 session … declined: needs …" (the memory handshake)
 
     @property
     def simulated(self) -> bool:
@@ -118,7 +119,16 @@ def gather(r: Any, cluster: str) -> Snapshot:
                 session_loss=info.loss if info else None,
             )
         )
-    return Snapshot(phase, rows, counters, hb_age)
+    return Snapshot(phase, rows, counters, hb_age, _last_decline(r, cluster) if counters.get("sessions_declined") else None)
+
+
+def _last_decline(r: Any, cluster: str, look_back: int = 500) -> str | None:
+    """The newest session_declined event among the last `look_back` events, as one line."""
+    for _, fields in r.xrevrange(state.key(cluster, "events"), count=look_back):
+        ev = _safe(state.Event, fields.get(b"data") or fields.get("data"))
+        if ev is not None and ev.kind == "session_declined":
+            return f"{ev.node}:gpu{ev.gpu} {ev.detail.get('session_id')}: {ev.detail.get('reason')}"
+    return None
 
 
 def _gib(b: int | None) -> str:
@@ -155,8 +165,10 @@ def _header(snap: Snapshot, cluster: str) -> list[str]:
         if idle > 0
         else f"idle {idle:.1f} GPU-s, lent {lent:.1f} GPU-s",
         f"sessions started {int(c.get('sessions_started', 0))}, stopped {int(c.get('sessions_stopped', 0))}, "
-        f"preempted {int(c.get('sessions_preempted', 0))}",
+        f"preempted {int(c.get('sessions_preempted', 0))}, declined {int(c.get('sessions_declined', 0))}",
     ]
+    if snap.last_decline:
+        head.append(f"last declined: {snap.last_decline}")
     return head
 
 

@@ -59,6 +59,14 @@ class SchedulerConfig(_Section):
         "worker and any session lent on it (the demo runs at most one simulated GPU per core); shared: all cores "
         "shared by everything")
     progress_ttl_s: float = Field(5.0, gt=0, description="a worker's progress expires unless re-reported within this")
+    require_release: bool = Field(False, description="lend a drained GPU only after its worker reported its memory "
+                                  "released (report_progress(mem_released=True)); a worker that reports "
+                                  "mem_released=False is never lent before it reports True, whatever this says")
+    min_free_mem_gib: float = Field(0.0, ge=0, description="lend only when at least this much GPU memory is free "
+                                    "(telemetry, and the worker's own report); sessions that declined raise the bar "
+                                    "to what they computed they need")
+    simulated_gpu_mem_gib: float = Field(80.0, gt=0, description="memory of each simulated GPU (what simulated "
+                                         "telemetry shows and what a session on one checks its footprint against)")
 
 
 class TrainerConfig(_Section):

@@ -152,6 +152,26 @@ def warm_up() -> None:
         AutoModelForCausalLM.from_pretrained(tmp)
 
 
+def fits(ctx: Any, cfg: TailspecConfig, policy_path: str, dtype: torch.dtype) -> bool:
+    """The memory handshake's last check, before anything is loaded: the footprint this session computes
+    (teacher + drafter + gradients + optimizer + activations) against the GPU's free memory (NVML, or the
+    simulation on simulated GPUs). When it does not fit the session declines: lease released, reason and
+    figures in its record, nothing touched. Unknown free memory (no NVML, no telemetry) is not a reason to
+    decline; the figure is recorded as absent."""
+    from tailspec.drafter_trainer.footprint import GIB, session_footprint
+    from tailspec.scheduler.telemetry import free_memory
+
+    need = session_footprint(policy_path, cfg.trainer, dtype)
+    free, source = free_memory(ctx.redis, cfg.cluster.name, ctx.node, ctx.gpu,
+                               simulated_mem=int(cfg.scheduler.simulated_gpu_mem_gib * GIB))
+    ctx.mem_needed, ctx.mem_free = need.total, free
+    if free is not None and need.total > free:
+        ctx.decline(f"needs {need.describe()}, {free / GIB:.3f} GiB free ({source})", need.total, free)
+        log.warning("session %s declined: %s", ctx.session_id, ctx.stop_reason)
+        return False
+    return True
+
+
 def run_session(ctx: Any, max_steps: int | None = None) -> dict:
     """Scheduler entry: train on the lent GPU until `ctx.should_continue()` turns False (or `max_steps`)."""
     cfg: TailspecConfig = ctx.tailspec_config()
@@ -165,6 +185,8 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
     if not ctx.should_continue():
         return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": "should_continue", "stop_latency_s": 0.0}
     device, dtype = device_and_dtype()
+    if not fits(ctx, cfg, phase.policy_path, dtype):
+        return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": ctx.stop_reason, "stop_latency_s": 0.0}
     teacher = Teacher.from_dir(phase.policy_path, device=device, dtype=dtype, policy_version=phase.policy_version)
     if not ctx.should_continue():
         return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": "should_continue", "stop_latency_s": 0.0}

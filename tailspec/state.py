@@ -64,6 +64,11 @@ class Progress(_Payload):
     tokens_done: int = Field(0, ge=0)
     tokens_per_s: float = Field(0.0, ge=0)
     remaining_s: float | None = Field(None, ge=0, description="worker's own estimate of its remaining time, if any")
+    # The GPU-memory handshake: a worker that finished says it released its GPU memory (vLLM sleep, KV cache
+    # freed, allocator cache emptied). None: the worker does not take part (lendable unless the scheduler
+    # requires the handshake); False: it still holds its memory, never lent.
+    mem_released: bool | None = Field(None, description="the worker released its GPU memory (None: not reported)")
+    free_mem: int | None = Field(None, ge=0, description="bytes free on the worker's GPU after the release, if measured")
     ts: float
 
 
@@ -115,6 +120,10 @@ class SessionInfo(_Payload):
     stop_reason: str | None = None
     stop_latency_s: float | None = None
     drafter_version: int | None = None
+    mem_needed: int | None = Field(None, ge=0, description="bytes the session computed it needs: teacher + drafter + "
+                                   "gradients + optimizer + activations")
+    mem_free: int | None = Field(None, ge=0, description="bytes free on its GPU when it checked (before loading)")
+    declined: bool = Field(False, description="the session did not fit and gave the GPU back without loading")
 
 
 class Sample(_Payload):
@@ -197,7 +206,7 @@ class Event(_Payload):
     kind: Literal[
         "lease_granted", "lease_renewed", "lease_revoked", "lease_expired", "session_started",
         "session_stopped", "session_failed", "phase", "version_promoted", "version_rejected", "warning",
-        "gpu_idle", "lineage_merged",
+        "gpu_idle", "lineage_merged", "session_declined",
     ]
     node: str | None = None
     gpu: int | None = None
@@ -318,7 +327,7 @@ KEYS: dict[str, KeySpec] = {
                 "per-phase rollout figures, field 'data'"),
         KeySpec("counters", "counters", "hash", "scheduler", None,
                 "float counters: idle_gpu_seconds, lent_gpu_seconds, sessions_started, sessions_stopped, "
-                "sessions_preempted"),
+                "sessions_preempted, sessions_declined"),
         KeySpec("events", "history:events", "stream", "any", Event, "capped event log, field 'data'"),
         KeySpec("demo_work", "demo:work:{worker}", "list", "demo RL loop", WorkItem,
                 "the demo's work queue of one rollout worker (RPUSH / BLPOP)"),
