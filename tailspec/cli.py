@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "tailspec.commands.scheduler",
     "tailspec.commands.train",
     "tailspec.commands.export",
+    "tailspec.commands.simulate",
 ]
 
 

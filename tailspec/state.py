@@ -258,6 +258,13 @@ class WorkResult(_Payload):
     finished_at: float
     decode_steps: int = Field(0, ge=0)
     strategy_mix: dict[str, int] = Field(default_factory=dict)
+    # what a cluster projection is calibrated with (`tailspec simulate --calibrate`): the engine's own costs
+    setup_s: float = Field(0.0, ge=0, description="policy/drafter load and engine build before the first request")
+    decode_s: float = Field(0.0, ge=0, description="sum of the decode steps' wall times (admissions excluded)")
+    accepted_by_k: dict[str, list[int]] = Field(default_factory=dict, description="k -> [rows drafted, drafts accepted]")
+    cost_model: dict[str, Any] | None = Field(None, description="the engine's cost table t(b, k) (CostModel.to_dict): "
+                                              "the warm-up's with the warm-up result, after a rollout what the "
+                                              "rollout's own steps taught it")
     error: str | None = None
 
 

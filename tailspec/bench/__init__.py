@@ -13,4 +13,5 @@ BENCHES: dict[str, str] = {
     "engine": "tailspec.bench.engine",
     "e2e": "tailspec.bench.e2e",
     "isolation": "tailspec.bench.isolation",
+    "simulate": "tailspec.bench.simulate",
 }

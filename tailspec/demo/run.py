@@ -170,6 +170,7 @@ class StepRow:
     worker_setup_s: dict[str, float] = field(default_factory=dict)
     worker_decode_s: dict[str, float] = field(default_factory=dict)
     accepted_by_k: dict[str, list[int]] = field(default_factory=dict)
+    worker_cost: dict[str, dict] = field(default_factory=dict)  # each engine's cost model after the step
 
 
 def _counters(r, cluster: str) -> dict[str, float]:
@@ -496,6 +497,7 @@ class Demo:
             worker_lengths={r.worker: [len(o.token_ids) for o in r.outputs] for r in results},
             worker_setup_s={r.worker: r.setup_s for r in results},
             worker_decode_s={r.worker: r.decode_s for r in results}, accepted_by_k=by_k,
+            worker_cost={r.worker: r.cost_model for r in results if r.cost_model is not None},
         )
         self.publish_rollout_stats(row)
         return row

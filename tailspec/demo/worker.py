@@ -229,7 +229,17 @@ class Worker:
             cell[1] += acc
         return WorkResult(worker=self.name, step=item.step, outputs=outputs, started_at=started,
                           finished_at=time.time(), decode_steps=len(engine.step_log), strategy_mix=dict(mix),
-                          setup_s=setup_s, decode_s=decode_s, accepted_by_k=by_k)
+                          setup_s=setup_s, decode_s=decode_s, accepted_by_k=by_k, cost_model=self.effective_cost())
+
+    def effective_cost(self) -> dict | None:
+        """t(b, k) as the engine's cost model predicts it now (the warm-up table times what the rollout's own
+        steps taught it), for the run record."""
+        if self.cost is None:
+            return None
+        from tailspec.rollout.cost_model import CostModel
+
+        c = self.cost
+        return CostModel(list(c.buckets), list(c.ks), {(b, k): c.t(b, k) for b in c.buckets for k in c.ks}).to_dict()
 
     def serve(self) -> None:
         parent = os.getppid()

@@ -14,12 +14,12 @@ training never lowers alpha: both factors rise with it.
 
 Defaults and where they come from (override them with measured figures: `bench cotrain`, the demo's
 metrics.jsonl):
-- alpha0 = 0.59: NeMo-RL's acceptance length 2.47 at k = 3 with an EAGLE-3 drafter on Qwen3-8B RL-Zero
-  (arXiv 2604.26779); 1 + a + a^2 + a^3 = 2.47 gives a = 0.59.
+- alpha0 = 0.68: NeMo-RL's acceptance length 2.47 at k = 3 with an EAGLE-3 drafter on Qwen3-8B RL-Zero
+  (arXiv 2604.26779); 1 + a + a^2 + a^3 = 2.47 gives a = 0.68.
 - decay = 0.003 per step: a frozen drafter kept acceptance 2.56 -> 2.53 over 36 RL steps in one report
   (-1.2%, ~0.1% of alpha a step) while ReSpec reports drafters going stale as the actor updates; 0.3% a step
   sits between, an assumption to replace with a measured one.
-- alpha_max = 0.72 and saturate_tokens = 5e7, refresh_tokens = 2e6: assumptions (a drafter distilled on the
+- alpha_max = 0.78 and saturate_tokens = 5e7, refresh_tokens = 2e6: assumptions (a drafter distilled on the
   policy's own current outputs; tens of millions of tokens to adapt, a few million to follow one step).
 """
 
@@ -33,8 +33,8 @@ from tailspec.rollout.selector import geometric_tokens
 
 @dataclass(frozen=True)
 class DrafterCurve:
-    alpha0: float = 0.59
-    alpha_max: float = 0.72
+    alpha0: float = 0.68
+    alpha_max: float = 0.78
     decay: float = 0.003
     saturate_tokens: float = 5e7
     refresh_tokens: float = 2e6
@@ -42,6 +42,8 @@ class DrafterCurve:
     def __post_init__(self) -> None:
         if not (0 <= self.alpha0 < 1 and 0 <= self.alpha_max < 1 and 0 <= self.decay < 1):
             raise ValueError(f"need alpha0, alpha_max, decay in [0, 1), got {self.alpha0}, {self.alpha_max}, {self.decay}")
+        if self.alpha_max < self.alpha0:
+            raise ValueError(f"alpha_max ({self.alpha_max}) below alpha0 ({self.alpha0}): training would lower acceptance")
         if self.saturate_tokens <= 0 or self.refresh_tokens <= 0:
             raise ValueError("saturate_tokens and refresh_tokens must be > 0")
 

@@ -83,6 +83,7 @@ class Projection:
     tp: int
     replicas: int
     rows: list[Row]
+    startup_s: float = 0.0  # a lent replica's session start-up
     gantt: dict[str, StepOut] = field(default_factory=dict)  # mode -> the last step (for the plot)
 
     def mode_rows(self, mode: str) -> list[Row]:
@@ -152,6 +153,8 @@ def simulate(sc: Scenario) -> Projection:
     tp = sc.tp or hw.min_tp(model, gpu)
     rollout_gpus = sc.gpus if sc.pipeline == "sync" else max(tp, int(sc.gpus * sc.rollout_share) // tp * tp)
     train_gpus = sc.gpus if sc.pipeline == "sync" else sc.gpus - rollout_gpus
+    if sc.gpus % tp:
+        raise ValueError(f"{sc.gpus} GPUs is not a multiple of the replica size tp={tp}")
     replicas = rollout_gpus // tp
     if replicas < 1 or train_gpus < 1:
         raise ValueError(f"{sc.gpus} GPUs cannot hold one {tp}-GPU replica of {model.name} (and a training pool)")
@@ -163,7 +166,7 @@ def simulate(sc: Scenario) -> Projection:
     trace = read_trace(sc.lengths_trace) if sc.lengths_trace else None
     rng = np.random.default_rng(sc.seed)
     drafters = {"frozen": DrafterState(sc.curve), "cotrained": DrafterState(sc.curve)}
-    proj = Projection(sc, tp, replicas, [])
+    proj = Projection(sc, tp, replicas, [], lat.startup_s)
     for step in range(sc.steps):
         lengths = step_lengths(sc, rng, replicas, trace)
         n = int((lengths > 0).sum())

@@ -1,0 +1,77 @@
+"""`tailspec simulate` as a benchmark: its speed at 1,024 GPUs, its calibration on a fresh demo run, the published 8B check and the sweep.
+
+Lines (every figure a projection except the measured demo run it is calibrated on):
+- wall time of a 1,024-GPU x 100-step projection (Qwen2.5-7B, synchronous; target <= 10 s on 2 cores);
+- calibration: a fresh `tailspec demo` (the default: deep policy, 6 steps, co-trained) replayed with its own
+  measured costs; relative error of the rollout time, the idle GPU-seconds the scheduler counted and the
+  reclaimed share (target <= 15%); `--run-dir DIR` replays a recorded run instead, `--no-demo` skips it;
+- NeMo-RL's setting: Qwen3-8B, 32 GB200, synchronous, a frozen EAGLE-3 drafter at acceptance length 2.47,
+  k = 3: the projected rollout speedup, against the 1.5-1.8x NeMo-RL reports (arXiv 2604.26779);
+- the sweep: Qwen2.5-7B / Qwen3-32B / Qwen3-235B-A22B at 64 / 256 / 1,024 H100s, sync and async.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", metavar="DIR", help="calibrate on this recorded demo run (default: run a fresh one)")
+    p.add_argument("--no-demo", action="store_true", help="skip the calibration")
+    p.add_argument("--steps", type=int, default=20, help="steps per sweep projection (default 20)")
+
+
+def nemo_rl_check() -> dict:
+    """Qwen3-8B on 32 GB200, synchronous, frozen drafter at acceptance length 2.47 with k = 3."""
+    from tailspec.simulate.drafter import DrafterCurve
+    from tailspec.simulate.fit import alpha_for
+    from tailspec.simulate.run import Scenario, simulate
+
+    curve = DrafterCurve(alpha0=alpha_for(2.47, 3), decay=0.0)
+    sc = Scenario(model="qwen3-8b", gpu="GB200", gpus=32, k=3, k_max=3, length_median=1000, steps=10, curve=curve)
+    s = simulate(sc).summary()
+    return {"rollout_speedup_frozen": s["rollout_speedup_frozen"], "reported": [1.5, 1.8],
+            "rollout_s_nospec": s["rollout_s"]["nospec"]}
+
+
+def calibration(run_dir: str | None) -> dict:
+    from tailspec.simulate.calibrate import calibrate
+
+    if run_dir is None:
+        run_dir = tempfile.mkdtemp(prefix="tailspec-calibrate-")
+        print(f"calibration: running `tailspec demo --no-dashboard --run-dir {run_dir}` (a few minutes)", flush=True)
+        done = subprocess.run([sys.executable, "-m", "tailspec.cli", "demo", "--no-dashboard", "--run-dir", run_dir],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the demo run failed: {done.stderr[-2000:]}")
+    return calibrate(run_dir).to_dict()
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tailspec.commands.simulate import print_sweep, run_sweep
+    from tailspec.simulate.run import Scenario, simulate
+
+    t0 = time.perf_counter()
+    big = simulate(Scenario(gpus=1024, steps=100)).summary()
+    wall = time.perf_counter() - t0
+    print(f"1,024 GPUs x 100 steps (qwen2.5-7b, sync): {wall:.2f} s wall; projected speedup co-trained "
+          f"{big['speedup_cotrained']:.2f}x, reclaimed share {big['reclaimed_share']:.2f}")
+    nemo = nemo_rl_check()
+    print(f"NeMo-RL setting (qwen3-8b, 32 x GB200, frozen, acceptance 2.47 at k=3): projected rollout speedup "
+          f"{nemo['rollout_speedup_frozen']:.2f}x (reported 1.5-1.8x)")
+    result: dict = {"label": "projection", "wall_s": wall, "big": big, "nemo_rl_check": nemo}
+    if not args.no_demo:
+        cal = calibration(args.run_dir)
+        result["calibration"] = cal
+        result["calibration_max_rel_error"] = cal["max_rel_error"]
+        errs = ", ".join(f"{k} {v:.1%}" for k, v in cal["rel_error"].items())
+        print(f"calibration on {cal['run_dir']} ({cal['steps']} steps): {errs} (max {cal['max_rel_error']:.1%})")
+    rows = run_sweep(replace(Scenario(), steps=args.steps))
+    print_sweep(rows)
+    result["sweep"] = rows
+    return result
