@@ -274,12 +274,6 @@ RedisType = Literal["string", "hash", "stream", "counter", "list", "set"]
 @dataclass(frozen=True)
 class KeySpec:
     name: str
-    # what a cluster projection is calibrated with (`tailspec simulate --calibrate`): the engine's own costs
-    setup_s: float = Field(0.0, ge=0, description="policy/drafter load and engine build before the first request")
-    decode_s: float = Field(0.0, ge=0, description="sum of the decode steps' wall times (admissions excluded)")
-    accepted_by_k: dict[str, list[int]] = Field(default_factory=dict, description="k -> [rows drafted, drafts accepted]")
-    cost_model: dict[str, Any] | None = Field(None, description="the engine's warm-up cost table t(b, k) "
-                                              "(CostModel.to_dict), sent with the warm-up result")
     template: str  # after the `tailspec:{cluster}:` prefix
     redis_type: RedisType
     owner: str
