@@ -14,4 +14,5 @@ BENCHES: dict[str, str] = {
     "e2e": "tailspec.bench.e2e",
     "isolation": "tailspec.bench.isolation",
     "simulate": "tailspec.bench.simulate",
+    "attach": "tailspec.bench.attach",
 }

@@ -1,0 +1,167 @@
+"""attach: TRL's GRPOTrainer with and without tailspec attached, same seeds (overhead, idle, reclaim, wait).
+
+Runs `tailspec.integrations.trl_example` under torchrun (one rank per simulated GPU, each pinned to its GPU's
+share of the cores) three times with the same seed: unattached; attached with the scheduler lending drained
+GPUs to drafter-training sessions; attached with lending off (the hooks, policy publishing and the
+reclaim wait alone). Figures:
+- `attach_overhead`: mean optimizer-step time attached (lending on) / unattached − 1. On simulated GPUs a lent
+  session computes on its GPU's cores, which the waiting rank shares; on real GPUs it would not;
+- `attach_overhead_no_lend`: the same with lending off;
+- `idle_gpu_seconds`, `lent_gpu_seconds`, `reclaimed_share` (lent / idle): the scheduler's counters over the
+  attached run;
+- `wait_reclaimed_p99_s`: the 99th percentile of `wait_reclaimed` over every rank's steps;
+- `loss_curves_equal`: TRL's logged losses attached and unattached are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tailspec.config import TailspecConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=6, help="GRPO optimizer steps per run")
+    p.add_argument("--ranks", type=int, default=2, help="trainer processes (one simulated GPU each)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", choices=["task", "tails"], default="tails")
+    p.add_argument("--policy", default="tiny")
+    p.add_argument("--redis", default=None, help="Redis URL (default: a private redis-server)")
+
+
+def scheduler_config(url: str, cluster: str, shared: Path, gpus: int, lend: bool = True) -> TailspecConfig:
+    """A single-node scheduler on simulated GPUs, sessions warm, lending at once: the miniature's settings."""
+    return TailspecConfig.model_validate({
+        "cluster": {"name": cluster, "redis_url": url},
+        "scheduler": {"telemetry": "simulated", "simulated_gpus": gpus, "warm_sessions": gpus, "lend": lend,
+                      "idle_window_s": 0.05, "session_startup_s": 0.0, "sample_period_s": 0.05,
+                      "lease_ttl_s": 5.0},
+        "trainer": {"checkpoint_dir": str(shared / "drafter"), "batch_size": 4, "merge_every_steps": 2},
+    })
+
+
+@contextmanager
+def local_scheduler(cfg: TailspecConfig, log_dir: Path, warm_timeout_s: float = 180.0) -> Iterator[None]:
+    """`run_local` in a thread; returns once its warm session processes have finished importing."""
+    from tailspec.scheduler.dispatch import warm_ready
+    from tailspec.scheduler.service import run_local
+
+    stop = threading.Event()
+    th = threading.Thread(target=run_local, args=(cfg, stop, cfg.cluster.redis_url, str(log_dir)), daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + warm_timeout_s
+        while warm_ready(log_dir) < cfg.scheduler.warm_sessions:
+            if time.monotonic() > deadline or not th.is_alive():
+                raise RuntimeError(f"the scheduler's warm sessions did not start (see {log_dir})")
+            time.sleep(0.1)
+        yield
+    finally:
+        stop.set()
+        th.join(30)
+
+
+def run_trl(out: Path, *, ranks: int, steps: int, seed: int, dataset: str, policy: str, url: str | None = None,
+            cluster: str = "default", shared: Path | None = None, timeout_s: float = 600.0) -> list[dict]:
+    """One torchrun of the TRL recipe (attached when `url` is given); each rank's JSON summary, rank 0 first."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+           str(_free_port()), "-m", "tailspec.integrations.trl_example", "--steps", str(steps), "--seed", str(seed),
+           "--dataset", dataset, "--policy", policy, "--pin-cores", "--out", str(out)]
+    cmd += ["--redis", url, "--cluster", cluster, "--shared-dir", str(shared)] if url else ["--no-tailspec"]
+    log = out.with_suffix(".log")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s).returncode
+    if rc != 0:
+        raise RuntimeError(f"TRL run failed (exit {rc}); last lines of {log}:\n" + "".join(open(log).readlines()[-30:]))
+    paths = [out] + [out.with_name(f"{out.stem}.rank{r}{out.suffix}") for r in range(1, ranks)]
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def losses(summary: dict) -> list[float]:
+    return [h["loss"] for h in summary["log_history"] if "loss" in h]
+
+
+def step_seconds(summary: dict) -> float:
+    """Mean wall time of an optimizer step (TRL's train_runtime / steps: generation, scoring, update, callbacks)."""
+    end = [h for h in summary["log_history"] if "train_runtime" in h][-1]
+    return end["train_runtime"] / max(1, len(losses(summary)))
+
+
+def _p99(xs: list[float]) -> float:
+    import numpy as np
+
+    return float(np.percentile(xs, 99)) if xs else 0.0
+
+
+def run(args: argparse.Namespace) -> dict:
+    import redis
+
+    from tailspec import state
+    from tailspec.commands.bench import machine
+    from tailspec.redis_server import start_redis
+
+    out = sys.stderr if args.json else sys.stdout
+    server = None if args.redis else start_redis()
+    url = args.redis or server.url
+    work = Path(tempfile.mkdtemp(prefix="tailspec-bench-attach-"))
+    kw = dict(ranks=args.ranks, steps=args.steps, seed=args.seed, dataset=args.dataset, policy=args.policy)
+    r = redis.Redis.from_url(url)
+    try:
+        print(f"bench attach: TRL GRPOTrainer, {args.ranks} ranks, {args.steps} steps, policy {args.policy}, "
+              f"dataset {args.dataset}, seed {args.seed}", file=out)
+        base = run_trl(work / "plain.json", **kw)
+        print(f"  unattached: {step_seconds(base[0]):.3f} s/step", file=out)
+        runs = {}
+        for lend in (True, False):
+            cluster = f"attach-{'lend' if lend else 'nolend'}"
+            shared = work / cluster
+            cfg = scheduler_config(url, cluster, shared, args.ranks, lend=lend)
+            with local_scheduler(cfg, shared / "logs"):
+                summ = run_trl(work / f"{cluster}.json", url=url, cluster=cluster, shared=shared, **kw)
+            counters = {k.decode(): float(v) for k, v in r.hgetall(state.key(cluster, "counters")).items()}
+            runs[lend] = (summ, counters)
+            print(f"  attached, lending {'on ' if lend else 'off'}: {step_seconds(summ[0]):.3f} s/step, idle "
+                  f"{counters.get('idle_gpu_seconds', 0):.2f} GPU-s, lent {counters.get('lent_gpu_seconds', 0):.2f} "
+                  f"GPU-s, sessions {int(counters.get('sessions_started', 0))}", file=out)
+        (att, c), (nolend, _) = runs[True], runs[False]
+        waits = [w["waited_s"] for s in att for w in s["tailspec"]["waits"]]
+        idle, lent = c.get("idle_gpu_seconds", 0.0), c.get("lent_gpu_seconds", 0.0)
+        result = {
+            "device": machine(), "ranks": args.ranks, "steps": args.steps, "seed": args.seed,
+            "dataset": args.dataset, "policy": args.policy, "telemetry": "simulated",
+            "step_s_unattached": step_seconds(base[0]), "step_s_attached": step_seconds(att[0]),
+            "step_s_attached_no_lend": step_seconds(nolend[0]),
+            "attach_overhead": step_seconds(att[0]) / step_seconds(base[0]) - 1,
+            "attach_overhead_no_lend": step_seconds(nolend[0]) / step_seconds(base[0]) - 1,
+            "idle_gpu_seconds": idle, "lent_gpu_seconds": lent, "reclaimed_share": lent / idle if idle else 0.0,
+            "wait_reclaimed_p99_s": _p99(waits), "wait_reclaimed_max_s": max(waits, default=0.0),
+            "sessions": int(c.get("sessions_started", 0)), "samples": sum(s["tailspec"]["samples"] for s in att),
+            "loss_curves_equal": losses(base[0]) == losses(att[0]) == losses(nolend[0]),
+        }
+        print(f"  overhead {result['attach_overhead']:+.1%} (lending off {result['attach_overhead_no_lend']:+.1%}), "
+              f"reclaimed {result['reclaimed_share']:.0%} of {idle:.2f} idle GPU-s, wait_reclaimed p99 "
+              f"{result['wait_reclaimed_p99_s']:.3f} s, loss curves equal: {result['loss_curves_equal']}", file=out)
+        return result
+    finally:
+        r.close()
+        if server is not None:
+            server.stop()
