@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if attach is not None:
         attach.close()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # together: a rank that tears gloo down while its peer is still writing its summary can hang or abort
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     if a.out:
         path = Path(a.out)
