@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tailspec import state  # noqa: E402
-from tailspec.bench.attach import local_scheduler, losses, run_trl, scheduler_config  # noqa: E402
-from tailspec.state import LineageHead, PhaseInfo, Sample, SessionInfo  # noqa: E402
+from tailspec import state
+from tailspec.bench.attach import local_scheduler, losses, run_trl, scheduler_config
+from tailspec.state import LineageHead, PhaseInfo, Sample, SessionInfo
 
 STEPS, RANKS, BATCH = 4, 2, 8
 pytestmark = pytest.mark.timeout(900)
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(900)
 def test_grpo_trainer_with_tailspec_attached(redis_url, redis_client, tmp_path):
     cluster = "trl"
     shared = tmp_path / "shared"
-    kw = dict(ranks=RANKS, steps=STEPS, seed=0, dataset="tails", policy="tiny")
+    kw = {"ranks": RANKS, "steps": STEPS, "seed": 0, "dataset": "tails", "policy": "tiny"}
     with local_scheduler(scheduler_config(redis_url, cluster, shared, RANKS), shared / "logs"):
         att = run_trl(tmp_path / "att.json", url=redis_url, cluster=cluster, shared=shared, **kw)
     plain = run_trl(tmp_path / "plain.json", **kw)

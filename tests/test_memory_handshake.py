@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tailspec.scheduler.idle import IdleDetector
 
 from tailspec import state
 from tailspec.config import TailspecConfig, TrainerConfig
-from tailspec.scheduler.idle import IdleDetector
 from tailspec.state import GpuState, GpuStatus, GpuTelemetry, PhaseInfo, Progress, SessionInfo
 
 GIB = 1 << 30
@@ -76,6 +76,7 @@ def test_lend_takes_reported_free_memory_into_account():
 
 def test_footprint_reads_headers_and_counts_what_training_holds():
     from tailspec.drafter_trainer.footprint import checkpoint_params, session_footprint
+
     from tailspec.tasks.policy import get_policy, load_policy
 
     path = get_policy("micro", progress=False)
@@ -154,6 +155,7 @@ def test_a_session_that_does_not_fit_declines_and_the_gpu_is_free_at_the_next_ti
     from tailspec.scheduler.service import Scheduler
     from tailspec.scheduler.telemetry import SimulatedTelemetry
     from tailspec.scheduler.top import gather, render_text
+
     from tailspec.tasks.policy import get_policy
 
     cl = "decline"

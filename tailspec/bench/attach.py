@@ -81,9 +81,10 @@ def run_trl(out: Path, *, ranks: int, steps: int, seed: int, dataset: str, polic
     log = out.with_suffix(".log")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False).returncode
     if rc != 0:
-        raise RuntimeError(f"TRL run failed (exit {rc}); last lines of {log}:\n" + "".join(open(log).readlines()[-30:]))
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"TRL run failed (exit {rc}); last lines of {log}:\n{tail}")
     paths = [out] + [out.with_name(f"{out.stem}.rank{r}{out.suffix}") for r in range(1, ranks)]
     return [json.loads(p.read_text()) for p in paths]
 
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
     server = None if args.redis else start_redis()
     url = args.redis or server.url
     work = Path(tempfile.mkdtemp(prefix="tailspec-bench-attach-"))
-    kw = dict(ranks=args.ranks, steps=args.steps, seed=args.seed, dataset=args.dataset, policy=args.policy)
+    kw = {"ranks": args.ranks, "steps": args.steps, "seed": args.seed, "dataset": args.dataset, "policy": args.policy}
     r = redis.Redis.from_url(url)
     try:
         print(f"bench attach: TRL GRPOTrainer, {args.ranks} ranks, {args.steps} steps, policy {args.policy}, "

@@ -33,7 +33,7 @@ class FinishedCounter:
         self._last = float("-inf")
         self._handle: Any = None
 
-    def attach(self, model: torch.nn.Module) -> "FinishedCounter":
+    def attach(self, model: torch.nn.Module) -> FinishedCounter:
         self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
         return self
 
@@ -42,7 +42,7 @@ class FinishedCounter:
             self._handle.remove()
             self._handle = None
 
-    def __enter__(self) -> "FinishedCounter":
+    def __enter__(self) -> FinishedCounter:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -85,7 +85,7 @@ class TailspecAttach:
 
     @classmethod
     def connect(cls, redis_url: str, cluster: str, policy_root: str | Path, node: str | None = None,
-                **kw: Any) -> "TailspecAttach":
+                **kw: Any) -> TailspecAttach:
         """`node` must be the name this node's GPU telemetry is published under: `cluster.node` of the
         single-node scheduler, `ray_node_name()` under Ray attach. Default: $TAILSPEC_NODE, else the tailspec
         config's `cluster.node`."""
@@ -102,7 +102,7 @@ class TailspecAttach:
 class _TailspecCallback(TrainerCallback):
     """Publishes the policy after optimizer steps and records when they happen; phase idle at the end."""
 
-    def __init__(self, trainer: "TailspecGRPOTrainer"):
+    def __init__(self, trainer: TailspecGRPOTrainer):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kw):

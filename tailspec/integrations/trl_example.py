@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         max_completion_length=a.max_completion_length, temperature=a.temperature, learning_rate=a.lr,
         shuffle_dataset=a.dataset == "task", logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
     )
-    kw = dict(model=model, reward_funcs=runsum_reward, args=cfg, train_dataset=dataset, processing_class=tok)
+    kw = {"model": model, "reward_funcs": runsum_reward, "args": cfg, "train_dataset": dataset, "processing_class": tok}
     attach = None
     if a.no_tailspec:
         trainer = GRPOTrainer(**kw)
