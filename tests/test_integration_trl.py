@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(900)
 def test_grpo_trainer_with_tailspec_attached(redis_url, redis_client, tmp_path):
     cluster = "trl"
     shared = tmp_path / "shared"
-    kw = {"ranks": RANKS, "steps": STEPS, "seed": 0, "dataset": "tails", "policy": "tiny"}
+    # A run takes about a minute here; a hang fails in minutes with every rank's stacks in the error.
+    kw = {"ranks": RANKS, "steps": STEPS, "seed": 0, "dataset": "tails", "policy": "tiny", "timeout_s": 300.0}
     with local_scheduler(scheduler_config(redis_url, cluster, shared, RANKS), shared / "logs"):
         att = run_trl(tmp_path / "att.json", url=redis_url, cluster=cluster, shared=shared, **kw)
     plain = run_trl(tmp_path / "plain.json", **kw)

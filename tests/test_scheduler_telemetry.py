@@ -281,6 +281,9 @@ def test_nvml_on_a_real_gpu_util_rises_under_matmul_and_idle_is_detected_fast():
             f"power {idle_before.power_w} W"
         )
         assert peak >= 80
-        assert detected is not None and detected <= 0.5
+        # NVML's utilization is a kernel-busy share averaged over its own window (1/6 s to 1 s by product):
+        # the first 0% reading comes some 0.2-0.4 s after the last kernel (H100: 0.40 s), then the idle
+        # window and one sample period pass. Within 1 s of the stop the GPU is known idle.
+        assert detected is not None and detected <= 1.0
     finally:
         t.close()

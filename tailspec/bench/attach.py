@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -73,20 +74,34 @@ def local_scheduler(cfg: TailspecConfig, log_dir: Path, warm_timeout_s: float = 
 
 def run_trl(out: Path, *, ranks: int, steps: int, seed: int, dataset: str, policy: str, url: str | None = None,
             cluster: str = "default", shared: Path | None = None, timeout_s: float = 600.0) -> list[dict]:
-    """One torchrun of the TRL recipe (attached when `url` is given); each rank's JSON summary, rank 0 first."""
+    """One torchrun of the TRL recipe (attached when `url` is given); each rank's JSON summary, rank 0 first.
+
+    Past `timeout_s` the whole process group (launcher and ranks) is killed and the error carries the log's
+    tail, where every rank printed its stacks shortly before (--stack-dump-after): a hang names its place."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
            str(_free_port()), "-m", "tailspec.integrations.trl_example", "--steps", str(steps), "--seed", str(seed),
-           "--dataset", dataset, "--policy", policy, "--pin-cores", "--out", str(out)]
+           "--dataset", dataset, "--policy", policy, "--pin-cores", "--out", str(out),
+           "--stack-dump-after", str(max(1.0, timeout_s - 15.0))]
     cmd += ["--redis", url, "--cluster", cluster, "--shared-dir", str(shared)] if url else ["--no-tailspec"]
     log = out.with_suffix(".log")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False).returncode
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun's ranks too, not only the launcher
+            proc.wait()
+            raise RuntimeError(f"TRL run still going after {timeout_s:.0f} s, killed; last lines of {log}:\n"
+                               f"{_tail(log, 80)}") from None
     if rc != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
-        raise RuntimeError(f"TRL run failed (exit {rc}); last lines of {log}:\n{tail}")
+        raise RuntimeError(f"TRL run failed (exit {rc}); last lines of {log}:\n{_tail(log, 30)}")
     paths = [out] + [out.with_name(f"{out.stem}.rank{r}{out.suffix}") for r in range(1, ranks)]
     return [json.loads(p.read_text()) for p in paths]
+
+
+def _tail(path: Path, n: int) -> str:
+    return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-n:])
 
 
 def _free_port() -> int:

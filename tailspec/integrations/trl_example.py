@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reclaim-timeout", type=float, default=30.0)
     p.add_argument("--output-dir", default=None, help="TRL's output_dir (default: a temporary directory)")
     p.add_argument("--out", default=None, help="write a JSON summary here (main process)")
+    p.add_argument("--stack-dump-after", type=float, default=0.0, metavar="S",
+                   help="print every thread's stack to stderr if the run is still going after S seconds "
+                        "(0: never); how a hang in a collective shows where it is")
     a = p.parse_args(argv)
     if not a.no_tailspec:
         if not a.redis:
@@ -109,7 +112,11 @@ def runsum_reward(prompts: list[str], completions: list[str], **_: Any) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    import faulthandler
     import tempfile
+
+    if a.stack_dump_after > 0:
+        faulthandler.dump_traceback_later(a.stack_dump_after, exit=False)
 
     import torch
     from transformers import AutoModelForCausalLM
