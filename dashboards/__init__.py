@@ -8,6 +8,6 @@
 grafana/tailspec.json is importable as is (built by grafana_json.py). Programmatic use (the demo):
 `server.start_dashboard(redis_url, cluster, port=...)` returns a handle with `.url` and `.stop()`.
 
-Modules: snapshot (reads the state through tailspec.state), api (response models = the documented
+Modules: snapshot (reads the state through tailspec.core.state), api (response models = the documented
 schema), exporter (Prometheus collector), server (stdlib HTTP, GET only), grafana_json.
 """

@@ -11,7 +11,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tailspec.state import DrafterHealth, DrafterVersion, Event, GpuState, LineageHead, PhaseInfo, SessionInfo
+from tailspec.core.state import (
+    DrafterHealth,
+    DrafterVersion,
+    Event,
+    GpuState,
+    LineageHead,
+    PhaseInfo,
+    SessionInfo,
+)
 
 API_VERSION = 1
 

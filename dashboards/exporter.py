@@ -24,7 +24,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from tailspec.state import GpuState
+from tailspec.core.state import GpuState
 
 from .snapshot import read_state
 

@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tailspec.config import ConfigError
+from tailspec.core.config import ConfigError
 
 from .api import json_schema
 from .exporter import make_registry

@@ -1,4 +1,4 @@
-"""Read the cluster state through the schema (tailspec.state) into the dashboards' views.
+"""Read the cluster state through the schema (tailspec.core.state) into the dashboards' views.
 
 The exporter and the web API both read through here, so `/metrics` and `/api/state` never disagree.
 Reads are plain GET / MGET / XRANGE: the dashboards never write to the cluster state. A malformed
@@ -13,23 +13,33 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailspec import state as S
-from tailspec.state import (
+from tailspec.core import state as S
+from tailspec.core.state import (
     DrafterHealth,
     DrafterVersion,
-    LineageHead,
-    Sample,
     Event,
     GpuState,
     GpuStatus,
     GpuTelemetry,
+    LineageHead,
     PhaseInfo,
     RolloutStats,
+    Sample,
     SessionInfo,
     StateError,
 )
 
-from .api import SampleStreamView, Counters, GpuLane, GpuView, RolloutPoint, Segment, StateView, TelemetrySeries, TimelineView
+from .api import (
+    Counters,
+    GpuLane,
+    GpuView,
+    RolloutPoint,
+    SampleStreamView,
+    Segment,
+    StateView,
+    TelemetrySeries,
+    TimelineView,
+)
 
 COUNTER_FIELDS = ("idle_gpu_seconds", "lent_gpu_seconds", "sessions_started", "sessions_stopped",
                   "sessions_preempted")

@@ -10,21 +10,18 @@ points at a pruned one. Optimizer tensors go to safetensors and the rest to JSON
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import re
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from tailspec.drafter_trainer.model import Eagle3Drafter
 
-from tailspec.drafter_trainer.model import Eagle3Drafter, fsync_path, write_dir_atomic
+from tailspec.core.atomic import write_dir_atomic, write_text_atomic
 
 LATEST = "LATEST"
 _CKPT = re.compile(r"^ckpt-(\d{8})$")
@@ -63,28 +60,6 @@ def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> d
     for idx, sc in meta.get("scalars", {}).items():
         state.setdefault(int(idx), {}).update(sc)
     return {"state": state, "param_groups": meta["param_groups"]}
-
-
-@contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on `path` (fcntl) across processes on one machine: the Redis-less
-    compare-and-swaps of the lineage and the version store."""
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 def write_checkpoint_dir(path: str | Path, drafter: Eagle3Drafter, optimizer_state: dict | None, trainer_state: dict,

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from tailspec.config import TrainerConfig
+from tailspec.core.config import TrainerConfig
 
 
 def _free_port() -> int:

@@ -29,9 +29,10 @@ from typing import Any, Literal
 
 import torch
 from safetensors.torch import load_file, save_file
+from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter
 from torch import nn
 
-from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter, write_dir_atomic
+from tailspec.core.atomic import write_dir_atomic
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tailspec.config import TrainerConfig
+from tailspec.core.config import TrainerConfig
 
 GIB = 1 << 30
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,

@@ -49,17 +49,12 @@ from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file
-
-from tailspec import state
-from tailspec.drafter_trainer.checkpoint import (
-    Checkpoint,
-    file_lock,
-    load_checkpoint,
-    write_checkpoint_dir,
-    write_text_atomic,
-)
+from tailspec.drafter_trainer.checkpoint import Checkpoint, load_checkpoint, write_checkpoint_dir
 from tailspec.drafter_trainer.model import WEIGHTS_NAME, Eagle3Drafter
-from tailspec.state import Event, LineageHead
+
+from tailspec.core import state
+from tailspec.core.atomic import file_lock, write_text_atomic
+from tailspec.core.state import Event, LineageHead
 
 log = logging.getLogger(__name__)
 

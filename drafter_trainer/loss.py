@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-
 from tailspec.drafter_trainer.model import Eagle3Drafter, TTTState
 
 

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from tailspec.core.atomic import write_dir_atomic
 
 CONFIG_NAME = "tailspec_drafter.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -525,40 +525,3 @@ def capture_aux(target: nn.Module, aux_layer_ids: Sequence[int]) -> Iterator[lis
     finally:
         for h in handles:
             h.remove()
-
-
-def write_dir_atomic(path: Path, write) -> Path:
-    """Write a directory through a temporary sibling (files fsynced), then swap it in by rename.
-    Readers see the old directory or the new one, never a half-written one; a crash leaves at most a
-    hidden `.name.tmp*` / `.name.old*` sibling, which the next write cleans up."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in [*path.parent.glob(f".{path.name}.tmp*"), *path.parent.glob(f".{path.name}.old*")]:
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=path.parent))
-    try:
-        write(tmp)
-        for f in tmp.iterdir():
-            fsync_path(f)
-        fsync_path(tmp)
-        old = None
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old", dir=path.parent))
-            os.rmdir(old)
-            os.rename(path, old)
-        os.rename(tmp, path)
-        fsync_path(path.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
-
-
-def fsync_path(p: Path) -> None:
-    fd = os.open(str(p), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
-
-from tailspec import state
 from tailspec.drafter_trainer.weights import Mode, reward_weights
-from tailspec.state import Sample
+
+from tailspec.core import state
+from tailspec.core.state import Sample
 
 log = logging.getLogger(__name__)
 

@@ -29,14 +29,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-
-from tailspec.config import TrainerConfig
 from tailspec.drafter_trainer.checkpoint import load_latest, save_checkpoint
 from tailspec.drafter_trainer.lineage import DUPLICATE, FENCED, Lineage, MergeResult, snapshot
 from tailspec.drafter_trainer.loss import StopRequested, ttt_loss
 from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter, vocab_maps_from_counts
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
 from tailspec.drafter_trainer.teacher import Teacher, collate
+
+from tailspec.core.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 

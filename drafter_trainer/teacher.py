@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from tailspec.drafter_trainer.model import capture_aux
 from torch import nn
 
-from tailspec.drafter_trainer.model import capture_aux
-from tailspec.state import Sample
+from tailspec.core.state import Sample
 
 
 @dataclass
@@ -74,9 +74,8 @@ class Teacher:
     @classmethod
     def from_dir(cls, path: str | Path, aux_layer_ids: Sequence[int] | None = None, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, policy_version: int = 0) -> "Teacher":
-        from transformers import AutoModelForCausalLM
-
         from tailspec.drafter_trainer.model import default_aux_layer_ids
+        from transformers import AutoModelForCausalLM
 
         path = Path(path)
         if not (path / "config.json").is_file():

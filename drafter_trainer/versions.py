@@ -24,7 +24,6 @@ directory `ROOT/v<N>` in the drafter format plus `version.json`, an entry in the
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import time
@@ -33,13 +32,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-
-from tailspec import state
-from tailspec.drafter_trainer.checkpoint import file_lock, write_text_atomic
 from tailspec.drafter_trainer.loss import acceptance_rates, expected_length
-from tailspec.drafter_trainer.model import Eagle3Drafter, write_dir_atomic
+from tailspec.drafter_trainer.model import Eagle3Drafter
 from tailspec.drafter_trainer.teacher import Teacher, collate
-from tailspec.state import DrafterHealth, DrafterVersion, Sample
+
+from tailspec.core import state
+from tailspec.core.atomic import file_lock, write_text_atomic
+from tailspec.core.state import DrafterHealth, DrafterVersion, Sample
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from tailspec.rollout.model_runner import ModelRunner, qkv_rope_tables, rope, signed_sin, unit_rms_norm
 from tailspec.rollout.sampling import DRAFT, process, sample, uniforms
 from tailspec.rollout.slots import Batch

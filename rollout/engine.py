@@ -22,13 +22,24 @@ from collections import deque
 from typing import Sequence
 
 import torch
-
 from tailspec.rollout import sampling
 from tailspec.rollout.drafters import Drafter
 from tailspec.rollout.model_runner import ModelRunner, check_supported
 from tailspec.rollout.sequence import RequestOutput, RequestStats, SamplingParams
 from tailspec.rollout.slots import (
-    ACCEPTED, DRAFTED, FWD, GEN, KEY, LEN, MAX_TOKENS, PROMPT_LEN, TEMP, TOP_K, TOP_P, Batch, SlotTable,
+    ACCEPTED,
+    DRAFTED,
+    FWD,
+    GEN,
+    KEY,
+    LEN,
+    MAX_TOKENS,
+    PROMPT_LEN,
+    TEMP,
+    TOP_K,
+    TOP_P,
+    Batch,
+    SlotTable,
 )
 from tailspec.rollout.strategy import ChooseK, StepStats, fixed_k
 

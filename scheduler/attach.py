@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Any
 
-from tailspec.config import TailspecConfig
+from tailspec.core.config import TailspecConfig
 
 log = logging.getLogger(__name__)
 

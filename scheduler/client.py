@@ -27,8 +27,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tailspec import state
-from tailspec.state import DrafterVersion, Event, PhaseInfo, Progress, Sample
+from tailspec.core import state
+from tailspec.core.state import DrafterVersion, Event, PhaseInfo, Progress, Sample
 
 log = logging.getLogger(__name__)
 
@@ -395,7 +395,7 @@ def connect(
     (TAILSPEC_CONFIG / TAILSPEC_* environment)."""
     global _default
     if redis_url is None or cluster is None or node is None:
-        from tailspec.config import load_config
+        from tailspec.core.config import load_config
 
         cfg = load_config()
         redis_url = redis_url or cfg.cluster.redis_url

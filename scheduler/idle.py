@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tailspec.state import GpuState, GpuTelemetry, PhaseInfo, Progress
+from tailspec.core.state import GpuState, GpuTelemetry, PhaseInfo, Progress
 
 GpuKey = tuple[str, int]
 

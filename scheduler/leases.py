@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tailspec import state
-from tailspec.state import Lease
+from tailspec.core import state
+from tailspec.core.state import Lease
 
 # Renewal outcomes (Lua return codes).
 RENEWED = 1

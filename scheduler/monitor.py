@@ -15,8 +15,8 @@ from typing import Any
 
 from tailspec.scheduler.telemetry import Telemetry
 
-from tailspec import state
-from tailspec.state import Event, GpuTelemetry
+from tailspec.core import state
+from tailspec.core.state import Event, GpuTelemetry
 
 log = logging.getLogger(__name__)
 

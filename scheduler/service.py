@@ -20,9 +20,9 @@ from tailspec.scheduler.idle import Action, IdleDetector
 from tailspec.scheduler.leases import Leases
 from tailspec.scheduler.session import SessionContext
 
-from tailspec import state
-from tailspec.config import TailspecConfig
-from tailspec.state import (
+from tailspec.core import state
+from tailspec.core.config import TailspecConfig
+from tailspec.core.state import (
     Event,
     GpuState,
     GpuStatus,

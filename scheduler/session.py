@@ -23,9 +23,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tailspec import state
-from tailspec.state import SessionInfo
 from tailspec.scheduler.placement import CPUS_ENV, pin_from_env
+
+from tailspec.core import state
+from tailspec.core.state import SessionInfo
 
 CONTEXT_ENV = "TAILSPEC_SESSION_CONTEXT"
 NICE_ENV = "TAILSPEC_SESSION_NICE"
@@ -79,7 +80,7 @@ class SessionContext:
 
     def phase(self):
         """The cluster's current PhaseInfo (policy version and policy_path for the teacher), or None."""
-        from tailspec.state import PhaseInfo
+        from tailspec.core.state import PhaseInfo
 
         try:
             return state.get(self.redis, state.key(self.cluster, "phase"), PhaseInfo)
@@ -88,7 +89,7 @@ class SessionContext:
 
     def tailspec_config(self):
         """The full TailspecConfig the scheduler ran with."""
-        from tailspec.config import TailspecConfig
+        from tailspec.core.config import TailspecConfig
 
         return TailspecConfig.model_validate(self.config)
 

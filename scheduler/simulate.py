@@ -186,7 +186,7 @@ def run_simulated_cluster(
     Returns the rollout's ground truth once the last revocations are done (after `settle_s`)."""
     from tailspec.scheduler.service import run_local
 
-    from tailspec.config import TailspecConfig
+    from tailspec.core.config import TailspecConfig
 
     cfg = TailspecConfig()
     cfg.cluster.name, cfg.cluster.node, cfg.cluster.redis_url = cluster, node, redis_url

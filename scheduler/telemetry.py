@@ -14,8 +14,8 @@ import random
 import time
 from typing import Any, Protocol
 
-from tailspec import state
-from tailspec.state import GpuTelemetry, Lease, Progress, StateError
+from tailspec.core import state
+from tailspec.core.state import GpuTelemetry, Lease, Progress, StateError
 
 log = logging.getLogger(__name__)
 

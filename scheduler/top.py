@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tailspec import state
-from tailspec.state import GpuStatus, GpuTelemetry, Lease, PhaseInfo, SessionInfo, StateError
+from tailspec.core import state
+from tailspec.core.state import GpuStatus, GpuTelemetry, Lease, PhaseInfo, SessionInfo, StateError
 
 
 @dataclass

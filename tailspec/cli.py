@@ -9,7 +9,7 @@ import logging
 import sys
 
 from tailspec import __version__
-from tailspec.config import ConfigError, load_config
+from tailspec.core.config import ConfigError, load_config
 
 # Order = order in `tailspec --help`.
 COMMAND_MODULES = [

@@ -20,14 +20,14 @@ from a working policy. `kl_coef` = 0 (the default) is the plain clipped objectiv
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from tailspec.core.atomic import write_dir_atomic
 
 
 @dataclass
@@ -170,20 +170,11 @@ def grpo_step(
 
 
 def save_policy_weights(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Path:
-    """Publish the policy for workers and sessions: HF directory written to a temp sibling, then renamed,
-    so a reader never sees a half-written policy."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    if out_dir.exists():
-        old = out_dir.with_name(out_dir.name + ".old")
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        import shutil
+    """Publish the policy for workers and sessions as a whole HF directory (write_dir_atomic): a reader never
+    sees a half-written policy."""
 
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
-    return out_dir
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+    return write_dir_atomic(Path(out_dir), write)

@@ -21,16 +21,16 @@ from typing import Any, Callable
 
 import torch
 
-from tailspec import state
-from tailspec.config import TailspecConfig
-from tailspec.drafter_trainer.checkpoint import write_text_atomic
+from tailspec.core import state
+from tailspec.core.atomic import write_text_atomic
+from tailspec.core.config import TailspecConfig
+from tailspec.core.state import DrafterVersion, PhaseInfo
 from tailspec.drafter_trainer.lineage import Fence, Lineage
 from tailspec.drafter_trainer.loss import StopRequested
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
 from tailspec.drafter_trainer.session import SessionResult, TrainingSession
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.drafter_trainer.versions import VersionStore
-from tailspec.state import DrafterVersion, PhaseInfo
 
 log = logging.getLogger(__name__)
 PROPOSED = "PROPOSED_HEAD"

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from tailspec.drafter_trainer import lineage
+
 from tailspec.sessions import run_session
 
 

@@ -25,7 +25,7 @@ from tailspec.rollout.selector import (
 )
 from tailspec.rollout.strategy import StepStats
 
-from tailspec.config import RolloutConfig
+from tailspec.core.config import RolloutConfig
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 KS = [0, 1, 2, 3, 4, 6, 8]

@@ -1,6 +1,6 @@
 import pytest
 
-from tailspec.config import ConfigError, TailspecConfig, dump_config, env_overrides, load_config
+from tailspec.core.config import ConfigError, TailspecConfig, dump_config, env_overrides, load_config
 
 
 def test_defaults_validate_and_round_trip(tmp_path):
@@ -73,15 +73,15 @@ def test_cli_config_show(capsys):
 
 def test_every_config_field_is_read_somewhere():
     """A key nothing reads is a setting that silently does nothing: every field of every section must be read
-    (as `.field`) by the code outside tailspec/config.py. A weak check for common names (`name`, `k`), a
+    (as `.field`) by the code outside tailspec/core/config.py. A weak check for common names (`name`, `k`), a
     real one for the rest."""
     import re
     from pathlib import Path
 
-    from tailspec.config import TailspecConfig
+    from tailspec.core.config import TailspecConfig
 
     root = Path(__file__).resolve().parents[1]
-    config_py = root / "tailspec" / "config.py"
+    config_py = root / "tailspec" / "core" / "config.py"
     src = "\n".join(p.read_text() for d in ("tailspec", "rollout", "scheduler", "drafter_trainer", "dashboards")
                     for p in (root / d).rglob("*.py") if p != config_py)
     unread = []

@@ -13,7 +13,7 @@ import pytest
 from tailspec.dashboards.server import BindRefused, check_bind, is_loopback, start_dashboard
 from test_dashboards_writer import StateWriter
 
-from tailspec.config import ConfigError
+from tailspec.core.config import ConfigError
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tailspec.dashboards.server import start_exporter
 
-from tailspec.config import load_config
+from tailspec.core.config import load_config
 
 pytest.importorskip("tailspec.scheduler.simulate")
 
@@ -127,7 +127,7 @@ def test_metrics_move_during_a_simulated_rollout_with_lending(redis_url, redis_c
     # The stop-latency histogram holds exactly the latencies the sessions recorded. (A session whose
     # process was still starting when revoked records none: on a busy machine that can be all of them,
     # so the count is compared, not required to be positive; test_dashboards_exporter covers values.)
-    from tailspec import state
+    from tailspec.core import state
 
     ids = [m.decode() for m in redis_client.smembers(state.key(CLUSTER, "sessions"))]
     infos = [state.get(redis_client, state.key(CLUSTER, "session", session_id=i), state.SessionInfo) for i in ids]

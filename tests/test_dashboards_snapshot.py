@@ -17,8 +17,8 @@ from tailspec.dashboards.snapshot import (
 )
 from test_dashboards_writer import GiB, StateWriter
 
-from tailspec import state as S
-from tailspec.state import GpuState, GpuTelemetry
+from tailspec.core import state as S
+from tailspec.core.state import GpuState, GpuTelemetry
 
 
 def test_rollout_speedup_and_strategy_figures(redis_client):

@@ -1,5 +1,5 @@
 """A state writer for the dashboards' tests: writes realistic cluster state into a real redis-server
-through tailspec.state's helpers, the way the scheduler, the trainer and the rollout workers do,
+through tailspec.core.state's helpers, the way the scheduler, the trainer and the rollout workers do,
 and plays a GPU through generating → drained → lent → generating with counters growing.
 
 The other tests/test_dashboards_*.py import StateWriter from here; the tests in this file check the
@@ -10,18 +10,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tailspec import state as S
-from tailspec.state import (
+from tailspec.core import state as S
+from tailspec.core.state import (
     DrafterHealth,
     DrafterVersion,
-    LineageHead,
-    Sample,
     Event,
     GpuState,
     GpuStatus,
     GpuTelemetry,
+    LineageHead,
     PhaseInfo,
     RolloutStats,
+    Sample,
     SessionInfo,
 )
 

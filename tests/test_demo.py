@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tailspec import state
+from tailspec.core import state
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ FIELDS = {"step", "mode", "step_time_s", "rollout_time_s", "train_time_s", "idle
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory, redis_server):
     from tailspec.commands.demo import announcing_demo
-    from tailspec.config import load_config
+    from tailspec.core.config import load_config
     from tailspec.demo.run import DemoOptions
 
     cfg = load_config(environ={})
@@ -146,8 +146,8 @@ def micro_policy(tmp_path_factory):
 
 
 def _item(policy, tok, rollout: dict, drafter_path: str | None = "ngram", n: int = 8):
-    from tailspec.config import RolloutConfig
-    from tailspec.state import WorkItem, WorkRequest
+    from tailspec.core.config import RolloutConfig
+    from tailspec.core.state import WorkItem, WorkRequest
     from tailspec.tasks.tokenizer import encode_prompt
 
     ids = encode_prompt(tok, "3+4+1=")
@@ -167,10 +167,10 @@ def test_set_rollout_reaches_the_work_items(tmp_path, redis_url):
     only where the user set none), and the worker reads it back unchanged."""
     import redis
 
-    from tailspec.config import load_config
+    from tailspec.core.config import load_config
+    from tailspec.core.state import WorkItem, WorkRequest
     from tailspec.demo.run import Demo, DemoOptions
     from tailspec.demo.worker import rollout_config
-    from tailspec.state import WorkItem, WorkRequest
 
     sets = ["rollout.selector=threshold", "rollout.k=2", "rollout.k_max=5", "rollout.epsilon=0.3",
             "rollout.max_batch=7", "rollout.cuda_graphs=false", "rollout.graph_memory_budget_mb=64",
@@ -234,8 +234,9 @@ def test_worker_graph_pool_replays_the_same_tokens(micro_policy, redis_url):
     """rollout.cuda_graphs builds the pool from the worker's cost model, capturing the draft lengths the
     configured selector picks (on CPU: the same plan's padded static-buffer path, emulated); the pooled
     engine decodes exactly what the eager one does (greedy: no sampling ties at float noise)."""
-    from tailspec.demo.worker import attach_graph_pool
     from tailspec.rollout.sequence import SamplingParams
+
+    from tailspec.demo.worker import attach_graph_pool
 
     policy, tok = micro_policy
     w = _worker(redis_url)
@@ -350,11 +351,11 @@ def test_the_lineage_starts_with_the_bootstrap_runs_optimizer_state(demo_run, re
     """The first head carries the offline run's AdamW moments: the first sessions continue that optimizer
     instead of starting Adam afresh (whose first steps move every weight by about the full lr)."""
     import redis
-
-    from tailspec.config import load_config
-    from tailspec.demo.bootstrap import load_optimizer, seed_store
     from tailspec.drafter_trainer.checkpoint import load_checkpoint
     from tailspec.drafter_trainer.lineage import Lineage
+
+    from tailspec.core.config import load_config
+    from tailspec.demo.bootstrap import load_optimizer, seed_store
 
     demo, _ = demo_run
     saved = load_optimizer(demo.frozen_path)

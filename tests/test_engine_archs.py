@@ -9,7 +9,6 @@ import pytest
 import torch
 import transformers
 from engine_helpers import hf_greedy
-
 from tailspec.rollout.drafters import DraftModelDrafter, NgramDrafter
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.model_runner import ModelRunner

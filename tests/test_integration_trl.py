@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tailspec import state
 from tailspec.bench.attach import local_scheduler, losses, run_trl, scheduler_config
-from tailspec.state import LineageHead, PhaseInfo, Sample, SessionInfo
+from tailspec.core import state
+from tailspec.core.state import LineageHead, PhaseInfo, Sample, SessionInfo
 
 STEPS, RANKS, BATCH = 4, 2, 8
 pytestmark = pytest.mark.timeout(900)

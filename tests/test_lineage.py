@@ -7,12 +7,12 @@ import threading
 
 import pytest
 import torch
-
-from tailspec import state
 from tailspec.drafter_trainer.checkpoint import load_checkpoint
 from tailspec.drafter_trainer.lineage import DUPLICATE, FENCED, MERGED, Fence, Lineage, snapshot
 from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter
 from tailspec.scheduler.leases import Leases
+
+from tailspec.core import state
 
 torch.set_num_threads(1)
 

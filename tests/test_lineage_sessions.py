@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tailspec import state
-from tailspec.config import TailspecConfig
 from tailspec.drafter_trainer.checkpoint import load_checkpoint
 from tailspec.scheduler.leases import Leases
 from tailspec.scheduler.session import CONTEXT_ENV, SessionContext
-from tailspec.state import LineageHead, PhaseInfo, SessionInfo
+
+from tailspec.core import state
+from tailspec.core.config import TailspecConfig
+from tailspec.core.state import LineageHead, PhaseInfo, SessionInfo
 
 REPO = Path(__file__).resolve().parent.parent
 TTL_S = 15.0  # covers a session's start-up (imports, teacher load) on a busy 2-core machine

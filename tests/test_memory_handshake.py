@@ -11,9 +11,9 @@ import pytest
 import torch
 from tailspec.scheduler.idle import IdleDetector
 
-from tailspec import state
-from tailspec.config import TailspecConfig, TrainerConfig
-from tailspec.state import GpuState, GpuStatus, GpuTelemetry, PhaseInfo, Progress, SessionInfo
+from tailspec.core import state
+from tailspec.core.config import TailspecConfig, TrainerConfig
+from tailspec.core.state import GpuState, GpuStatus, GpuTelemetry, PhaseInfo, Progress, SessionInfo
 
 GIB = 1 << 30
 

@@ -7,7 +7,6 @@ import sys
 import time
 
 import pytest
-
 from tailspec.scheduler import placement
 from tailspec.scheduler.dispatch import LocalDispatcher
 from tailspec.scheduler.session import SessionContext
@@ -45,7 +44,7 @@ def test_demo_worker_pins_itself_to_its_gpus_cores():
 def test_place_workers_runs_fewer_simulated_gpus_than_asked_on_a_small_machine(monkeypatch):
     import torch
 
-    from tailspec.config import load_config
+    from tailspec.core.config import load_config
     from tailspec.demo.run import place_workers
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -92,8 +91,9 @@ def test_a_session_lent_on_a_simulated_gpu_runs_on_that_gpus_cores(tmp_path, red
 
 
 def test_service_splits_only_simulated_gpus_that_fit(monkeypatch):
-    from tailspec.config import load_config
     from tailspec.scheduler.service import simulated_gpu_cpus
+
+    from tailspec.core.config import load_config
 
     monkeypatch.setattr(placement, "host_cpus", lambda: [0, 1, 2, 3])
     cfg = load_config(overrides=["scheduler.simulated_gpus=2"], environ={})

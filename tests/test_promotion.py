@@ -10,12 +10,12 @@ import threading
 
 import pytest
 import torch
-
-from tailspec import state
 from tailspec.drafter_trainer.session import TrainingSession
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.drafter_trainer.versions import VersionStore, decide, t_cdf, t_ppf
-from tailspec.state import DrafterHealth, DrafterVersion
+
+from tailspec.core import state
+from tailspec.core.state import DrafterHealth, DrafterVersion
 from tests.test_trainer_session import cfg, frozen_teacher, synthetic_samples
 
 torch.set_num_threads(1)

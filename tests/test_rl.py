@@ -1,5 +1,5 @@
-import pytest
 import numpy as np
+import pytest
 import torch
 
 from tailspec.rl import Rollout, group_advantages, grpo_step, recompute_logprobs, save_policy_weights
@@ -102,9 +102,9 @@ def test_grpo_ratio_at_temperature_compares_the_sampling_distribution(tmp_path, 
     so the recomputation equals the rollout's logprobs, and the clipped objective's update equals the plain
     policy gradient sum(A * grad log p_T) / tokens computed independently. (Raw T = 1 logprobs on one side made
     the ratio p_T / p_1: a different update, and clipped tokens.)"""
-    from tailspec.config import RolloutConfig
+    from tailspec.core.config import RolloutConfig
+    from tailspec.core.state import WorkItem, WorkRequest
     from tailspec.demo.worker import Worker
-    from tailspec.state import WorkItem, WorkRequest
     from tailspec.tasks.tokenizer import encode_prompt
 
     T = 0.7

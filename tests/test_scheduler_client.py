@@ -8,8 +8,8 @@ import pytest
 from tailspec.scheduler.client import TailspecClient
 from tailspec.scheduler.simulate import run_simulated_rollout
 
-from tailspec import state
-from tailspec.state import DrafterVersion, PhaseInfo, Progress, Sample
+from tailspec.core import state
+from tailspec.core.state import DrafterVersion, PhaseInfo, Progress, Sample
 
 
 def test_progress_phase_and_samples_reach_redis(redis_url, redis_client):

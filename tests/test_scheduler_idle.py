@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tailspec.scheduler.idle import IdleDetector, expected_tail_s
 
-from tailspec.state import GpuState, GpuTelemetry, PhaseInfo, Progress
+from tailspec.core.state import GpuState, GpuTelemetry, PhaseInfo, Progress
 
 N = "n0"
 

@@ -12,7 +12,7 @@ from tailspec.scheduler import leases as L
 from tailspec.scheduler.leases import Leases
 from tailspec.scheduler.session import SessionContext
 
-from tailspec import state
+from tailspec.core import state
 
 
 def _heartbeat(r, cluster="t", px=60_000):
@@ -156,7 +156,7 @@ def test_session_context_round_trip_and_should_continue(redis_client, redis_url)
         state.PhaseInfo(phase="rollout", step=2, started_at=0, policy_version=2, policy_path="/p/2"),
     )
     assert ctx2.phase().policy_path == "/p/2"
-    from tailspec.config import TailspecConfig
+    from tailspec.core.config import TailspecConfig
 
     cfg = TailspecConfig()
     cfg.scheduler.lease_ttl_s = 7.0

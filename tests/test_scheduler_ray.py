@@ -12,9 +12,9 @@ import time
 import pytest
 from tailspec.scheduler.client import TailspecClient
 
-from tailspec import state
-from tailspec.config import TailspecConfig
-from tailspec.state import SessionInfo
+from tailspec.core import state
+from tailspec.core.config import TailspecConfig
+from tailspec.core.state import SessionInfo
 
 ENTRY = "tailspec.scheduler.demo_session:busy_session"
 

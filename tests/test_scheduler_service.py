@@ -15,9 +15,9 @@ import pytest
 import redis
 from tailspec.scheduler.client import TailspecClient
 
-from tailspec import state
-from tailspec.config import TailspecConfig
-from tailspec.state import Event, GpuState, GpuStatus, SessionInfo
+from tailspec.core import state
+from tailspec.core.config import TailspecConfig
+from tailspec.core.state import Event, GpuState, GpuStatus, SessionInfo
 
 ENTRY = "tailspec.scheduler.demo_session:busy_session"
 CL = "t"  # this test's cluster name; unique per test so a straggling thread of another test cannot interfere

@@ -13,8 +13,8 @@ import pytest
 from tailspec.scheduler.monitor import TelemetryMonitor
 from tailspec.scheduler.telemetry import NvmlTelemetry, SimulatedTelemetry, TelemetryError, make_telemetry
 
-from tailspec import state
-from tailspec.state import Event, GpuTelemetry, Progress
+from tailspec.core import state
+from tailspec.core.state import Event, GpuTelemetry, Progress
 
 
 def _nvml_works() -> bool:
@@ -221,8 +221,8 @@ def test_nvml_on_a_real_gpu_util_rises_under_matmul_and_idle_is_detected_fast():
     import torch
     from tailspec.scheduler.idle import IdleDetector
 
-    from tailspec.config import SchedulerConfig
-    from tailspec.state import PhaseInfo
+    from tailspec.core.config import SchedulerConfig
+    from tailspec.core.state import PhaseInfo
 
     t = NvmlTelemetry("n0")
     sc = SchedulerConfig()

@@ -12,7 +12,7 @@ import pytest
 from tailspec.scheduler.client import TailspecClient
 from tailspec.scheduler.top import gather, render_rich, render_text
 
-from tailspec.config import TailspecConfig
+from tailspec.core.config import TailspecConfig
 
 
 def test_top_shows_states_leases_and_sessions_labelled_simulated(redis_url, redis_client):

@@ -2,8 +2,8 @@ import time
 
 import pytest
 
-from tailspec import state
-from tailspec.state import GpuState, GpuStatus, Lease, Sample, StateError
+from tailspec.core import state
+from tailspec.core.state import GpuState, GpuStatus, Lease, Sample, StateError
 
 
 def test_key_names_are_namespaced():

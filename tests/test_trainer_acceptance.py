@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tailspec.config import TrainerConfig
 from tailspec.drafter_trainer.samples import SampleBuffer
 from tailspec.drafter_trainer.session import TrainingSession
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.drafter_trainer.versions import validate
+
+from tailspec.core.config import TrainerConfig
 
 K = 4
 # (preset, optimizer steps, learning rate): the tiny policy is the figure that matters (slow: its samples

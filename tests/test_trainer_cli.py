@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import torch
+from tailspec.drafter_trainer.export import load_export
 
 from tailspec.cli import main
-from tailspec.drafter_trainer.export import load_export
 
 torch.set_num_threads(1)
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tailspec.drafter_trainer.checkpoint import load_latest
 from tailspec.drafter_trainer.export import export, load_export
 from tailspec.drafter_trainer.session import TrainingSession
+
 from tests.test_trainer_session import cfg, make_buffer
 
 KILLS = 20
@@ -24,6 +24,7 @@ KILLS = 20
 
 def _worker(root: str, ready) -> None:  # runs in a forked child until SIGKILLed
     from tailspec.drafter_trainer.teacher import Teacher
+
     from tests.test_trainer_model import make_target
 
     torch.set_num_threads(1)
@@ -63,6 +64,7 @@ def test_sigkill_at_random_moments(tmp_path):
     assert last_step > 0, "no checkpoint was ever completed"
     # The last checkpoint resumes in a fresh session.
     from tailspec.drafter_trainer.teacher import Teacher
+
     from tests.test_trainer_model import make_target
 
     s = TrainingSession(cfg(tmp_path), Teacher(make_target(layers=4), (1, 2, 3)), make_buffer())

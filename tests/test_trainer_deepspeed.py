@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tailspec.drafter_trainer.checkpoint import load_latest
 from tailspec.drafter_trainer.session import TrainingSession
+
 from tests.test_trainer_session import cfg, frozen_teacher, make_buffer
 
 pytest.importorskip("deepspeed")

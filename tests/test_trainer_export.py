@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-
 from tailspec.drafter_trainer.export import ExportError, export, load_export
 from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter, vocab_maps_from_counts
+
 from tests.test_trainer_model import make_drafter, make_target
 
 torch.set_num_threads(1)

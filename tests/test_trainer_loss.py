@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from tailspec.drafter_trainer.loss import acceptance_rates, expected_length, ttt_loss
 from tailspec.drafter_trainer.model import DrafterCache, capture_aux, vocab_maps_from_counts
 from tailspec.drafter_trainer.weights import reward_weights
+
 from tests.test_trainer_model import make_drafter, make_target
 
 torch.set_num_threads(1)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from tailspec.drafter_trainer.model import (
     DrafterCache,
     Eagle3Config,
@@ -16,6 +14,7 @@ from tailspec.drafter_trainer.model import (
     default_aux_layer_ids,
     vocab_maps_from_counts,
 )
+from transformers import LlamaConfig, LlamaForCausalLM
 
 torch.set_num_threads(1)
 

@@ -8,13 +8,13 @@ import time
 
 import pytest
 import torch
-
-from tailspec import state
-from tailspec.config import TailspecConfig
 from tailspec.scheduler.leases import Leases
 from tailspec.scheduler.session import SessionContext
+
+from tailspec.core import state
+from tailspec.core.config import TailspecConfig
+from tailspec.core.state import DrafterVersion, LineageHead, PhaseInfo, SessionInfo
 from tailspec.sessions import run_session
-from tailspec.state import DrafterVersion, LineageHead, PhaseInfo, SessionInfo
 
 torch.set_num_threads(1)
 # Long enough to cover loading the teacher on a busy 2-core machine (start-up renews between phases).

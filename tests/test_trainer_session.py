@@ -8,15 +8,15 @@ import time
 
 import pytest
 import torch
-
-from tailspec import state
-from tailspec.config import TrainerConfig
 from tailspec.drafter_trainer.checkpoint import list_checkpoints, load_latest
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
 from tailspec.drafter_trainer.session import TrainingSession
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.drafter_trainer.versions import VersionStore
-from tailspec.state import DrafterVersion, Sample
+
+from tailspec.core import state
+from tailspec.core.config import TrainerConfig
+from tailspec.core.state import DrafterVersion, Sample
 from tests.test_trainer_model import make_target
 
 torch.set_num_threads(1)
@@ -235,9 +235,9 @@ def test_versions_promote_only_better_candidates(tmp_path, teacher, redis_client
 def test_a_loaded_optimizer_state_keeps_this_sessions_hyperparameters():
     """A head's optimizer state carries its writer's lr; the session's own config wins."""
     import torch
-
-    from tailspec.config import TrainerConfig
     from tailspec.drafter_trainer.session import TorchBackend
+
+    from tailspec.core.config import TrainerConfig
 
     p = [torch.nn.Parameter(torch.ones(3))]
     writer = TorchBackend(p, TrainerConfig(lr=5e-2, beta1=0.5))

@@ -66,7 +66,7 @@ def test_progress_reaches_scheduler(engine, redis_url, redis_client):
     from tailspec.rollout.vllm_backend import client_progress, greedy
     from tailspec.scheduler.client import TailspecClient
 
-    from tailspec import state
+    from tailspec.core import state
 
     client = TailspecClient(redis_url, cluster="t")
     seen: list[tuple] = []

@@ -4,9 +4,10 @@ import threading
 import time
 import uuid
 
-from tailspec import state
 from tailspec.scheduler.client import TailspecClient
-from tailspec.state import GpuState, GpuStatus, SessionInfo
+
+from tailspec.core import state
+from tailspec.core.state import GpuState, GpuStatus, SessionInfo
 
 
 def _cluster() -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tailspec.state import Sample
+from tailspec.core.state import Sample
 
 
 def policy_samples(preset: str, n: int, seed: int = 0, max_new_tokens: int | None = 128) -> tuple[Path, list[Sample]]:

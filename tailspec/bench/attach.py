@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tailspec.config import TailspecConfig
+from tailspec.core.config import TailspecConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -131,8 +131,8 @@ def _p99(xs: list[float]) -> float:
 def run(args: argparse.Namespace) -> dict:
     import redis
 
-    from tailspec import state
     from tailspec.commands.bench import machine
+    from tailspec.core import state
     from tailspec.redis_server import start_redis
 
     out = sys.stderr if args.json else sys.stdout

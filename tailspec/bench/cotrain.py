@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from tailspec.state import Sample
+from tailspec.core.state import Sample
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,14 +97,14 @@ def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_d
     """Fresh Redis and lineage seeded with the starting drafter; n session processes share args.steps."""
     import redis
 
-    from tailspec import state
+    from tailspec.core import state
+    from tailspec.core.state import DrafterVersion, Event, PhaseInfo
     from tailspec.demo.bootstrap import seed_store
     from tailspec.demo.run import apply_demo_trainer
     from tailspec.drafter_trainer.lineage import Lineage
     from tailspec.redis_server import start_redis
     from tailspec.scheduler.leases import Leases
     from tailspec.scheduler.session import CONTEXT_ENV, SessionContext
-    from tailspec.state import DrafterVersion, Event, PhaseInfo
 
     server = start_redis()
     try:
@@ -158,8 +158,8 @@ def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_d
 
 def run(args: argparse.Namespace) -> dict:
     from tailspec.cli import config_from_args
-    from tailspec.demo.run import apply_demo_trainer
     from tailspec.demo.bootstrap import bootstrap_drafter, load_samples
+    from tailspec.demo.run import apply_demo_trainer
     from tailspec.drafter_trainer.checkpoint import load_checkpoint
     from tailspec.drafter_trainer.model import Eagle3Drafter
     from tailspec.drafter_trainer.teacher import Teacher

@@ -26,8 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def fill(r, cluster: str, gpus: int, history: int, transitions: int, sessions: int, seed: int = 0) -> float:
     """Write a realistic state; returns the time span (s) the histories cover, ending now."""
-    from tailspec import state as S
-    from tailspec.state import (
+    from tailspec.core import state as S
+    from tailspec.core.state import (
         DrafterVersion,
         GpuState,
         GpuStatus,

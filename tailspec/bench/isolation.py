@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _decode_child(args: argparse.Namespace) -> int:
     import torch
 
-    from tailspec.config import TaskConfig
+    from tailspec.core.config import TaskConfig
     from tailspec.rollout.engine import Engine
     from tailspec.rollout.sequence import SamplingParams
     from tailspec.tasks.policy import load_policy, resolve_policy
@@ -76,7 +76,7 @@ def _train_child(args: argparse.Namespace) -> int:
 
     import torch
 
-    from tailspec.config import TailspecConfig
+    from tailspec.core.config import TailspecConfig
     from tailspec.demo.bootstrap import rollout_samples
     from tailspec.drafter_trainer.samples import fill_buffer
     from tailspec.drafter_trainer.session import TrainingSession

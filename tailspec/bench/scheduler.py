@@ -54,7 +54,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 def _should_continue_cost(r, url: str, cluster: str) -> tuple[float, float]:
     """What a session pays per training step: p50 of a real lease renewal round trip (ms), and p50 of
     should_continue() as called every step with the default renewal spacing (µs)."""
-    from tailspec import state
+    from tailspec.core import state
     from tailspec.scheduler.leases import Leases
     from tailspec.scheduler.session import SessionContext
 
@@ -89,11 +89,11 @@ def _should_continue_cost(r, url: str, cluster: str) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> dict:
     import redis
 
-    from tailspec import state
-    from tailspec.config import TaskConfig
+    from tailspec.core import state
+    from tailspec.core.config import TaskConfig
+    from tailspec.core.state import Event, SessionInfo
     from tailspec.redis_server import start_redis
     from tailspec.scheduler.simulate import run_simulated_rollout
-    from tailspec.state import Event, SessionInfo
     from tailspec.tasks.runsum import sample_problems
 
     server = None

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tailspec.state import Sample
+from tailspec.core.state import Sample
 
 
 def generate_task_samples(policy_dir: str | Path, n: int, seed: int = 0, temperature: float = 1.0,

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # -- kit shared with tests/test_vllm_*.py --------------------------------------------------------------------
 
 def task_prompts(policy_dir: str | Path, n: int, seed: int = 20_000) -> list[list[int]]:
-    from tailspec.config import TaskConfig
+    from tailspec.core.config import TaskConfig
     from tailspec.tasks.runsum import sample_problems
     from tailspec.tasks.tokenizer import encode_prompt, load_tokenizer
 
@@ -47,7 +47,7 @@ def task_prompts(policy_dir: str | Path, n: int, seed: int = 20_000) -> list[lis
 
 def policy_samples(policy_dir: str | Path, n: int, seed: int = 0, max_new_tokens: int = 160):
     """The policy's own greedy responses to task prompts, as trainer samples (what the drafter must predict)."""
-    from tailspec.state import Sample
+    from tailspec.core.state import Sample
     from tailspec.tasks.policy import generate_responses, load_policy
 
     model, tok = load_policy(policy_dir)
@@ -61,7 +61,7 @@ def make_drafters(policy_dir: str | Path, out: str | Path, train_steps: int = TR
                   seed: int = 0) -> dict[str, Path]:
     """Untrained and trained EAGLE-3 drafters for the policy, exported for vLLM (eagle3 and hf formats).
     Returns {"untrained", "trained", "trained_hf"} paths; out/training.json records the session."""
-    from tailspec.config import TrainerConfig
+    from tailspec.core.config import TrainerConfig
     from tailspec.drafter_trainer.export import export
     from tailspec.drafter_trainer.samples import SampleBuffer, fill_buffer
     from tailspec.drafter_trainer.session import TrainingSession, new_drafter

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tailspec.config import dump_config
+from tailspec.core.config import dump_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +28,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from tailspec.state import schema_table
+    from tailspec.core.state import schema_table
 
     print(schema_table())
     return 0

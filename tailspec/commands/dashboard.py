@@ -33,7 +33,7 @@ def _run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     from pydantic import ValidationError
 
     from tailspec.cli import config_from_args
-    from tailspec.config import ConfigError
+    from tailspec.core.config import ConfigError
     from tailspec.dashboards.server import check_bind, start_dashboard, start_exporter
 
     cfg = config_from_args(args)

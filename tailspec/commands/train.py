@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def load_samples_file(path: Path):
     from pydantic import ValidationError
 
-    from tailspec.state import Sample
+    from tailspec.core.state import Sample
 
     if not path.is_file():
         raise SystemExit(f"tailspec train: samples file not found: {path}")

@@ -15,10 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from tailspec.config import TailspecConfig
-from tailspec.state import Sample
+from tailspec.core.config import TailspecConfig
+from tailspec.core.state import Sample
 
 log = logging.getLogger("tailspec.demo")
 SAMPLES = "bootstrap_samples.jsonl"
@@ -129,11 +127,11 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
 
 def seed_store(drafter_path: str, cfg: TailspecConfig, redis) -> None:
     """Make the bootstrap drafter version 1 of the run (promoted) and the lineage's first head."""
-    from tailspec import state
+    from tailspec.core import state
+    from tailspec.core.state import DrafterVersion
     from tailspec.drafter_trainer.lineage import Lineage
     from tailspec.drafter_trainer.model import Eagle3Drafter
     from tailspec.drafter_trainer.versions import VersionStore
-    from tailspec.state import DrafterVersion
 
     root = Path(cfg.trainer.checkpoint_dir)
     drafter = Eagle3Drafter.load(drafter_path)

@@ -20,7 +20,7 @@ STATE_LABELS = {"generating": "generating", "drained": "idle", "lent": "training
 
 def read_timeline(r: Any, cluster: str) -> list[dict]:
     """Every GPU state transition of the run, oldest first, from the status history stream."""
-    from tailspec import state
+    from tailspec.core import state
 
     entries, _ = state.read_stream(r, state.key(cluster, "status_history"), state.GpuStatus)
     return [e.model_dump(mode="json") for _, e in entries]

@@ -33,11 +33,11 @@ from typing import Literal
 import numpy as np
 import torch
 
-from tailspec import state
-from tailspec.config import TailspecConfig
+from tailspec.core import state
+from tailspec.core.config import TailspecConfig
+from tailspec.core.state import Sample, WorkItem, WorkRequest, WorkResult
 from tailspec.demo.bootstrap import BOOTSTRAP_SESSION
 from tailspec.rl import Rollout, grpo_step, recompute_logprobs, save_policy_weights
-from tailspec.state import Sample, WorkItem, WorkRequest, WorkResult
 
 log = logging.getLogger("tailspec.demo")
 Mode = Literal["cotrained", "frozen", "nospec"]

@@ -20,8 +20,8 @@ from collections import Counter
 
 import torch
 
-from tailspec import state
-from tailspec.state import WorkItem, WorkOutput, WorkResult
+from tailspec.core import state
+from tailspec.core.state import WorkItem, WorkOutput, WorkResult
 
 log = logging.getLogger("tailspec.demo.worker")
 
@@ -30,7 +30,7 @@ def rollout_config(item: WorkItem):
     """The run's `rollout` config section as the RL loop sent it with the work (selector, k, k_max, epsilon,
     max_batch, max_seq_len, cuda_graphs, graph_memory_budget_mb, dtype, drafter). An item without one gets
     the section's defaults with the item's selector and k."""
-    from tailspec.config import RolloutConfig
+    from tailspec.core.config import RolloutConfig
 
     if item.rollout is not None:
         return RolloutConfig.model_validate(item.rollout)

@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from tailspec.drafter_trainer.model import write_dir_atomic
+from tailspec.core.atomic import write_dir_atomic
 
 _VERSION_DIR = re.compile(r"^policy-v(\d{8})$")
 

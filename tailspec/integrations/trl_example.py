@@ -84,7 +84,7 @@ def build_dataset(kind: str, n: int, seed: int, per_rank_prompts: int, world: in
     import numpy as np
     from datasets import Dataset
 
-    from tailspec.config import TaskConfig
+    from tailspec.core.config import TaskConfig
     from tailspec.tasks.runsum import Problem, sample_problems
 
     task = TaskConfig()
@@ -103,7 +103,7 @@ def build_dataset(kind: str, n: int, seed: int, per_rank_prompts: int, world: in
 
 def runsum_reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
     """TRL reward function: 1.0 for the right final answer of the scratchpad, else 0.0 (the task's grader)."""
-    from tailspec.config import TaskConfig
+    from tailspec.core.config import TaskConfig
     from tailspec.tasks.runsum import grade, parse_prompt
 
     task = TaskConfig()

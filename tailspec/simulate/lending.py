@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tailspec.core.state import PhaseInfo
 from tailspec.scheduler.idle import IdleDetector
-from tailspec.state import PhaseInfo
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from tailspec.rollout.cost_model import CostModel
 from tailspec.rollout.selector import AdaptiveSelector
 from tailspec.simulate.drafter import FixedAcceptance
 
-
 _SELECTORS: dict[tuple[int, int], tuple[AdaptiveSelector, FixedAcceptance]] = {}
 
 

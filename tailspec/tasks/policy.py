@@ -26,8 +26,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,7 +34,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from tailspec.config import TaskConfig
+from tailspec.core.atomic import write_dir_atomic
+from tailspec.core.config import TaskConfig
 from tailspec.tasks.runsum import Problem, grade, sample_problems
 from tailspec.tasks.tokenizer import (
     build_tokenizer,
@@ -313,20 +312,14 @@ def evaluate(
 
 
 def save_policy(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: Path, meta: dict) -> None:
-    """Write to a temporary sibling directory, then rename: the cache entry is whole or absent."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    """The cache entry is written whole or not at all (write_dir_atomic)."""
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         save_tokenizer(tokenizer, tmp)
         (tmp / "tailspec_policy.json").write_text(json.dumps(meta, indent=2))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_dir_atomic(Path(path), write)
 
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tailspec.config import TaskConfig
+from tailspec.core.config import TaskConfig
 
 TAGS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _WELL_FORMED = re.compile(r"^(?:[A-Za-z]:(\d+)\+(\d+)=(\d+);)*#(\d+)$")
