@@ -147,7 +147,7 @@ def micro_policy(tmp_path_factory):
 
 def _item(policy, tok, rollout: dict, drafter_path: str | None = "ngram", n: int = 8):
     from tailspec.core.config import RolloutConfig
-    from tailspec.core.state import WorkItem, WorkRequest
+    from tailspec.demo.protocol import WorkItem, WorkRequest
     from tailspec.tasks.tokenizer import encode_prompt
 
     ids = encode_prompt(tok, "3+4+1=")
@@ -168,7 +168,7 @@ def test_set_rollout_reaches_the_work_items(tmp_path, redis_url):
     import redis
 
     from tailspec.core.config import load_config
-    from tailspec.core.state import WorkItem, WorkRequest
+    from tailspec.demo.protocol import WorkItem, WorkRequest, work_key
     from tailspec.demo.run import Demo, DemoOptions
     from tailspec.demo.worker import rollout_config
 
@@ -185,7 +185,7 @@ def test_set_rollout_reaches_the_work_items(tmp_path, redis_url):
         share = [WorkRequest(rid=0, prompt_ids=[1, 2], seed=0)]
         demo.send_work(3, [share, share], "drafter", 1)
         for w in ("w0", "w1"):
-            raw = demo.r.lpop(state.key(demo.cluster, "demo_work", worker=w))
+            raw = demo.r.lpop(work_key(demo.cluster, w))
             item = state.decode(WorkItem, raw, where="test")
             assert (item.selector, item.k) == ("threshold", 2)
             assert rollout_config(item) == cfg.rollout.model_copy(update={"max_seq_len": seq})

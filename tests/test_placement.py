@@ -45,7 +45,7 @@ def test_place_workers_runs_fewer_simulated_gpus_than_asked_on_a_small_machine(m
     import torch
 
     from tailspec.core.config import load_config
-    from tailspec.demo.run import place_workers
+    from tailspec.demo.services import place_workers
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(placement, "host_cpus", lambda: [0, 1])

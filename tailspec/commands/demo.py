@@ -152,7 +152,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     from tailspec.cli import config_from_args
     from tailspec.demo.report import write_report
-    from tailspec.demo.run import place_workers
+    from tailspec.demo.services import place_workers
     from tailspec.tasks.policy import policy_meta, resolve_policy
 
     console = Console()

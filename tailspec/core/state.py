@@ -214,60 +214,6 @@ class Event(_Payload):
     ts: float = Field(default_factory=time.time)
 
 
-class WorkRequest(_Payload):
-    rid: int = Field(ge=0)
-    prompt_ids: list[int]
-    seed: int
-
-
-class WorkItem(_Payload):
-    """The demo's RL loop → one rollout worker: generate these requests with this policy and drafter."""
-
-    step: int = Field(ge=0)
-    policy_path: str | None = None
-    policy_version: int = Field(0, ge=0)
-    drafter_path: str | None = Field(None, description="drafter checkpoint directory; None = no speculation")
-    drafter_version: int | None = None
-    selector: Literal["adaptive", "fixed", "beg", "threshold"] = "adaptive"
-    k: int = Field(4, ge=0, le=16)
-    temperature: float = Field(1.0, ge=0)
-    max_tokens: int = Field(512, ge=1)
-    rollout: dict[str, Any] | None = Field(None, description="the run's `rollout` config section (a RolloutConfig "
-                                           "dump; it wins over selector and k above); None = its defaults")
-    requests: list[WorkRequest] = Field(default_factory=list)
-    warmup: bool = Field(False, description="load the policy and drafter and time the cost model on these "
-                         "requests, then answer with no outputs (an engine's start-up, before the first rollout)")
-    stop: bool = False
-
-
-class WorkOutput(_Payload):
-    rid: int = Field(ge=0)
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: Literal["stop", "length"]
-    target_forwards: int = Field(ge=0)
-    drafted: int = Field(ge=0)
-    accepted: int = Field(ge=0)
-
-
-class WorkResult(_Payload):
-    worker: str
-    step: int = Field(ge=0)
-    outputs: list[WorkOutput]
-    started_at: float
-    finished_at: float
-    decode_steps: int = Field(0, ge=0)
-    strategy_mix: dict[str, int] = Field(default_factory=dict)
-    # what a cluster projection is calibrated with (`tailspec simulate --calibrate`): the engine's own costs
-    setup_s: float = Field(0.0, ge=0, description="policy/drafter load and engine build before the first request")
-    decode_s: float = Field(0.0, ge=0, description="sum of the decode steps' wall times (admissions excluded)")
-    accepted_by_k: dict[str, list[int]] = Field(default_factory=dict, description="k -> [rows drafted, drafts accepted]")
-    cost_model: dict[str, Any] | None = Field(None, description="the engine's cost table t(b, k) (CostModel.to_dict): "
-                                              "the warm-up's with the warm-up result, after a rollout what the "
-                                              "rollout's own steps taught it")
-    error: str | None = None
-
-
 RedisType = Literal["string", "hash", "stream", "counter", "list", "set"]
 
 
@@ -330,10 +276,6 @@ KEYS: dict[str, KeySpec] = {
                 "float counters: idle_gpu_seconds, lent_gpu_seconds, sessions_started, sessions_stopped, "
                 "sessions_preempted, sessions_declined"),
         KeySpec("events", "history:events", "stream", "any", Event, "capped event log, field 'data'"),
-        KeySpec("demo_work", "demo:work:{worker}", "list", "demo RL loop", WorkItem,
-                "the demo's work queue of one rollout worker (RPUSH / BLPOP)"),
-        KeySpec("demo_results", "demo:results", "list", "demo rollout workers", WorkResult,
-                "finished rollouts back to the demo's RL loop"),
         KeySpec("scheduler_heartbeat", "scheduler:heartbeat", "string", "scheduler", None,
                 "time.time() of the scheduler's last loop, PX-expiring"),
     ]
@@ -350,7 +292,13 @@ def key(cluster: str, name: str, **fields: Any) -> str:
         suffix = spec.template.format(**fields)
     except KeyError as e:
         raise StateError(f"state key {name!r} needs field {e.args[0]!r} ({spec.template})") from None
-    return f"tailspec:{cluster}:{suffix}"
+    return prefix(cluster) + suffix
+
+
+def prefix(cluster: str) -> str:
+    """Every key of a cluster starts with this; keys outside the schema (the demo's own work queues) too, so
+    one SCAN or one ACL pattern covers a cluster."""
+    return f"tailspec:{cluster}:"
 
 
 M = TypeVar("M", bound=BaseModel)

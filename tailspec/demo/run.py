@@ -22,21 +22,29 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
-import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
-from tailspec.core.state import Sample, WorkItem, WorkRequest, WorkResult
-from tailspec.demo.bootstrap import BOOTSTRAP_SESSION
+from tailspec.core.state import DrafterVersion, Sample
+from tailspec.demo.measure import (
+    StepRow,
+    StepTimes,
+    count_promotions,
+    counters,
+    current_drafter,
+    measure_acceptance,
+    publish_rollout_stats,
+    record_health,
+    step_row,
+)
+from tailspec.demo.protocol import WorkItem, WorkRequest, WorkResult, results_key, work_key
+from tailspec.demo.services import Services, place_workers
 from tailspec.rl import Rollout, grpo_step, recompute_logprobs, save_policy_weights
 
 log = logging.getLogger("tailspec.demo")
@@ -66,33 +74,6 @@ def apply_demo_trainer(tc, validation_samples: int | None = None) -> None:
             setattr(tc, k, v if k != "batch_size" else min(tc.batch_size, v))
     if validation_samples is not None:
         tc.validation_samples = validation_samples
-
-
-@dataclass(frozen=True)
-class Placement:
-    """How the run's simulated GPUs share this host: `cpus[g]` are GPU g's own cores (None: all shared)."""
-    workers: int
-    cpus: list[list[int]] | None
-    note: str
-
-
-def place_workers(requested: int, cfg: TailspecConfig) -> Placement:
-    """One simulated GPU per worker, each owning an equal share of the cores (scheduler/placement.py) under
-    `scheduler.simulated_gpu_cpus: split`: at most one per core, so fewer than requested on a small machine.
-    With CUDA the workers run on real devices and nothing is pinned."""
-    from tailspec.scheduler import placement
-
-    if torch.cuda.is_available():
-        return Placement(requested, None, f"{requested} rollout workers on CUDA devices")
-    host = placement.host_cpus()
-    if cfg.scheduler.simulated_gpu_cpus != "split":
-        return Placement(requested, None, f"{requested} simulated GPUs sharing {len(host)} cores "
-                                          "(scheduler.simulated_gpu_cpus=shared)")
-    n = placement.gpus_that_fit(requested, host)
-    cpus = placement.split(n, host)
-    fewer = f" ({requested} asked, {len(host)} cores)" if n < requested else ""
-    per = len(cpus[0])
-    return Placement(n, cpus, f"{n} simulated GPUs{fewer}, {per} own core{'s' if per > 1 else ''} each")
 
 
 @dataclass
@@ -132,53 +113,11 @@ class DemoOptions:
     plots: bool = True
 
 
-@dataclass
-class StepRow:
-    step: int
-    mode: str
-    step_time_s: float
-    rollout_time_s: float
-    train_time_s: float
-    # train_time_s = step_time_s - rollout_time_s (grade, GRPO update, publish, wait for revoked sessions);
-    # measure_s (logprob check, acceptance of both drafters) is instrumentation outside step_time_s.
-    measure_s: float
-    wait_sessions_s: float
-    idle_gpu_seconds: float
-    lent_gpu_seconds: float
-    drafter_version: int | None
-    acceptance_length: float
-    acceptance_frozen: float | None
-    acceptance_cotrained: float | None
-    tokens: int
-    rollout_tokens_per_s: float
-    mean_reward: float
-    accuracy: float
-    policy_version: int
-    logprob_max_abs_diff: float
-    sessions: int
-    t_start: float = 0.0
-    t_end: float = 0.0
-    # GPU-seconds of the rollout during which a worker had finished and the slowest had not (the long tail's
-    # idle time, from the workers' own clocks), and their share of workers x rollout time
-    tail_idle_gpu_seconds: float = 0.0
-    tail_idle_share: float = 0.0
-    worker_busy_s: dict[str, float] = field(default_factory=dict)
-    strategy_mix: dict[str, int] = field(default_factory=dict)
-    # per worker: response lengths, engine set-up and decode seconds; k -> [rows, accepted] over the step
-    # (what `tailspec simulate --calibrate` replays)
-    worker_lengths: dict[str, list[int]] = field(default_factory=dict)
-    worker_setup_s: dict[str, float] = field(default_factory=dict)
-    worker_decode_s: dict[str, float] = field(default_factory=dict)
-    accepted_by_k: dict[str, list[int]] = field(default_factory=dict)
-    worker_cost: dict[str, dict] = field(default_factory=dict)  # each engine's cost model after the step
-
-
-def _counters(r, cluster: str) -> dict[str, float]:
-    raw = r.hgetall(state.key(cluster, "counters"))
-    return {k.decode(): float(v) for k, v in raw.items()}
-
-
 class Demo:
+    """One demo run: services up, the policy and first drafter, the warm-up, `steps` RL steps, export, services
+    down. Each RL step is `step`: rollout on the workers while the scheduler lends the tail's GPUs, grade,
+    GRPO update, samples to the stream, the next policy version published."""
+
     def __init__(self, opts: DemoOptions, cfg: TailspecConfig):
         self.placement = place_workers(opts.workers, cfg)
         self.o = replace(opts, workers=self.placement.workers)
@@ -187,12 +126,20 @@ class Demo:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cluster = f"demo-{opts.mode}-{ts}-{os.getpid()}"
         self.base_cfg = cfg
-        self._procs: list[subprocess.Popen] = []
-        self._redis_server = None
-        self._sched_stop = threading.Event()
-        self._sched_thread: threading.Thread | None = None
-        self._dash = None
+        self.services = Services(self.run_dir, self.placement.cpus, opts.redis_url, opts.dashboard)
+        self.redis_url: str | None = opts.redis_url
+        self.r = None  # redis.Redis, once the services are up
+        self.client = None  # TailspecClient, once the services are up
+        self.cfg: TailspecConfig | None = None  # the run's config (Demo.config), once the services are up
         self.dashboard_url: str | None = None
+        # the policy being trained and its published versions
+        self.policy_src: Path | None = None
+        self.model = self.tokenizer = self.optimizer = None
+        self.policy_version = 0
+        self.policy_path: str | None = None
+        self.frozen_path: str | None = None  # the first (bootstrap) drafter; None in nospec
+        self.current_drafter_version: int | None = None  # the drafter the last rollout ran
+        # what the run produced
         self.exported: dict[str, str] = {}
         self.export_errors: dict[str, str] = {}
         self.timeline: list[dict] = []
@@ -224,75 +171,22 @@ class Demo:
         return c
 
     def start_services(self) -> None:
-        from tailspec.redis_server import start_redis
-
-        if self.o.redis_url:
-            self.redis_url = self.o.redis_url
-        else:
-            self._redis_server = start_redis()
-            self.redis_url = self._redis_server.url
-        import redis
-
-        self.r = redis.Redis.from_url(self.redis_url)
+        self.redis_url = self.services.start_redis()
+        self.r = self.services.r
         self.cfg = self.config()
-        from tailspec.scheduler.client import TailspecClient
-        from tailspec.scheduler.service import run_local
-
-        self.client = TailspecClient(self.redis_url, cluster=self.cluster, node=self.cfg.cluster.node)
-        self._sched_thread = threading.Thread(
-            target=run_local, args=(self.cfg, self._sched_stop, self.redis_url, str(self.run_dir / "sessions")),
-            name="tailspec-scheduler", daemon=True)
-        self._sched_thread.start()
-        if self.o.dashboard:
-            try:
-                from tailspec.dashboards.server import start_dashboard
-
-                self._dash = start_dashboard(self.redis_url, self.cluster, port=0)
-                self.dashboard_url = self._dash.url
-            except Exception as e:  # the dashboard is a view; the run goes on without it
-                log.warning("dashboard not started: %s", e)
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        for w in range(self.o.workers):
-            cmd = [sys.executable, "-m", "tailspec.demo.worker", "--name", f"w{w}", "--gpu", str(w),
-                   "--redis", self.redis_url, "--cluster", self.cluster, "--node", self.cfg.cluster.node]
-            if self.placement.cpus is not None:
-                from tailspec.scheduler.placement import format_cpus
-
-                cmd += ["--cpus", format_cpus(self.placement.cpus[w])]
-            logf = open(self.run_dir / f"worker-w{w}.log", "w")
-            self._procs.append(subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT))
+        self.services.start(self.cfg, self.o.workers)
+        self.client = self.services.client
+        self.dashboard_url = self.services.dashboard_url
 
     def stop_services(self) -> None:
-        for w in range(len(self._procs)):
-            try:
-                self.r.rpush(state.key(self.cluster, "demo_work", worker=f"w{w}"),
-                             state.encode(WorkItem(step=0, stop=True)))
-            except Exception:
-                pass
-        for p in self._procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        self._sched_stop.set()
-        if self._sched_thread is not None:
-            self._sched_thread.join(timeout=10)
-        try:
-            self.client.close()
-        except Exception:
-            pass
-        if self._dash is not None:
-            self._dash.stop()
-        if self._redis_server is not None:
-            self._redis_server.stop()
+        self.services.stop(self.cluster)
 
     # -- policy and drafters -------------------------------------------------------------------------------
     def load_initial_policy(self) -> None:
         from tailspec.tasks.policy import load_policy, resolve_policy
 
-        src = resolve_policy(self.o.policy, self.cfg.task, cache_dir=Path(self.cfg.cache_dir))
-        self.policy_src = src
-        self.model, self.tokenizer = load_policy(src)
+        self.policy_src = resolve_policy(self.o.policy, self.cfg.task, cache_dir=Path(self.cfg.cache_dir))
+        self.model, self.tokenizer = load_policy(self.policy_src)
         torch.manual_seed(self.o.seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.o.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.policy_version = 0
@@ -313,6 +207,22 @@ class Demo:
         return bootstrap_drafter(self.policy_src, self.cfg, self.o.bootstrap_samples, self.o.bootstrap_seconds,
                                  seed=self.o.seed)
 
+    def seed_version_store(self) -> None:
+        """Version 1 = the bootstrap drafter, promoted; sessions continue from its weights."""
+        from tailspec.demo.bootstrap import seed_store
+
+        seed_store(self.frozen_path, self.cfg, self.r)
+
+    def current_drafter(self) -> DrafterVersion | None:
+        """The co-trained drafter the workers load at the next phase (None: not co-training, or none promoted)."""
+        return current_drafter(self.r, self.cluster) if self.o.mode == "cotrained" else None
+
+    def drafter_for_phase(self) -> tuple[str | None, int | None]:
+        if self.o.mode == "nospec":
+            return None, None
+        cur = self.current_drafter()
+        return (self.frozen_path, 0) if cur is None else (cur.path, cur.version)
+
     # -- one RL step ---------------------------------------------------------------------------------------
     def requests(self, step: int) -> tuple[list, list[WorkRequest]]:
         from tailspec.tasks.runsum import sample_problems
@@ -326,16 +236,6 @@ class Demo:
                 rid = g * self.o.group_size + j
                 reqs.append(WorkRequest(rid=rid, prompt_ids=ids, seed=self.o.seed * 1_000_003 + step * 10_007 + rid))
         return problems, reqs
-
-    def drafter_for_phase(self) -> tuple[str | None, int | None]:
-        if self.o.mode == "nospec":
-            return None, None
-        if self.o.mode == "frozen":
-            return self.frozen_path, 0
-        cur = state.get(self.r, state.key(self.cluster, "drafter_current"), state.DrafterVersion)
-        if cur is None:
-            return self.frozen_path, 0
-        return cur.path, cur.version
 
     def deal(self, reqs: list[WorkRequest]) -> list[list[WorkRequest]]:
         if self.o.deal == "round_robin":
@@ -355,7 +255,7 @@ class Demo:
 
     def send_work(self, step: int, shares: list[list[WorkRequest]], drafter_path: str | None,
                   drafter_version: int | None, warmup: bool = False) -> None:
-        self.r.delete(state.key(self.cluster, "demo_results"))  # a round's results start from an empty list
+        self.r.delete(results_key(self.cluster))  # a round's results start from an empty list
         rc = self.worker_rollout_config()
         for w, share in enumerate(shares):
             item = WorkItem(step=step, policy_path=self.policy_path, policy_version=self.policy_version,
@@ -363,21 +263,21 @@ class Demo:
                             selector=rc.selector, k=rc.k, rollout=rc.model_dump(mode="json"),
                             temperature=self.o.temperature,
                             max_tokens=self.o.max_tokens, requests=share, warmup=warmup)
-            self.r.rpush(state.key(self.cluster, "demo_work", worker=f"w{w}"), state.encode(item))
+            self.r.rpush(work_key(self.cluster, f"w{w}"), state.encode(item))
 
     def collect(self, step: int, on_progress=None) -> list[WorkResult]:
-        results_key = state.key(self.cluster, "demo_results")
+        key = results_key(self.cluster)
         results: list[WorkResult] = []
         while len(results) < self.o.workers:
-            got = self.r.blpop([results_key], timeout=1)
+            got = self.r.blpop([key], timeout=1)
             if on_progress is not None:
                 on_progress(step, results)
             if got is None:
-                dead = [p.args[4] for p in self._procs if p.poll() is not None]
+                dead = self.services.dead_workers()
                 if dead:
                     raise RuntimeError(f"rollout worker(s) {dead} died; see {self.run_dir}/worker-*.log")
                 continue
-            res = state.decode(WorkResult, got[1], where=results_key)
+            res = state.decode(WorkResult, got[1], where=key)
             if res.error:
                 raise RuntimeError(f"worker {res.worker} failed at step {step}: {res.error}")
             results.append(res)
@@ -424,135 +324,73 @@ class Demo:
         self.client.flush(2.0)
         return results, t1 - t0
 
-    def step(self, step: int, on_progress=None) -> StepRow:
+    def grade(self, step: int, problems: list, reqs: list[WorkRequest], results: list[WorkResult]
+              ) -> tuple[list[Rollout], list[Sample], list[bool]]:
+        """The RL framework's part: reward every response, and the samples it submits to tailspec."""
         from tailspec.tasks.runsum import grade
         from tailspec.tasks.tokenizer import decode_response
 
-        before = _counters(self.r, self.cluster)
-        t_start = time.time()
-        problems, reqs = self.requests(step)
-        results, rollout_s = self.rollout(step, reqs, on_progress)
-        t_train = time.time()
         by_rid = {o.rid: o for res in results for o in res.outputs}
         req_of = {q.rid: q for q in reqs}
         rollouts: list[Rollout] = []
         samples: list[Sample] = []
-        correct = []
+        correct: list[bool] = []
         for rid in sorted(by_rid):
-            o, q = by_rid[rid], req_of[rid]
-            g = grade(problems[rid // self.o.group_size], decode_response(self.tokenizer, o.token_ids), self.cfg.task)
+            o, q, group = by_rid[rid], req_of[rid], rid // self.o.group_size
+            g = grade(problems[group], decode_response(self.tokenizer, o.token_ids), self.cfg.task)
             correct.append(g.correct)
-            rollouts.append(Rollout(q.prompt_ids, o.token_ids, o.logprobs, g.reward, rid // self.o.group_size))
+            rollouts.append(Rollout(q.prompt_ids, o.token_ids, o.logprobs, g.reward, group))
             samples.append(Sample(prompt_ids=q.prompt_ids, response_ids=o.token_ids, reward=g.reward,
-                                  policy_version=self.policy_version, group_id=f"{step}:{rid // self.o.group_size}"))
-        # The RL trainer needs every GPU back before its update (the wait a real trainer does for reclaim).
-        wait_s = self.wait_sessions_stopped()
-        # Instrumentation, not part of an RL step (a user's trainer does neither): the logprob check every step
-        # (one forward of 8 responses) and the frozen-vs-co-trained acceptance every `measure_every` steps and
-        # at the last. Timed apart, left out of step_time_s, and run after the GPUs are back, so it takes no
-        # compute from a session.
-        t_measure = time.time()
+                                  policy_version=self.policy_version, group_id=f"{step}:{group}"))
+        return rollouts, samples, correct
+
+    def instrument(self, step: int, rollouts: list[Rollout], samples: list[Sample]
+                   ) -> tuple[float, float | None, float | None]:
+        """Not part of an RL step (a user's trainer does neither): the logprob check (one forward of 8
+        responses) and, every `measure_every` steps and at the last, both drafters' acceptance. Run after the
+        GPUs are back, so it takes no compute from a session; its time is left out of step_time_s."""
         check = rollouts[: min(8, len(rollouts))]
         ref = recompute_logprobs(self.model, check, self.tokenizer.pad_token_id, temperature=self.o.temperature)
         lp_diff = max((abs(a - b) for ro, rf in zip(check, ref) for a, b in zip(ro.logprobs, rf)), default=0.0)
-        acc_frozen = acc_co = None
-        if self.o.mode != "nospec" and (step % self.o.measure_every == 0 or step == self.o.steps - 1):
-            acc_frozen, acc_co = self.measure_acceptance(samples)
-            self.record_health(step, acc_frozen, acc_co, min(len(samples), self.o.measure_samples))
+        if self.o.mode == "nospec" or not (step % self.o.measure_every == 0 or step == self.o.steps - 1):
+            return lp_diff, None, None
+        cur = self.current_drafter()
+        acc_frozen, acc_co = measure_acceptance(self.model, self.frozen_path, cur, samples, self.o.measure_samples,
+                                                self.o.k, self.policy_version)
+        record_health(self.r, self.cluster, cur, step, self.policy_version, acc_frozen, acc_co,
+                      min(len(samples), self.o.measure_samples))
+        return lp_diff, acc_frozen, acc_co
+
+    def step(self, step: int, on_progress=None) -> StepRow:
+        before = counters(self.r, self.cluster)
+        t_start = time.time()
+        problems, reqs = self.requests(step)
+        results, rollout_s = self.rollout(step, reqs, on_progress)
+        t_train = time.time()
+        rollouts, samples, correct = self.grade(step, problems, reqs, results)
+        # The RL trainer needs every GPU back before its update (the wait a real trainer does for reclaim).
+        wait_s = self.wait_sessions_stopped()
+        t_measure = time.time()
+        lp_diff, acc_frozen, acc_co = self.instrument(step, rollouts, samples)
         measure_s = time.time() - t_measure
         stats = grpo_step(self.model, self.optimizer, rollouts, self.tokenizer.pad_token_id,
                           temperature=self.o.temperature)
         self.client.submit_samples(samples)
         self.policy_version += 1
         self.policy_path = self.publish_policy()
-        t_end = time.time()
-        after = _counters(self.r, self.cluster)
-        outs = [o for res in results for o in res.outputs]
-        last_done = max(r.finished_at for r in results)
-        tail_idle = sum(last_done - r.finished_at for r in results)
-        fwd = sum(o.target_forwards for o in outs)
-        tokens = sum(len(o.token_ids) for o in outs)
-        mix: dict[str, int] = {}
-        by_k: dict[str, list[int]] = {}
-        for res in results:
-            for k, v in res.strategy_mix.items():
-                mix[k] = mix.get(k, 0) + v
-            for k, (rows, acc) in res.accepted_by_k.items():
-                cell = by_k.setdefault(k, [0, 0])
-                cell[0] += rows
-                cell[1] += acc
-        row = StepRow(
-            step=step, mode=self.o.mode, step_time_s=t_end - t_start - measure_s, rollout_time_s=rollout_s,
-            train_time_s=t_end - t_train - measure_s, measure_s=measure_s, wait_sessions_s=wait_s,
-            idle_gpu_seconds=after.get("idle_gpu_seconds", 0) - before.get("idle_gpu_seconds", 0),
-            lent_gpu_seconds=after.get("lent_gpu_seconds", 0) - before.get("lent_gpu_seconds", 0),
-            drafter_version=self.current_drafter_version,
-            acceptance_length=tokens / max(fwd, 1), acceptance_frozen=acc_frozen, acceptance_cotrained=acc_co,
-            tokens=tokens, rollout_tokens_per_s=tokens / max(rollout_s, 1e-9), mean_reward=stats.mean_reward,
-            accuracy=float(np.mean(correct)), policy_version=self.policy_version, logprob_max_abs_diff=lp_diff,
-            sessions=int(after.get("sessions_started", 0) - before.get("sessions_started", 0)),
-            t_start=t_start, t_end=t_end,
-            tail_idle_gpu_seconds=tail_idle, tail_idle_share=tail_idle / max(len(results) * rollout_s, 1e-9),
-            worker_busy_s={r.worker: r.finished_at - r.started_at for r in results}, strategy_mix=mix,
-            worker_lengths={r.worker: [len(o.token_ids) for o in r.outputs] for r in results},
-            worker_setup_s={r.worker: r.setup_s for r in results},
-            worker_decode_s={r.worker: r.decode_s for r in results}, accepted_by_k=by_k,
-            worker_cost={r.worker: r.cost_model for r in results if r.cost_model is not None},
-        )
-        self.publish_rollout_stats(row)
+        times = StepTimes(start=t_start, train=t_train, end=time.time(), rollout_s=rollout_s, measure_s=measure_s,
+                          wait_sessions_s=wait_s)
+        row = step_row(step, self.o.mode, times, results, before, counters(self.r, self.cluster),
+                       drafter_version=self.current_drafter_version, acc_frozen=acc_frozen, acc_co=acc_co,
+                       mean_reward=stats.mean_reward, correct=correct, policy_version=self.policy_version,
+                       lp_diff=lp_diff)
+        publish_rollout_stats(self.r, self.cluster, row)
         return row
-
-    def measure_acceptance(self, samples: list[Sample]) -> tuple[float, float]:
-        """Expected acceptance length at k of the frozen first drafter and of the newest co-trained
-        version, on this step's own samples with the current policy as teacher (same samples for both)."""
-        from tailspec.drafter_trainer.model import Eagle3Drafter
-        from tailspec.drafter_trainer.teacher import Teacher
-        from tailspec.drafter_trainer.versions import validate
-
-        held = samples[:: max(1, len(samples) // self.o.measure_samples)][: self.o.measure_samples]
-        emb = self.model.get_input_embeddings()
-        frozen = Eagle3Drafter.load(self.frozen_path, emb)
-        teacher = Teacher(self.model, frozen.config.aux_layer_ids, policy_version=self.policy_version)
-        a_frozen = validate(frozen, teacher, held, self.o.k).acceptance_length
-        if self.o.mode != "cotrained":
-            return a_frozen, a_frozen
-        cur = state.get(self.r, state.key(self.cluster, "drafter_current"), state.DrafterVersion)
-        if cur is None or cur.session_id == BOOTSTRAP_SESSION:  # still the first drafter: the same weights, same figure
-            return a_frozen, a_frozen
-        co = Eagle3Drafter.load(cur.path, emb)
-        return a_frozen, validate(co, teacher, held, self.o.k).acceptance_length
-
-    def record_health(self, step: int, acc_frozen: float, acc_co: float, n: int) -> None:
-        """Staleness after each RL step: the drafter the workers ran, on this step's own samples, beside its
-        validated value at promotion (history:drafter_health; dashboards, report)."""
-        cur = None
-        if self.o.mode == "cotrained":
-            cur = state.get(self.r, state.key(self.cluster, "drafter_current"), state.DrafterVersion)
-        h = state.DrafterHealth(
-            drafter_version=cur.version if cur is not None else 0, policy_version=self.policy_version, step=step,
-            acceptance_length=acc_co if cur is not None else acc_frozen,
-            at_promotion=cur.acceptance_length if cur is not None else None,
-            samples=n, source="rl_loop")
-        try:
-            state.append(self.r, state.key(self.cluster, "drafter_health"), h, maxlen=10_000)
-        except Exception as e:  # a view; the RL step is done
-            log.warning("drafter health not recorded: %s", e)
 
     def wait_sessions_stopped(self, timeout_s: float = 15.0) -> float:
         """The RL trainer owns every GPU now: wait until every lent GPU is back (TailspecClient.wait_reclaimed:
         no GPU lent or reclaiming, every session process ended). Returns the seconds waited."""
         return self.client.wait_reclaimed(timeout_s).waited_s
-
-    def publish_rollout_stats(self, row: StepRow) -> None:
-        stats = state.RolloutStats(
-            worker="all", step=row.step, tokens=row.tokens, seconds=row.rollout_time_s,
-            target_forwards=int(row.tokens / max(row.acceptance_length, 1e-9)),
-            drafted=0, accepted=0, acceptance_length=row.acceptance_length, strategy_mix=row.strategy_mix,
-            drafter_version=row.drafter_version, ts=time.time())
-        try:
-            state.append(self.r, state.key(self.cluster, "rollout_stats"), stats)
-        except Exception as e:
-            log.warning("rollout stats not published: %s", e)
 
     # -- the whole run -------------------------------------------------------------------------------------
     def run(self, on_row=None, on_progress=None) -> list[StepRow]:
@@ -564,50 +402,32 @@ class Demo:
                 self.seed_version_store()
             self.wait_warm_sessions()
             self.warm_up_workers(on_progress)
-            metrics = open(self.run_dir / "metrics.jsonl", "w")
-            for step in range(self.o.steps):
-                row = self.step(step, on_progress)
-                self.rows.append(row)
-                metrics.write(json.dumps(asdict(row)) + "\n")
-                metrics.flush()
-                if on_row is not None:
-                    on_row(row)
-            metrics.close()
+            with open(self.run_dir / "metrics.jsonl", "w") as metrics:
+                for step in range(self.o.steps):
+                    row = self.step(step, on_progress)
+                    self.rows.append(row)
+                    metrics.write(json.dumps(asdict(row)) + "\n")
+                    metrics.flush()
+                    if on_row is not None:
+                        on_row(row)
             if self.o.export and self.o.mode != "nospec":
                 self.export()
             from tailspec.demo.report import read_timeline
 
             self.timeline = read_timeline(self.r, self.cluster)
-            self.promotions = self.count_promotions()
+            self.promotions = count_promotions(self.r, self.cluster)
         finally:
             self.stop_services()
         return self.rows
 
-    def count_promotions(self) -> int:
-        """Co-trained versions promoted during the run (the bootstrap drafter, version 1, is not one)."""
-        key = state.key(self.cluster, "drafter_versions")
-        versions = [state.decode(state.DrafterVersion, raw, where=key) for raw in self.r.lrange(key, 0, -1)]
-        return sum(1 for v in versions if v.promoted and v.session_id != BOOTSTRAP_SESSION)
-
-    def seed_version_store(self) -> None:
-        """Version 1 = the bootstrap drafter, promoted; sessions continue from its weights."""
-        from tailspec.demo.bootstrap import seed_store
-
-        seed_store(self.frozen_path, self.cfg, self.r)
-
     def export(self) -> None:
-        from tailspec.drafter_trainer.export import export
+        from tailspec.drafter_trainer.export import ExportError, export
         from tailspec.drafter_trainer.model import Eagle3Drafter
 
-        path, version = self.frozen_path, 0
-        if self.o.mode == "cotrained":
-            cur = state.get(self.r, state.key(self.cluster, "drafter_current"), state.DrafterVersion)
-            if cur is not None:
-                path, version = cur.path, cur.version
+        cur = self.current_drafter()
+        path, version = (self.frozen_path, 0) if cur is None else (cur.path, cur.version)
         drafter = Eagle3Drafter.load(path, self.model.get_input_embeddings())
         meta = {"drafter_version": version, "policy_version": self.policy_version, "run": str(self.run_dir)}
-        from tailspec.drafter_trainer.export import ExportError
-
         for fmt in ("eagle3", "hf"):
             try:
                 export(drafter, self.run_dir / "export" / fmt, fmt=fmt, meta=meta)

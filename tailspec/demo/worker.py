@@ -3,7 +3,7 @@
 It stands where a verl / NeMo-RL rollout worker stands: it takes a batch of prompts, generates with the
 current policy and drafter, reports progress to tailspec through the client while it decodes (so the
 scheduler sees it drain), and hands tokens + the logprobs of the distribution it sampled from back to the RL
-loop. Work and results travel as JSON through Redis lists (state keys `demo_work` / `demo_results`), never
+loop. Work and results travel as JSON through Redis lists (tailspec.demo.protocol), never
 pickle. Each work item carries the run's `rollout` config section, and the worker builds its engine from it:
 selector, k, k_max, epsilon, max_batch, max_seq_len, dtype, drafter kind, and a CUDA graph pool for the verify
 forward when `rollout.cuda_graphs` is on and CUDA is present (CUDA device `gpu` when there is one).
@@ -21,7 +21,7 @@ from collections import Counter
 import torch
 
 from tailspec.core import state
-from tailspec.core.state import WorkItem, WorkOutput, WorkResult
+from tailspec.demo.protocol import WorkItem, WorkOutput, WorkResult, results_key, work_key
 
 log = logging.getLogger("tailspec.demo.worker")
 
@@ -243,15 +243,14 @@ class Worker:
 
     def serve(self) -> None:
         parent = os.getppid()
-        work_key = state.key(self.cluster, "demo_work", worker=self.name)
-        results_key = state.key(self.cluster, "demo_results")
+        wkey, rkey = work_key(self.cluster, self.name), results_key(self.cluster)
         self.client.report_progress(self.name, [self.gpu], active=0, finished=0, phase="idle")
         while os.getppid() == parent:  # the demo died → stop instead of idling forever
-            got = self.r.blpop([work_key], timeout=1)
+            got = self.r.blpop([wkey], timeout=1)
             if got is None:
                 continue
             try:
-                item = state.decode(WorkItem, got[1], where=work_key)
+                item = state.decode(WorkItem, got[1], where=wkey)
             except state.StateError as e:
                 log.error("dropping malformed work item: %s", e)
                 continue
@@ -263,7 +262,7 @@ class Worker:
                 log.exception("rollout failed")
                 result = WorkResult(worker=self.name, step=item.step, outputs=[], started_at=time.time(),
                                     finished_at=time.time(), error=f"{type(e).__name__}: {e}")
-            self.r.rpush(results_key, state.encode(result))
+            self.r.rpush(rkey, state.encode(result))
         self.client.close()
 
 
