@@ -1,0 +1,86 @@
+"""The drafter health guard (rollout/health_guard.py): a broken drafter trips it within one window, a healthy
+one with noisy acceptance does not, and speculation comes back only with another version."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tailspec.rollout.health_guard import GuardPolicy, HealthGuard
+
+
+def run_window(g: HealthGuard, rng, p_accept: float, k: int = 4, rows: int = 8, steps: int = 16):
+    """Steps whose per-row acceptance is the run length of Bernoulli(p) draft acceptances (what speculative
+    sampling produces for a drafter whose every draft is accepted with probability p)."""
+    verdict = None
+    for _ in range(steps):
+        acc = 0
+        for _ in range(rows):
+            n = 0
+            while n < k and rng.random() < p_accept:
+                n += 1
+            acc += n
+        verdict = g.observe(k, rows, acc) or verdict
+    return verdict
+
+
+def test_a_broken_drafter_trips_within_one_window_and_speculation_stays_off_until_another_version():
+    g = HealthGuard(GuardPolicy(window_steps=16))
+    g.arm(version=3, validated=2.6, event="reload")
+    rng = np.random.default_rng(0)
+    v = run_window(g, rng, p_accept=0.0)
+    assert v is not None and v.tripped and v.steps == 16 and v.version == 3 and v.event == "reload"
+    assert "floor" in v.reason and "v3 broken after reload" in v.message()
+    assert not g.speculate
+    g.arm(version=3, validated=2.6, event="policy_sync")  # a sync does not repair the same drafter
+    assert not g.speculate and not g.watching
+    g.arm(version=4, validated=2.5, event="reload")  # a new version gets its chance
+    assert g.speculate
+    v = run_window(g, rng, p_accept=0.7)
+    assert v is not None and not v.tripped and g.speculate
+
+
+def test_far_below_the_validated_gain_trips_even_above_the_floor():
+    g = HealthGuard(GuardPolicy(window_steps=8, floor=1.05, min_gain_share=0.5))
+    g.arm(version=7, validated=3.0, event="policy_sync")  # validated gain 2.0
+    v = run_window(g, np.random.default_rng(1), p_accept=0.3, steps=8)  # live gain ~0.4: above the floor
+    assert v is not None and v.tripped and v.live > 1.05 and "validated gain" in v.reason
+
+
+def test_noisy_healthy_drafters_never_trip_and_broken_ones_always_do():
+    """200 windows each: a healthy drafter (p = 0.6, expected length ~2.3 at k = 4, validated at its own mean)
+    never trips; a broken one (p = 0.02) always does."""
+    rng = np.random.default_rng(2)
+    expected = 1 + sum(0.6 ** j for j in range(1, 5))
+    false_trips = missed = 0
+    for trial in range(200):
+        g = HealthGuard()
+        g.arm(version=trial, validated=expected, event="load")
+        false_trips += run_window(g, rng, 0.6).tripped
+        g = HealthGuard()
+        g.arm(version=trial, validated=expected, event="load")
+        missed += not run_window(g, rng, 0.02).tripped
+    assert false_trips == 0 and missed == 0
+
+
+def test_plain_decoding_steps_are_not_evidence_and_an_unarmed_guard_does_nothing():
+    g = HealthGuard(GuardPolicy(window_steps=2))
+    assert g.observe(4, 8, 0) is None and g.speculate  # not armed
+    g.arm(None, None, "load")
+    assert g.observe(0, 8, 0) is None and g.observe(4, 0, 0) is None
+    assert g.observe(4, 8, 16) is None
+    v = g.observe(4, 8, 16)
+    assert v is not None and not v.tripped and v.live == pytest.approx(3.0) and v.validated is None
+
+
+def test_bad_counts_and_bad_policies_are_refused_by_name():
+    g = HealthGuard()
+    g.arm(1, 2.0, "load")
+    with pytest.raises(ValueError, match="accepted"):
+        g.observe(2, 4, 9)
+    with pytest.raises(ValueError, match="window_steps"):
+        GuardPolicy(window_steps=0)
+    with pytest.raises(ValueError, match="floor"):
+        GuardPolicy(floor=0.5)
+    with pytest.raises(ValueError, match="min_gain_share"):
+        GuardPolicy(min_gain_share=1.5)
