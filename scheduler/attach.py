@@ -66,7 +66,8 @@ class _SchedulerActor:
         self._thread.start()
 
     def ping(self) -> dict[str, Any]:
-        return {"ticks": self.sched.ticks, "errors": self.sched.errors, "live": sorted(self.sched.live)}
+        return {"ticks": self.sched.ticks, "errors": self.sched.errors, "live": sorted(self.sched.live),
+                "role": self.sched.role if self.sched.ticks else "starting", "epoch": self.sched.epoch, "holder": self.sched.holder}
 
     def where(self) -> dict[str, dict[str, Any]]:
         """Placement of every live session actor: node id, CUDA_VISIBLE_DEVICES, pid."""

@@ -8,6 +8,13 @@ holder got the GPU.
 
 Renewal also requires the scheduler's heartbeat key to exist: if the scheduler dies, its heartbeat
 expires and every session's next renewal fails — sessions stop on their own within one TTL.
+
+Leader fencing (scheduler/leader.py): the scheduler lends and revokes with its leader epoch, and the
+scripts refuse (LeaderLost) unless the leader key carries that epoch, so a deposed leader that wakes up
+cannot lend a GPU. A lease records the epoch that granted it and is renewable — by its session or by the
+scheduler — only while that epoch leads: a new leader's take-over ends every earlier leader's leases
+within one lease TTL, whoever still tries to renew them. Releasing one's own lease is not fenced: it
+only gives a GPU back early.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ EXPIRED = -1  # no lease any more (expired or revoked and deleted)
 STALE = -2  # another holder's token is on the GPU now
 REVOKED = -3  # the scheduler flagged this token for revocation
 NO_SCHEDULER = -4  # scheduler heartbeat gone
+DEPOSED = -5  # the leader epoch that granted the lease no longer leads
 
 REASONS = {
     RENEWED: "renewed",
@@ -32,18 +40,49 @@ REASONS = {
     STALE: "stale fencing token",
     REVOKED: "revoked",
     NO_SCHEDULER: "scheduler heartbeat lost",
+    DEPOSED: "leader changed",
 }
 
-# KEYS: lease, revoke flag, heartbeat. ARGV: token, ttl_ms, require_heartbeat (1/0).
-_RENEW = """
+
+class LeaderLost(RuntimeError):
+    """A fenced scheduler write was refused: the leader key no longer carries the writer's epoch."""
+
+
+# Lua: true when the leader key (KEYS[n]) carries epoch `e`. A missing or malformed leader key is no match.
+_LEADS = """
+local function leads(leader_key, e)
+  local l = redis.call('GET', leader_key)
+  if not l then return false end
+  local ok, rec = pcall(cjson.decode, l)
+  return ok and type(rec) == 'table' and tonumber(rec['epoch']) == tonumber(e)
+end
+"""
+
+# KEYS: lease, revoke flag, heartbeat, leader. ARGV: token, ttl_ms, require_heartbeat (1/0).
+# A lease granted under a leader epoch renews only while that epoch leads.
+_RENEW = _LEADS + """
 if redis.call('GET', KEYS[2]) == ARGV[1] then return -3 end
 local v = redis.call('GET', KEYS[1])
 if not v then return -1 end
 local ok, lease = pcall(cjson.decode, v)
 if not ok or tonumber(lease['token']) ~= tonumber(ARGV[1]) then return -2 end
+if type(lease['epoch']) == 'number' and not leads(KEYS[4], lease['epoch']) then return -5 end
 if ARGV[3] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then return -4 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
+"""
+
+# KEYS: lease, fence counter, leader. ARGV: lease JSON without token, px_ms, epoch ('' = unfenced).
+# Returns the granted lease's JSON, 0 when the GPU is leased, -1 when `epoch` does not lead.
+_ACQUIRE = _LEADS + """
+if ARGV[3] ~= '' and not leads(KEYS[3], ARGV[3]) then return -1 end
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local lease = cjson.decode(ARGV[1])
+lease['token'] = redis.call('INCR', KEYS[2])
+if ARGV[3] ~= '' then lease['epoch'] = tonumber(ARGV[3]) end
+local s = cjson.encode(lease)
+redis.call('SET', KEYS[1], s, 'PX', ARGV[2])
+return s
 """
 
 # KEYS: lease. ARGV: token. Deletes the lease only if it carries this token.
@@ -58,9 +97,15 @@ end
 return 0
 """
 
-# KEYS: lease, revoke flag. ARGV: token, flag ttl_ms. Flags the token, then releases (deletes the lease if it
-# is still that token's). Returns 1 if a lease was deleted.
-_REVOKE = "redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])\n" + _RELEASE
+# KEYS: lease, revoke flag, leader. ARGV: token, flag ttl_ms, epoch ('' = unfenced). Flags the token, then
+# releases (deletes the lease if it is still that token's). Returns 1 if a lease was deleted, -1 (and writes
+# nothing) when `epoch` does not lead.
+_REVOKE = (
+    _LEADS
+    + "if ARGV[3] ~= '' and not leads(KEYS[3], ARGV[3]) then return -1 end\n"
+    + "redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])\n"
+    + _RELEASE
+)
 
 # KEYS: lease, target. ARGV: token, value, px_ms (0 = no expiry). Writes only while the token holds the lease.
 _FENCED_SET = """
@@ -86,6 +131,7 @@ class Leases:
 
     def __post_init__(self) -> None:
         self._renew = self.r.register_script(_RENEW)
+        self._acquire = self.r.register_script(_ACQUIRE)
         self._revoke = self.r.register_script(_REVOKE)
         self._release = self.r.register_script(_RELEASE)
         self._fenced_set = self.r.register_script(_FENCED_SET)
@@ -96,31 +142,49 @@ class Leases:
             state.key(self.cluster, "revoke", node=node, gpu=gpu),
         )
 
-    def acquire(self, node: str, gpu: int, holder: str, ttl_s: float) -> Lease | None:
-        """Grant a new lease with a fresh fencing token, or None if the GPU is already leased."""
-        lease_key, _ = self._keys(node, gpu)
-        if self.r.exists(lease_key):  # saves a token when the answer is obviously no
-            return None
-        token = int(self.r.incr(state.key(self.cluster, "fence")))
-        lease = Lease(node=node, gpu=gpu, token=token, holder=holder, granted_at=time.time(), ttl_s=ttl_s)
-        if self.r.set(lease_key, state.encode(lease), nx=True, px=_ms(ttl_s)):
-            return lease
-        return None
+    @property
+    def _leader_key(self) -> str:
+        return state.key(self.cluster, "leader")
 
-    def renew(self, node: str, gpu: int, token: int, ttl_s: float, require_heartbeat: bool = True) -> int:
-        """Extend the lease by ttl_s if `token` still holds it; returns RENEWED or a negative reason code."""
+    def acquire(self, node: str, gpu: int, holder: str, ttl_s: float, epoch: int | None = None) -> Lease | None:
+        """Grant a new lease with a fresh fencing token, or None if the GPU is already leased. With `epoch`
+        (the scheduler always passes its own) the grant happens only while that leader epoch leads, else
+        LeaderLost; the lease records the epoch."""
+        lease_key, _ = self._keys(node, gpu)
+        template = {"node": node, "gpu": gpu, "holder": holder, "granted_at": time.time(), "ttl_s": ttl_s}
+        out = self._acquire(
+            keys=[lease_key, state.key(self.cluster, "fence"), self._leader_key],
+            args=[state.encode_dict(template), _ms(ttl_s), _epoch_arg(epoch)],
+        )
+        if out == -1:
+            raise LeaderLost(f"epoch {epoch} does not lead cluster {self.cluster}: lend of {node}:{gpu} refused")
+        if out == 0:
+            return None
+        return state.decode(Lease, out, where=lease_key)
+
+    def renew(self, node: str, gpu: int, token: int, ttl_s: float, require_heartbeat: bool = True,
+              client: Any = None) -> Any:
+        """Extend the lease by ttl_s if `token` still holds it (and, for a lease granted under a leader epoch,
+        that epoch still leads); returns RENEWED or a negative reason code. `client`: a pipeline to queue the
+        call on (the result then comes with the pipeline's)."""
         lease_key, revoke_key = self._keys(node, gpu)
         hb = state.key(self.cluster, "scheduler_heartbeat")
-        return int(
-            self._renew(
-                keys=[lease_key, revoke_key, hb], args=[token, _ms(ttl_s), "1" if require_heartbeat else "0"]
-            )
+        out = self._renew(
+            keys=[lease_key, revoke_key, hb, self._leader_key],
+            args=[token, _ms(ttl_s), "1" if require_heartbeat else "0"],
+            client=client,
         )
+        return out if client is not None else int(out)
 
-    def revoke(self, node: str, gpu: int, token: int, flag_ttl_s: float = 60.0) -> bool:
-        """Flag `token` as revoked and delete its lease; True if the lease was still there."""
+    def revoke(self, node: str, gpu: int, token: int, flag_ttl_s: float = 60.0, epoch: int | None = None) -> bool:
+        """Flag `token` as revoked and delete its lease; True if the lease was still there. With `epoch`,
+        only while that leader epoch leads, else LeaderLost and nothing is written."""
         lease_key, revoke_key = self._keys(node, gpu)
-        return bool(self._revoke(keys=[lease_key, revoke_key], args=[token, _ms(flag_ttl_s)]))
+        out = int(self._revoke(keys=[lease_key, revoke_key, self._leader_key],
+                               args=[token, _ms(flag_ttl_s), _epoch_arg(epoch)]))
+        if out == -1:
+            raise LeaderLost(f"epoch {epoch} does not lead cluster {self.cluster}: revoke of {node}:{gpu} refused")
+        return bool(out)
 
     def release(self, node: str, gpu: int, token: int) -> bool:
         """Delete the lease if `token` holds it (a holder giving the GPU back)."""
@@ -137,6 +201,10 @@ class Leases:
         """SET target_key only while `token` holds the GPU's lease (a stale holder's write is refused)."""
         lease_key, _ = self._keys(node, gpu)
         return bool(self._fenced_set(keys=[lease_key, target_key], args=[token, value, px_ms]))
+
+
+def _epoch_arg(epoch: int | None) -> str:
+    return "" if epoch is None else str(int(epoch))
 
 
 def _ms(seconds: float) -> int:

@@ -6,6 +6,13 @@ runs `IdleDetector.tick`, and executes its actions: lend (fenced lease + session
 dashboards' keys filled: gpu_status + history:status on every transition, counters (idle/lent
 GPU-seconds, sessions started/stopped/preempted), events, and the heartbeat that sessions' lease
 renewals require — so a dead scheduler means every session stops within one lease TTL.
+
+Any number of schedulers may run per cluster; one leads (scheduler/leader.py). Every tick starts by
+renewing the leader key, or, on a standby, by trying to take it. A standby's tick writes nothing else;
+only the leader reads the cluster state and acts, and its lends, revokes and lease renewals carry its
+epoch, which the lease scripts check (scheduler/leases.py). A scheduler that loses its term forgets its
+GPU state machines and stands by; its sessions stop at their next renewal (refused: "leader changed")
+and their leases expire within one lease TTL.
 """
 
 from __future__ import annotations
@@ -13,11 +20,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tailspec.scheduler.idle import Action, IdleDetector
-from tailspec.scheduler.leases import Leases
+from tailspec.scheduler.leader import LeaderElection
+from tailspec.scheduler.leases import LeaderLost, Leases
 from tailspec.scheduler.session import SessionContext
 
 from tailspec.core import state
@@ -44,6 +52,14 @@ def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
+@dataclass(frozen=True)
+class Inherited:
+    """What a new leader found on the GPUs at its take-over."""
+
+    revoked: int  # leases granted outside any leader epoch: nobody would stop their sessions, revoked at once
+    expiring: int  # leases of earlier epochs: unrenewable now (leases.DEPOSED), left to expire within one TTL
+
+
 @dataclass
 class Scheduler:
     cfg: TailspecConfig
@@ -51,6 +67,7 @@ class Scheduler:
     dispatcher: Any
     redis_url: str | None = None  # what sessions connect to (defaults to cfg.cluster.redis_url)
     require_heartbeat: bool = True
+    holder: str = ""  # this instance's name in the leader key (default: node, pid, random suffix)
     bad_payloads: int = 0
     errors: int = 0
     ticks: int = 0
@@ -59,7 +76,22 @@ class Scheduler:
     def __post_init__(self) -> None:
         sc = self.cfg.scheduler
         self.c = self.cfg.cluster.name
-        self.detector = IdleDetector(
+        self.detector = self._new_detector()
+        self.leases = Leases(self.r, self.c)
+        self.election = LeaderElection(
+            self.r, self.c, self.cfg.cluster.node, sc.leader_ttl_s, heartbeat_px=self._heartbeat_px(),
+            holder=self.holder,
+        )
+        self.holder = self.election.holder
+        # Sessions started in a term this instance lost: session id → when to stop them if still running.
+        self.orphans: dict[str, float] = {}
+        self._role_logged: str | None = None
+        self._reset_term_state()
+        self._stop = threading.Event()
+
+    def _new_detector(self) -> IdleDetector:
+        sc = self.cfg.scheduler
+        return IdleDetector(
             util_threshold=sc.idle_util_threshold,
             window_s=sc.idle_window_s,
             startup_s=sc.session_startup_s,
@@ -68,13 +100,30 @@ class Scheduler:
             require_release=sc.require_release,
             min_free_bytes=int(sc.min_free_mem_gib * (1 << 30)),
         )
-        self.leases = Leases(self.r, self.c)
+
+    def _reset_term_state(self) -> None:
+        """What a term's decisions rest on, fresh: a leader starts from what it observes itself."""
         self._published: dict[tuple[str, int], tuple[GpuState, float]] = {}
         self._last_tick: float | None = None
         self._last_renew = float("-inf")
         self._last_flush = float("-inf")
         self._idle_acc = self._lent_acc = 0.0
-        self._stop = threading.Event()
+
+    def _heartbeat_px(self) -> int:
+        # Expires before one lease TTL is over, so sessions' renewals fail within one TTL of the leader's death.
+        return max(50, int(self.cfg.scheduler.lease_ttl_s * 750))
+
+    @property
+    def leading(self) -> bool:
+        return self.election.leading
+
+    @property
+    def epoch(self) -> int | None:
+        return self.election.epoch
+
+    @property
+    def role(self) -> str:
+        return "leader" if self.leading else "standby"
 
     # -- state snapshot ------------------------------------------------------------------------
     def _bad(self, where: str, err: Exception) -> None:
@@ -127,27 +176,88 @@ class Scheduler:
                 self._bad(f"gpu:{k[0]}:{k[1]}", e)
         return phase, progress, telemetry
 
-    # -- lifecycle -----------------------------------------------------------------------------
-    def recover(self) -> int:
-        """Revoke leases left by a previous scheduler incarnation: nobody would renew or stop them."""
-        n = 0
-        for k in self.r.scan_iter(match=f"tailspec:{self.c}:lease:*", count=200):
+    # -- leadership ----------------------------------------------------------------------------
+    def recover(self) -> Inherited:
+        """At a take-over: leases of earlier epochs are left to expire (the renew script refuses them now, so
+        their sessions stop at their next renewal and the GPU is not lent again before the lease is gone);
+        leases granted outside any epoch are revoked, as nothing else would end them. Leader only."""
+        if not self.leading:
+            raise LeaderLost(f"scheduler {self.holder} does not lead cluster {self.c}")
+        revoked = expiring = 0
+        for k in self.r.scan_iter(match=state.key(self.c, "lease", node="*", gpu="*"), count=200):
             try:
                 lease = state.get(self.r, _s(k), Lease)
             except StateError:
                 self.r.delete(k)
                 continue
-            if lease is not None:
-                self.leases.revoke(lease.node, lease.gpu, lease.token)
-                self._event(
-                    "lease_revoked",
-                    lease.node,
-                    lease.gpu,
-                    token=lease.token,
-                    reason="left by a previous scheduler",
-                )
-                n += 1
-        return n
+            if lease is None or lease.epoch == self.epoch:
+                continue
+            if lease.epoch is not None:
+                expiring += 1
+                continue
+            self.leases.revoke(lease.node, lease.gpu, lease.token, epoch=self.epoch)
+            self._event("lease_revoked", lease.node, lease.gpu, token=lease.token,
+                        reason="granted outside any leader epoch")
+            revoked += 1
+        return Inherited(revoked=revoked, expiring=expiring)
+
+    def _hold_lead(self, now: float) -> None:
+        """Renew this instance's term or try to take one; act on a term lost or won."""
+        before = self.election.epoch
+        try:
+            self.election.hold()
+        finally:  # a renewal refused, then a failed attempt to take the key again: the term is still lost
+            if before is not None and self.election.epoch != before:
+                self._lose_term(before, now)
+        if self.leading and self.election.epoch != before:
+            self._take_over(now)
+        self._log_role()
+
+    def _lose_term(self, epoch: int, now: float) -> None:
+        """Deposed (paused or cut off past the leader TTL, and another instance took the key): forget the
+        term's state. Its sessions are refused at their next renewal; their processes are stopped by the
+        backstop if still running after one lease TTL and the stop deadline."""
+        log.warning("scheduler %s: lost the lead of cluster %s (epoch %d); standing by", self.holder, self.c, epoch)
+        sc = self.cfg.scheduler
+        for sid in self.live:
+            self.orphans[sid] = now + sc.lease_ttl_s + sc.stop_deadline_s
+        self.live.clear()
+        self.detector = self._new_detector()
+        self._reset_term_state()
+
+    def _take_over(self, now: float) -> None:
+        self._reset_term_state()
+        self.detector = self._new_detector()
+        found: dict[str, int] = {}
+        try:
+            found = asdict(self.recover())
+        except LeaderLost:
+            raise
+        except Exception as e:  # Redis blip: earlier epochs' leases are fenced by the renew script anyway
+            log.warning("scheduler %s: take-over scan failed: %s", self.holder, e)
+        self._event("leader_elected", None, None, epoch=self.epoch, holder=self.holder, **found)
+        log.info("scheduler %s: leads cluster %s (epoch %d); earlier leases: %s", self.holder, self.c,
+                 self.epoch, found or "not scanned")
+
+    def _log_role(self) -> None:
+        if self.role == self._role_logged:
+            return
+        self._role_logged = self.role
+        if not self.leading:
+            ld = self.election.leader
+            log.info("scheduler %s: standing by for cluster %s (leader %s, epoch %s)", self.holder, self.c,
+                     ld.holder if ld else "none", ld.epoch if ld else "-")
+
+    def _reap_orphans(self, ended: set[str], now: float) -> None:
+        """Sessions of a lost term: forget them when they end; stop them past their deadline."""
+        for sid, deadline in list(self.orphans.items()):
+            if sid in ended:
+                self.dispatcher.forget(sid)
+                del self.orphans[sid]
+            elif now >= deadline:
+                self.dispatcher.stop(sid)
+
+    # -- lifecycle -----------------------------------------------------------------------------
 
     def _event(self, kind: str, node: str | None, gpu: int | None, pipe: Any = None, **detail: Any) -> None:
         ev = Event(kind=kind, node=node, gpu=gpu, detail=detail)  # type: ignore[arg-type]
@@ -158,19 +268,26 @@ class Scheduler:
             approximate=True,
         )
 
-    def heartbeat(self, pipe: Any) -> None:
-        # Expires before one TTL is over, so sessions' renewals fail within one TTL of our death.
-        pipe.set(
-            state.key(self.c, "scheduler_heartbeat"),
-            repr(time.time()),
-            px=max(50, int(self.cfg.scheduler.lease_ttl_s * 750)),
-        )
-
     # -- one tick ------------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> list[Action]:
+        """Hold the lead (renewal writes the sessions' heartbeat) or try to take it; lead if leading."""
         now = time.time() if now is None else now
+        try:
+            self._hold_lead(now)
+            ended = self.dispatcher.poll()
+            self._reap_orphans(ended, now)
+            self.ticks += 1
+            return self._lead(now, ended) if self.leading else []
+        except LeaderLost as e:  # deposed since this tick's renewal: the refused write and the rest are dropped
+            log.warning("scheduler %s: %s", self.holder, e)
+            epoch, self.election.epoch = self.election.epoch, None
+            if epoch is not None:
+                self._lose_term(epoch, now)
+            self._log_role()
+            return []
+
+    def _lead(self, now: float, ended: set[str]) -> list[Action]:
         phase, progress, telemetry = self.snapshot()
-        ended = self.dispatcher.poll()
         sc = self.cfg.scheduler
         # GPU-seconds over the interval since the last tick, by the states held during it.
         dt = 0.0 if self._last_tick is None else min(max(0.0, now - self._last_tick), 1.0)
@@ -183,6 +300,8 @@ class Scheduler:
         for a in actions:
             try:
                 self._execute(a, now, phase, pipe)
+            except LeaderLost:
+                raise
             except Exception as e:  # one failed action must not stop the loop (Redis blips, dispatch errors)
                 self.errors += 1
                 log.warning("scheduler: %s on %s:%d failed: %s", a.kind, a.node, a.gpu, e)
@@ -193,24 +312,16 @@ class Scheduler:
             self._last_renew = now
         for m in self.detector.machines.values():
             if renew and m.state == GpuState.LENT and m.lease_token is not None:
-                self.leases._renew(
-                    keys=[
-                        state.key(self.c, "lease", node=m.node, gpu=m.gpu),
-                        state.key(self.c, "revoke", node=m.node, gpu=m.gpu),
-                        state.key(self.c, "scheduler_heartbeat"),
-                    ],
-                    args=[m.lease_token, int(sc.lease_ttl_s * 1000), "0"],
-                    client=pipe,
-                )
+                # Fenced by the lease's epoch: refused once this term is over.
+                self.leases.renew(m.node, m.gpu, m.lease_token, sc.lease_ttl_s, require_heartbeat=False,
+                                  client=pipe)
         self._publish_status(now, pipe)
         self._idle_acc += dt * n_idle
         self._lent_acc += dt * n_lent
         if now - self._last_flush >= COUNTER_FLUSH_S or actions:  # dashboards need ~4 Hz, not 20 Hz
             self._flush_counters(pipe)
             self._last_flush = now
-        self.heartbeat(pipe)
         pipe.execute()
-        self.ticks += 1
         return actions
 
     def _flush_counters(self, pipe: Any) -> None:
@@ -228,7 +339,7 @@ class Scheduler:
             self._event("gpu_idle", a.node, a.gpu, pipe, detect_latency_s=a.latency_s)
         elif a.kind == "lend":
             holder = f"scheduler@{self.c}"
-            lease = self.leases.acquire(a.node, a.gpu, holder, sc.lease_ttl_s)
+            lease = self.leases.acquire(a.node, a.gpu, holder, sc.lease_ttl_s, epoch=self.epoch)
             if lease is None:
                 return  # someone else's lease is still live (it expires within one TTL); retry next tick
             sid = f"{a.node}-g{a.gpu}-t{lease.token}"
@@ -293,7 +404,7 @@ class Scheduler:
             self._event("session_started", a.node, a.gpu, pipe, session_id=sid, token=lease.token)
         elif a.kind == "revoke":
             assert a.token is not None
-            self.leases.revoke(a.node, a.gpu, a.token, flag_ttl_s=max(60.0, 10 * sc.lease_ttl_s))
+            self.leases.revoke(a.node, a.gpu, a.token, flag_ttl_s=max(60.0, 10 * sc.lease_ttl_s), epoch=self.epoch)
             if a.session_id is not None and self._still_starting(a.session_id):
                 # Not training yet (still importing / loading): nothing to save, cancel it now
                 # instead of waiting for a lease check it has not reached (see LocalDispatcher.cancel).
@@ -403,10 +514,6 @@ class Scheduler:
     # -- loop ----------------------------------------------------------------------------------
     def serve(self, stop: threading.Event | None = None) -> None:
         stop = stop or self._stop
-        try:
-            self.recover()
-        except Exception as e:
-            log.warning("scheduler: recovery scan failed: %s", e)
         period = self.cfg.scheduler.tick_s
         next_t = time.monotonic()
         while not stop.is_set():
@@ -426,27 +533,30 @@ class Scheduler:
         self._stop.set()
 
     def shutdown(self) -> None:
-        """Revoke every lease and stop every session (clean exit)."""
-        try:
-            pipe = self.r.pipeline(transaction=False)
-            self._flush_counters(pipe)
-            pipe.execute()
-        except Exception:
-            pass
-        for sid, (node, gpu, token) in list(self.live.items()):
+        """Clean exit: a leader revokes every lease it granted, stops its sessions and gives the leader key
+        up (a standby takes over at its next tick); a standby only stops its own processes."""
+        if self.leading:
             try:
-                self.leases.revoke(node, gpu, token)
+                pipe = self.r.pipeline(transaction=False)
+                self._flush_counters(pipe)
+                pipe.execute()
             except Exception:
                 pass
+        for sid, (node, gpu, token) in list(self.live.items() if self.leading else []):
+            try:
+                self.leases.revoke(node, gpu, token, epoch=self.epoch)
+            except Exception:  # deposed or Redis gone: the lease is refused renewal or expires anyway
+                pass
         self.dispatcher.shutdown()
-        for sid in list(self.live):
+        for sid in [*self.live, *self.orphans]:
             try:
                 self._finalize_record(sid, "scheduler shut down")
             except Exception:
                 pass
         self.live.clear()
+        self.orphans.clear()
         try:
-            self.r.delete(state.key(self.c, "scheduler_heartbeat"))
+            self.election.release()
         except Exception:
             pass
 

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from tailspec.core import state
-from tailspec.core.state import GpuStatus, GpuTelemetry, Lease, PhaseInfo, SessionInfo, StateError
+from tailspec.core.state import (
+    GpuStatus,
+    GpuTelemetry,
+    Lease,
+    PhaseInfo,
+    SchedulerLeader,
+    SessionInfo,
+    StateError,
+)
 
 
 @dataclass
@@ -41,6 +49,7 @@ class Snapshot:
     counters: dict[str, float]
     heartbeat_age_s: float | None
     last_decline: str | None = None  # "node0:gpu1 session … declined: needs …" (the memory handshake)
+    leader: SchedulerLeader | None = None  # the leading scheduler (others stand by)
 
     @property
     def simulated(self) -> bool:
@@ -67,6 +76,7 @@ def gather(r: Any, cluster: str) -> Snapshot:
     pipe.get(state.key(cluster, "phase"))
     pipe.hgetall(state.key(cluster, "counters"))
     pipe.get(state.key(cluster, "scheduler_heartbeat"))
+    pipe.get(state.key(cluster, "leader"))
     for node, g in gpus:
         pipe.get(state.key(cluster, "telemetry", node=node, gpu=g))
         pipe.get(state.key(cluster, "gpu_status", node=node, gpu=g))
@@ -80,12 +90,13 @@ def gather(r: Any, cluster: str) -> Snapshot:
             hb_age = max(0.0, time.time() - float(raw[2]))
         except ValueError:
             pass
+    leader: SchedulerLeader | None = _safe(SchedulerLeader, raw[3])
     partial = []
     sids = []
     for i, (node, g) in enumerate(gpus):
-        t: GpuTelemetry | None = _safe(GpuTelemetry, raw[3 + 3 * i])
-        st: GpuStatus | None = _safe(GpuStatus, raw[4 + 3 * i])
-        lease: Lease | None = _safe(Lease, raw[5 + 3 * i])
+        t: GpuTelemetry | None = _safe(GpuTelemetry, raw[4 + 3 * i])
+        st: GpuStatus | None = _safe(GpuStatus, raw[5 + 3 * i])
+        lease: Lease | None = _safe(Lease, raw[6 + 3 * i])
         sid = st.session_id if st and st.session_id else None
         partial.append((node, g, t, st, lease, sid))
         sids.append(sid)
@@ -119,7 +130,8 @@ def gather(r: Any, cluster: str) -> Snapshot:
                 session_loss=info.loss if info else None,
             )
         )
-    return Snapshot(phase, rows, counters, hb_age, _last_decline(r, cluster) if counters.get("sessions_declined") else None)
+    decline = _last_decline(r, cluster) if counters.get("sessions_declined") else None
+    return Snapshot(phase, rows, counters, hb_age, decline, leader)
 
 
 def _last_decline(r: Any, cluster: str, look_back: int = 500) -> str | None:
@@ -161,6 +173,9 @@ def _header(snap: Snapshot, cluster: str) -> list[str]:
         f"scheduler heartbeat: {snap.heartbeat_age_s:.1f}s ago"
         if snap.heartbeat_age_s is not None
         else "scheduler: not running",
+        f"leader {snap.leader.holder} (epoch {snap.leader.epoch}); other schedulers stand by"
+        if snap.leader is not None
+        else "leader: none",
         f"idle {idle:.1f} GPU-s, lent {lent:.1f} GPU-s, reclaimed {lent / idle:.0%}"
         if idle > 0
         else f"idle {idle:.1f} GPU-s, lent {lent:.1f} GPU-s",

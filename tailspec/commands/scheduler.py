@@ -73,7 +73,8 @@ def _run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(
         f"tailspec scheduler: cluster {cfg.cluster.name}, node {cfg.cluster.node}, "
-        f"telemetry {cfg.scheduler.telemetry}, sessions {cfg.scheduler.session_entry}",
+        f"telemetry {cfg.scheduler.telemetry}, sessions {cfg.scheduler.session_entry}; leads or stands by "
+        f"(leader TTL {cfg.scheduler.leader_ttl_s:g}s): the log says which",
         flush=True,
     )
     try:
@@ -96,8 +97,9 @@ def _attach(args: argparse.Namespace) -> int:
             f"node {t['node']}: {len(t['gpus'])} GPUs, {kind}"
             + (f" ({t['warning']})" if t["warning"] else "")
         )
+    role = info["scheduler_state"].get("role", "?")
     print(
-        f"scheduler actor {info['scheduler']} (namespace {info['namespace']}) running; "
+        f"scheduler actor {info['scheduler']} (namespace {info['namespace']}) running as {role}; "
         f"`tailspec detach` removes it"
     )
     print(json.dumps({"scheduler": info["scheduler"], "nodes": [t["node"] for t in info["telemetry"]]}))

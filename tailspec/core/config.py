@@ -38,6 +38,9 @@ class SchedulerConfig(_Section):
     idle_util_threshold: float = Field(10.0, ge=0, le=100, description="percent utilization below which a GPU looks idle")
     idle_window_s: float = Field(0.2, ge=0, description="how long utilization must stay low before a drained GPU is lendable")
     lease_ttl_s: float = Field(2.0, gt=0, le=60)
+    leader_ttl_s: float = Field(3.0, gt=0, le=60, description="lifetime of the leader key among a cluster's "
+                                "schedulers: the leader renews it every tick (keep it several tick_s); a standby "
+                                "takes over within this (plus a tick) of the leader's death or partition")
     stop_deadline_s: float = Field(1.0, gt=0, le=60, description="after this a revoked GPU counts as reclaimed")
     session_startup_s: float = Field(0.5, ge=0, description="expected session start-up cost; lend only if the tail is longer")
     mode: Literal["local", "ray"] = "local"

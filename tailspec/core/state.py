@@ -104,6 +104,18 @@ class Lease(_Payload):
     holder: str
     granted_at: float
     ttl_s: float = Field(gt=0)
+    epoch: int | None = Field(None, ge=1, description="leader epoch that granted it; renewable only while that "
+                              "epoch leads (None: granted outside leadership, by tools and tests)")
+
+
+class SchedulerLeader(_Payload):
+    """Who leads the cluster's schedulers (scheduler/leader.py): the value of the PX-expiring leader key."""
+
+    epoch: int = Field(ge=1, description="fencing epoch, strictly increasing per cluster (INCR scheduler:epoch)")
+    holder: str = Field(description="the leading scheduler instance: node, pid and a random suffix")
+    node: str
+    pid: int = Field(ge=0)
+    since: float = Field(description="time.time() of the take-over")
 
 
 class SessionInfo(_Payload):
@@ -206,7 +218,7 @@ class Event(_Payload):
     kind: Literal[
         "lease_granted", "lease_renewed", "lease_revoked", "lease_expired", "session_started",
         "session_stopped", "session_failed", "phase", "version_promoted", "version_rejected", "warning",
-        "gpu_idle", "lineage_merged", "session_declined",
+        "gpu_idle", "lineage_merged", "session_declined", "leader_elected",
     ]
     node: str | None = None
     gpu: int | None = None
@@ -276,8 +288,13 @@ KEYS: dict[str, KeySpec] = {
                 "float counters: idle_gpu_seconds, lent_gpu_seconds, sessions_started, sessions_stopped, "
                 "sessions_preempted, sessions_declined"),
         KeySpec("events", "history:events", "stream", "any", Event, "capped event log, field 'data'"),
-        KeySpec("scheduler_heartbeat", "scheduler:heartbeat", "string", "scheduler", None,
-                "time.time() of the scheduler's last loop, PX-expiring"),
+        KeySpec("scheduler_heartbeat", "scheduler:heartbeat", "string", "scheduler (leader)", None,
+                "time.time() of the leading scheduler's last loop, PX-expiring; written with the leader key's "
+                "renewal, so only the leader writes it"),
+        KeySpec("leader", "scheduler:leader", "string", "scheduler (leader)", SchedulerLeader,
+                "the leading scheduler and its epoch; PX-expiring (scheduler.leader_ttl_s), renewed every tick"),
+        KeySpec("leader_epoch", "scheduler:epoch", "counter", "scheduler", None,
+                "INCR source of leader epochs"),
     ]
 }
 
