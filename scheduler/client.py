@@ -1,10 +1,13 @@
 """The calls an RL framework makes: report progress, set the phase, submit samples, get the drafter.
 
-Best-effort and non-blocking. Every call validates its input (a bad argument raises ValueError at
-once — that is the caller's bug), then only touches an in-memory buffer under a lock; a background
-thread writes to Redis. A dead or slow Redis never stalls a rollout: progress and phase coalesce
-(latest wins, retried), samples go through a bounded queue and are dropped and counted when it is full
-or Redis refuses them. `current_drafter()` returns a cached value the thread refreshes.
+Best-effort and non-blocking. Every call validates its input (a bad argument raises ValueError, or
+TypeError for a wrong kind of argument, at once, naming the argument — that is the caller's bug), so
+what reaches the buffer always encodes and round-trips: no NaN/inf that JSON would turn into null, no
+text that is not UTF-8, no name that would break a Redis key. A refused call leaves nothing behind.
+Then the call only touches an in-memory buffer under a lock; a background thread writes to Redis.
+A dead or slow Redis never stalls a rollout: progress and phase coalesce (latest wins, retried),
+samples go through a bounded queue and are dropped and counted when it is full or Redis refuses them.
+`current_drafter()` returns a cached value the thread refreshes.
 
     from tailspec.scheduler import client
     c = client.connect("redis://127.0.0.1:6379/0", cluster="default", node="node0")
@@ -18,19 +21,26 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
+import re
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import PydanticSerializationError
 
 from tailspec.core import state
 from tailspec.core.state import DrafterVersion, Event, PhaseInfo, Progress, Sample
 
 log = logging.getLogger(__name__)
+
+MAX_SAMPLE_IDS = 1 << 20  # prompt + response ids of one sample: far above any RL context, far below Redis' limits
+MAX_TEXT = 4096  # characters of a worker name, group id or policy path
+_NAME = re.compile(state.NAME_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,19 @@ class TailspecClient:
     ):
         import redis
 
+        _check_name("cluster", cluster)
+        _check_name("node", node)
+        for name, v in (("queue_size", queue_size), ("samples_maxlen", samples_maxlen),
+                        ("samples_keep_versions", samples_keep_versions)):
+            _check_count(name, v, minimum=1)
+        for name, v in (("progress_ttl_s", progress_ttl_s), ("timeout_s", timeout_s), ("refresh_s", refresh_s)):
+            _check_seconds(name, v, positive=True)
+        if not isinstance(redis_url, str):
+            raise TypeError(f"redis_url must be a str, got {type(redis_url).__name__}")
+        try:  # before the writer thread starts: a refused client leaves nothing running
+            self.r = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        except ValueError as e:
+            raise ValueError(f"redis_url: {e}") from None
         self.cluster, self.node = cluster, node
         self.progress_ttl_s, self.refresh_s, self.queue_size = progress_ttl_s, refresh_s, queue_size
         self.samples_maxlen = samples_maxlen
@@ -66,14 +89,14 @@ class TailspecClient:
         # wrote (XTRIM MINID), and never more than samples_maxlen entries (XADD MAXLEN ~): bounded either way.
         self.samples_keep_versions = samples_keep_versions
         self._version_first_id: dict[int, bytes] = {}
-        self.r = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._progress: dict[str, Progress] = {}  # latest per worker, not yet written
         self._last_sent: dict[str, tuple[Progress, float]] = {}  # for keep-alive re-sends
         self._phase: PhaseInfo | None = None
-        self._samples: collections.deque[Sample] = collections.deque()
+        self._writing = False  # a batch is taken off the buffers and not yet written (flush waits for it too)
+        self._samples: collections.deque[tuple[Sample, bytes]] = collections.deque()  # encoded once, at submit
         self.dropped: collections.Counter[str] = collections.Counter()
         self._dropped_unsynced: collections.Counter[str] = collections.Counter()
         self.sent = collections.Counter()
@@ -107,6 +130,11 @@ class TailspecClient:
         and released its GPU memory (vLLM `sleep`, KV cache freed, allocator cache emptied) says so with
         `mem_released=True` and, if it measured it, `free_mem` (bytes free on its GPU); a worker that reports
         `mem_released=False` is never lent before it reports True."""
+        _check_text("report_progress: worker", worker)
+        if node is not None:
+            _check_name("report_progress: node", node)
+        if isinstance(gpus, (str, bytes, Mapping)) or not isinstance(gpus, Iterable):
+            raise TypeError(f"report_progress: gpus must be a list of GPU indices, got {type(gpus).__name__}")
         if step is None:
             known = self._phase or self._phase_seen
             step = known.step if known is not None else 0
@@ -129,6 +157,9 @@ class TailspecClient:
             )
         except ValidationError as e:
             raise ValueError(f"report_progress: {_first_error(e)}") from None
+        for name in ("tokens_per_s", "remaining_s"):
+            _check_finite(f"report_progress: {name}", getattr(p, name))
+        _encodes("report_progress", p)
         with self._lock:
             self._progress[worker] = p
         self._wake.set()
@@ -136,6 +167,8 @@ class TailspecClient:
     def set_phase(
         self, phase: str, step: int, policy_version: int = 0, policy_path: str | None = None
     ) -> None:
+        if policy_path is not None:
+            _check_text("set_phase: policy_path", policy_path)
         try:
             info = PhaseInfo(
                 phase=phase,
@@ -146,19 +179,18 @@ class TailspecClient:
             )
         except ValidationError as e:
             raise ValueError(f"set_phase: {_first_error(e)}") from None
+        _encodes("set_phase", info)
         with self._lock:
             self._phase = info
             self._phase_seen = info
         self._wake.set()
 
     def submit_samples(self, samples: Iterable[Sample | dict]) -> int:
-        """Queue samples; returns how many were accepted (the rest were dropped and counted)."""
-        good: list[Sample] = []
-        for s in samples:
-            try:
-                good.append(s if isinstance(s, Sample) else Sample.model_validate(s))
-            except ValidationError as e:
-                raise ValueError(f"submit_samples: {_first_error(e)}") from None
+        """Queue samples; returns how many were accepted (the rest were dropped and counted). All or nothing:
+        one bad sample raises (naming its index and field) before any of the call's samples is queued."""
+        if isinstance(samples, (str, bytes, Mapping, Sample)) or not isinstance(samples, Iterable):
+            raise TypeError(f"submit_samples: samples must be a list of Sample or dict, got {type(samples).__name__}")
+        good = [_checked_sample(i, s) for i, s in enumerate(samples)]
         accepted = 0
         with self._lock:
             for s in good:
@@ -173,6 +205,7 @@ class TailspecClient:
     def current_drafter(self, wait_s: float = 0.2) -> DrafterVersion | None:
         """The promoted drafter version (cached, refreshed every refresh_s); waits at most wait_s for
         the very first read."""
+        _check_seconds("current_drafter: wait_s", wait_s)
         if not self._refreshed.is_set():
             self._wake.set()
             self._refreshed.wait(wait_s)
@@ -187,6 +220,8 @@ class TailspecClient:
         which GPUs are still held and by whom (and logs a warning). Never raises: on a Redis error it
         returns with `error` set, after at most 2 s spent flushing this client's queue, so an outage never
         stalls training for longer."""
+        _check_seconds("wait_reclaimed: timeout_s", timeout_s)
+        _check_seconds("wait_reclaimed: poll_s", poll_s, positive=True)
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         flushed = self.flush(min(timeout_s, 2.0))  # our own set_phase must be written before we look
@@ -229,10 +264,11 @@ class TailspecClient:
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything queued was written (or dropped); True if the buffers are empty."""
+        _check_seconds("flush: timeout_s", timeout_s)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                empty = not self._progress and self._phase is None and not self._samples
+                empty = not self._progress and self._phase is None and not self._samples and not self._writing
             if empty:
                 return True
             self._wake.set()
@@ -276,6 +312,13 @@ class TailspecClient:
                     )
 
     def _write_once(self) -> None:
+        try:
+            self._write_batch()
+        finally:
+            with self._lock:
+                self._writing = False
+
+    def _write_batch(self) -> None:
         c = self.cluster
         now = time.time()
         with self._lock:
@@ -284,6 +327,7 @@ class TailspecClient:
             n = min(len(self._samples), 1000)
             samples = [self._samples.popleft() for _ in range(n)]
             dropped, self._dropped_unsynced = self._dropped_unsynced, collections.Counter()
+            self._writing = True
         # keep-alive: re-send each worker's last report before its key expires
         for w, (p, sent_at) in self._last_sent.items():
             if w not in progress and now - sent_at > self.progress_ttl_s / 3:
@@ -313,10 +357,10 @@ class TailspecClient:
             pipe.set(state.key(c, "progress", worker=w), state.encode(p), px=px)
             pipe.sadd(state.key(c, "workers"), w)
         first_sample = len(pipe.command_stack)
-        for s in samples:
+        for _, data in samples:
             pipe.xadd(
                 state.key(c, "samples"),
-                {"data": state.encode(s)},
+                {"data": data},
                 maxlen=self.samples_maxlen,
                 approximate=True,
             )
@@ -360,8 +404,8 @@ class TailspecClient:
             self._refreshed.set()
 
 
-    def _trim_versions(self, samples: list[Sample], ids: list) -> None:
-        for s, entry_id in zip(samples, ids):
+    def _trim_versions(self, samples: list[tuple[Sample, bytes]], ids: list) -> None:
+        for (s, _), entry_id in zip(samples, ids):
             self._version_first_id.setdefault(s.policy_version, entry_id)
         versions = sorted(self._version_first_id)
         if len(versions) <= self.samples_keep_versions:
@@ -381,7 +425,88 @@ class TailspecClient:
 def _first_error(e: ValidationError) -> str:
     err = e.errors()[0]
     loc = ".".join(str(p) for p in err["loc"]) or "(value)"
-    return f"{loc}: {err['msg']} (got {err.get('input')!r})"
+    return f"{loc}: {err['msg']} (got {_short(err.get('input'))})"
+
+
+def _short(v: Any, limit: int = 120) -> str:
+    """repr cut to `limit` characters: an error about a million-id list must not be a megabyte long."""
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
+
+
+def _check_name(what: str, v: Any) -> None:
+    """Cluster and node names go into Redis keys and '{node}:{gpu}' ids: state.NAME_PATTERN only."""
+    if not isinstance(v, str):
+        raise TypeError(f"{what} must be a str, got {type(v).__name__}")
+    if not _NAME.match(v):
+        raise ValueError(f"{what} must match {state.NAME_PATTERN} (letters, digits, _ . -), got {_short(v)}")
+
+
+def _check_text(what: str, v: Any) -> None:
+    """A free-form name (worker, policy path, group id): non-empty, printable, UTF-8, at most MAX_TEXT."""
+    if not isinstance(v, str):
+        raise TypeError(f"{what} must be a str, got {type(v).__name__}")
+    if not v.strip() or len(v) > MAX_TEXT or not v.isprintable():
+        raise ValueError(f"{what} must be 1 to {MAX_TEXT} printable characters, got {_short(v)}")
+    _check_utf8(what, v)
+
+
+def _check_utf8(what: str, v: str) -> None:
+    try:
+        v.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode text (lone surrogate), got {_short(v)}") from None
+
+
+def _check_count(what: str, v: Any, minimum: int = 0) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{what} must be an int, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {v}")
+
+
+def _check_finite(what: str, v: Any) -> None:
+    """NaN and infinity are not JSON: pydantic would write them as null, which the reader then refuses."""
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"{what} must be a finite number, got {v}")
+
+
+def _check_seconds(what: str, v: Any, positive: bool = False) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, got {type(v).__name__}")
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise ValueError(f"{what} must be a finite number of seconds {'> 0' if positive else '>= 0'}, got {v}")
+
+
+def _encodes(call: str, payload: Any) -> bytes:
+    """The JSON the writer thread will send; a payload that does not encode is refused here, not there."""
+    try:
+        return state.encode(payload)
+    except PydanticSerializationError as e:  # text that is not UTF-8
+        raise ValueError(f"{call}: payload does not encode as JSON: {e}") from None
+
+
+def _checked_sample(i: int, s: Any) -> tuple[Sample, bytes]:
+    """Validate (again, for a Sample built or changed without validation) and encode sample `i`."""
+    where = f"submit_samples: samples[{i}]"
+    if isinstance(s, Sample):
+        s = s.model_dump()
+    if not isinstance(s, Mapping):
+        raise TypeError(f"{where} must be a Sample or dict, got {type(s).__name__}")
+    try:
+        sample = Sample.model_validate(s)
+    except ValidationError as e:
+        raise ValueError(f"{where}.{_first_error(e)}") from None
+    for name in ("reward", "ts"):
+        _check_finite(f"{where}.{name}", getattr(sample, name))
+    n = len(sample.prompt_ids) + len(sample.response_ids)
+    if n > MAX_SAMPLE_IDS:
+        raise ValueError(f"{where}: prompt_ids + response_ids hold {n} ids, more than {MAX_SAMPLE_IDS}")
+    if sample.group_id is not None:
+        if len(sample.group_id) > MAX_TEXT:
+            raise ValueError(f"{where}.group_id: longer than {MAX_TEXT} characters ({len(sample.group_id)})")
+        _check_utf8(f"{where}.group_id", sample.group_id)
+    return sample, _encodes(where, sample)
 
 
 _default: TailspecClient | None = None

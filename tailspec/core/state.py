@@ -14,11 +14,16 @@ import json
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 SCHEMA_VERSION = 1
+
+# Cluster and node names are parts of Redis keys and of '{node}:{gpu}' GPU ids (split at the last ':'), so they
+# hold no ':' nor anything outside this set (ClusterConfig.name / node and the client check it).
+NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+MAX_WORKER_GPUS = 1024  # GPUs one worker's progress may name: the scheduler keeps a state machine per GPU id
 
 
 class StateError(ValueError):
@@ -53,7 +58,9 @@ class Progress(_Payload):
 
     worker: str
     node: str
-    gpus: list[int]
+    # Non-negative like every GPU index of the schema: a negative one would reach the scheduler's state machines
+    # and their GpuStatus records (gpu >= 0), where it would fail every tick instead of this one payload.
+    gpus: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_WORKER_GPUS)
     active: int = Field(ge=0)
     finished: int = Field(ge=0)
     total: int = Field(0, ge=0)
