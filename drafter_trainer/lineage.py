@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tailspec.drafter_trainer.checkpoint import Checkpoint, load_checkpoint, write_checkpoint_dir
 from tailspec.drafter_trainer.model import WEIGHTS_NAME, Eagle3Drafter
@@ -170,9 +171,11 @@ class Lineage:
                 return None
             try:
                 return h, load_checkpoint(h.path, target_embedding, map_location)
-            except (FileNotFoundError, OSError) as e:
+            except (OSError, RuntimeError, SafetensorError) as e:
+                # A merge can collect the head's directory while it is read: open() fails, or safetensors
+                # fails mid-read (RuntimeError / SafetensorError, "No such file"). Retry against the new head.
                 err = e
-                if self.head() == h:  # not a race: the head's directory is really gone
+                if self.head() == h:  # not a race: the head's directory is really gone or broken
                     break
         raise LineageError(f"lineage head cannot be loaded from {self.root}: {err}")
 

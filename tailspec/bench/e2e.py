@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tailspec.demo.run import DemoOptions
+    from tailspec.demo.options import DemoOptions
 
     d = DemoOptions()
     p.add_argument("--steps", type=int, default=d.steps, help=f"RL steps per run (default {d.steps}, the demo's)")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 def register(sub: argparse._SubParsersAction) -> None:
     from tailspec.cli import add_config_args
-    from tailspec.demo.run import DemoOptions
+    from tailspec.demo.options import DemoOptions
 
     p = sub.add_parser("demo", help="RL with long-tail rollouts, idle-GPU drafter co-training, export (the main job)")
     p.add_argument("--steps", type=int, default=DemoOptions.steps, help=f"RL steps (default {DemoOptions.steps})")
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def options_from_args(args: argparse.Namespace):
-    from tailspec.demo.run import DemoOptions
+    from tailspec.demo.options import DemoOptions
 
     mode = "nospec" if args.no_spec else "frozen" if args.frozen_drafter else "cotrained"
     return DemoOptions(steps=args.steps, workers=args.workers, mode=mode, seed=args.seed, policy=args.policy,

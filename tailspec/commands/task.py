@@ -34,9 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=_eval)
 
     b = tsub.add_parser("build", help="build, pre-train and cache a preset policy; prints its directory")
-    from tailspec.tasks.policy import PRESETS
-
-    b.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    # checked in _build against tasks.policy.PRESETS: importing it here would load torch for every CLI call
+    b.add_argument("--preset", default="tiny", help="micro | micro4 | tiny | small | deep (default tiny)")
     b.add_argument("--device", default=None, help="torch device for training (default cpu)")
     add_config_args(b)
     b.set_defaults(func=_build)
@@ -119,8 +118,11 @@ def _build(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tailspec.cli import config_from_args
-    from tailspec.tasks.policy import get_policy, policy_meta
+    from tailspec.tasks.policy import PRESETS, get_policy, policy_meta
 
+    if args.preset not in PRESETS:
+        print(f"tailspec task build: unknown preset {args.preset!r}; presets: {', '.join(PRESETS)}", file=sys.stderr)
+        return 2
     cfg = config_from_args(args)
     path = get_policy(args.preset, cfg.task, cache_dir=Path(cfg.cache_dir), device=args.device)
     meta = policy_meta(path)

@@ -23,9 +23,8 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -43,12 +42,12 @@ from tailspec.demo.measure import (
     record_health,
     step_row,
 )
+from tailspec.demo.options import DemoOptions
 from tailspec.demo.protocol import WorkItem, WorkRequest, WorkResult, results_key, work_key
 from tailspec.demo.services import Services, place_workers
 from tailspec.rl import Rollout, grpo_step, recompute_logprobs, save_policy_weights
 
 log = logging.getLogger("tailspec.demo")
-Mode = Literal["cotrained", "frozen", "nospec"]
 
 
 # The demo's session settings (also the cotrain bench's), where the user's config does not set them:
@@ -74,43 +73,6 @@ def apply_demo_trainer(tc, validation_samples: int | None = None) -> None:
             setattr(tc, k, v if k != "batch_size" else min(tc.batch_size, v))
     if validation_samples is not None:
         tc.validation_samples = validation_samples
-
-
-@dataclass
-class DemoOptions:
-    steps: int = 6
-    workers: int = 4
-    mode: Mode = "cotrained"
-    seed: int = 0
-    prompts_per_step: int = 16
-    group_size: int = 4
-    policy: str = "deep"
-    lr: float = 3e-5
-    temperature: float = 1.0
-    max_tokens: int = 512
-    max_seq_len: int = 640
-    k: int = 4
-    # How requests are dealt to workers:
-    # - chunk: contiguous blocks of the prompt-major batch (each prompt's whole group on one worker), as verl
-    #   and OpenRLHF split a step's batch across rollout workers (DataProto.chunk): a worker's load is the
-    #   luck of its prompts' lengths, which nobody knows before decoding;
-    # - round_robin: request i to worker i mod W: every worker gets samples of every prompt, which evens the
-    #   load out (no framework deals a group apart like this);
-    # - by_length: blocks of problems sorted by prompt length (≈ step count): the last worker gets the
-    #   longest — a guaranteed tail, for tests on policies too small to have one of their own.
-    deal: Literal["chunk", "round_robin", "by_length"] = "chunk"
-    bootstrap_samples: int = 256
-    bootstrap_seconds: float = 60.0
-    validation_samples: int = 32  # held-out samples of a promotion's paired test (trainer.validation_samples)
-    # Instrumentation: both drafters' acceptance on this many of a step's samples, every N steps and the last.
-    measure_samples: int = 24
-    measure_every: int = 2
-    run_dir: Path | None = None
-    redis_url: str | None = None
-    dashboard: bool = True
-    live: bool = True
-    export: bool = True
-    plots: bool = True
 
 
 class Demo:

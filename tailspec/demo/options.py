@@ -1,0 +1,47 @@
+"""The demo's options (what `tailspec demo` flags set), apart from the run so that building the CLI's parser
+imports no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Mode = Literal["cotrained", "frozen", "nospec"]
+
+
+@dataclass
+class DemoOptions:
+    steps: int = 6
+    workers: int = 4
+    mode: Mode = "cotrained"
+    seed: int = 0
+    prompts_per_step: int = 16
+    group_size: int = 4
+    policy: str = "deep"
+    lr: float = 3e-5
+    temperature: float = 1.0
+    max_tokens: int = 512
+    max_seq_len: int = 640
+    k: int = 4
+    # How requests are dealt to workers:
+    # - chunk: contiguous blocks of the prompt-major batch (each prompt's whole group on one worker), as verl
+    #   and OpenRLHF split a step's batch across rollout workers (DataProto.chunk): a worker's load is the
+    #   luck of its prompts' lengths, which nobody knows before decoding;
+    # - round_robin: request i to worker i mod W: every worker gets samples of every prompt, which evens the
+    #   load out (no framework deals a group apart like this);
+    # - by_length: blocks of problems sorted by prompt length (≈ step count): the last worker gets the
+    #   longest — a guaranteed tail, for tests on policies too small to have one of their own.
+    deal: Literal["chunk", "round_robin", "by_length"] = "chunk"
+    bootstrap_samples: int = 256
+    bootstrap_seconds: float = 60.0
+    validation_samples: int = 32  # held-out samples of a promotion's paired test (trainer.validation_samples)
+    # Instrumentation: both drafters' acceptance on this many of a step's samples, every N steps and the last.
+    measure_samples: int = 24
+    measure_every: int = 2
+    run_dir: Path | None = None
+    redis_url: str | None = None
+    dashboard: bool = True
+    live: bool = True
+    export: bool = True
+    plots: bool = True
