@@ -9,14 +9,14 @@ For a chain drafter the proposal at position j does not depend on k, so alpha_j 
 
 Per strategy k: the decayed mean of accepted drafts per row actually seen at k, shrunk toward that position
 model by `k_weight` rows. It catches what the chain formula misses: stop-token truncation, and on structured
-text the phase of the drafts. Where a step starts depends on k (after an all-accepted k = 1 step every other
+text the regime of the drafts. Where a step starts depends on k (after an all-accepted k = 1 step every other
 token was the target's own bonus token), so the positions' rates measured while running one k mis-predict
 another: on the task, alpha_0 measured while running k = 2 is 0.89, while running k = 1 0.97. A strategy's
 own mean forgets by rows as steps at its k arrive (it holds about `memory_rows` of its own rows), and by
 steps while other strategies run (`other_memory_steps`): what the warm-up and exploration measured for a
 strategy run rarely must survive a stretch of another one. Counting those in rows instead wiped a strategy's
 warm-up out within a few batch-64 steps of the others (its estimate then rested on a few dozen rows, 3% low).
-The first `settle_steps` steps after a change of k are still settling into its phase (on the task, after a
+The first `settle_steps` steps after a change of k are still settling into its regime (on the task, after a
 stretch of k = 2, k = 1 accepts 0.89, 0.80, 0.84 drafts per row in its first three steps, then 0.955; k = 2
 after k = 1: 1.59, 1.37, 1.48, then 1.50): they update the position rates but not the strategy's own mean.
 The selector explores in runs of `settle_steps` + 2 steps for this reason; counting the second step of a
@@ -24,13 +24,13 @@ two-step run measured an explored k = 1 8% short of its tokens per step, and the
 k = 1 was 6-8% faster.
 
 A strategy run only in explorations holds few rows of its own, so its estimate leans on the position model,
-measured in the phase of the strategy that runs most (the counts' `phase`). The phase ratio corrects that
-fallback: for each (strategy, phase), what the strategy's settled steps accepted over what the position model
-predicted for them, kept over `phase_memory_rows` of the strategy's own rows (it is a property of the drafter
-on the text, not of the moment) and shrunk toward 1 by `phase_prior_rows`. Explored beside a committed k = 2
+measured in the regime of the strategy that runs most (the counts' `regime`). The regime ratio corrects that
+fallback: for each (strategy, regime), what the strategy's settled steps accepted over what the position model
+predicted for them, kept over `regime_memory_rows` of the strategy's own rows (it is a property of the drafter
+on the text, not of the moment) and shrunk toward 1 by `regime_prior_rows`. Explored beside a committed k = 2
 on the task, k = 1 came out at 1.85-1.89 tokens per row from a handful of own rows and the 0.86-0.89 of the
-position model, against 1.96 measured; with the ratio, 1.94-1.97. The phase's own strategy takes no ratio
-(the counts are its own phase's). The ratio multiplies a model that follows the drafter within `memory_rows`,
+position model, against 1.96 measured; with the ratio, 1.94-1.97. The regime's own strategy takes no ratio
+(the counts are its own regime's). The ratio multiplies a model that follows the drafter within `memory_rows`,
 so a drop in acceptance still reaches every estimate at once.
 
 Position counts decay by exp(-rows / memory_rows) per informative step (k > 0): the estimate remembers about
@@ -57,17 +57,17 @@ class AcceptanceTracker:
     k_weight: float = 16.0  # rows behind the position model in a strategy's estimate (noise must not stick)
     other_memory_steps: float = 256.0  # a strategy's own mean forgets by exp(-1/this) per step of another k
     settle_steps: int = 3  # steps after a change of k that do not count for the strategy's own mean
-    phase_memory_rows: float = 2048.0  # a (strategy, phase) ratio forgets by exp(-rows / this) of its own news
-    phase_prior_rows: float = 16.0  # rows behind a phase ratio's prior of 1 (a few explored rows must not swing it)
+    regime_memory_rows: float = 2048.0  # a (strategy, regime) ratio forgets by exp(-rows / this) of its own news
+    regime_prior_rows: float = 16.0  # rows behind a regime ratio's prior of 1 (a few explored rows must not swing it)
     drafter_version: str | int | None = None
     policy_version: str | int | None = None
     pos_acc: list[float] = field(default_factory=list)
     pos_trials: list[float] = field(default_factory=list)
     k_acc: dict[int, float] = field(default_factory=dict)
     k_rows: dict[int, float] = field(default_factory=dict)
-    phase_w: dict[int, float] = field(default_factory=dict)  # k -> decayed trials it put in the position counts
-    phase_acc: dict[tuple[int, int], float] = field(default_factory=dict)  # (k, phase) -> settled accepted drafts
-    phase_pred: dict[tuple[int, int], float] = field(default_factory=dict)  # (k, phase) -> position model's drafts
+    regime_w: dict[int, float] = field(default_factory=dict)  # k -> decayed trials it put in the position counts
+    regime_acc: dict[tuple[int, int], float] = field(default_factory=dict)  # (k, regime) -> settled accepted drafts
+    regime_pred: dict[tuple[int, int], float] = field(default_factory=dict)  # (k, regime) -> position model's drafts
     updates: int = 0
     dropped: int = 0  # inconsistent updates refused
     last_k: int | None = None  # k of the previous step (a step at another k is a switch step)
@@ -104,10 +104,10 @@ class AcceptanceTracker:
         if reach is not None and (len(reach) != k or any(not 0 <= r <= rows for r in reach)):
             self.dropped += 1
             reach = None
-        # the position model's prediction for this step before it sees it, for the phase ratio; not while the
-        # counts are still mostly the prior (a ratio learned against the prior would stick for phase_memory_rows)
-        phase = self.phase() if settled and self.pos_trials[0] >= 4 * self.prior_weight else None
-        predicted = rows * self.position_model(k) if phase is not None else 0.0
+        # the position model's prediction for this step before it sees it, for the regime ratio; not while the
+        # counts are still mostly the prior (a ratio learned against the prior would stick for regime_memory_rows)
+        regime = self.regime() if settled and self.pos_trials[0] >= 4 * self.prior_weight else None
+        predicted = rows * self.position_model(k) if regime is not None else 0.0
         d = math.exp(-rows / self.memory_rows)
         # every position forgets at each informative step, also those the step did not reach: after a drop in
         # acceptance the later positions are rarely reached, and what they measured before must not keep
@@ -124,10 +124,10 @@ class AcceptanceTracker:
             f = d if key == k else d_other
             self.k_acc[key] *= f
             self.k_rows[key] *= f
-        for key in self.phase_w:
-            self.phase_w[key] *= d
+        for key in self.regime_w:
+            self.regime_w[key] *= d
         if reach is not None:
-            self.phase_w[k] = self.phase_w.get(k, 0.0) + rows
+            self.regime_w[k] = self.regime_w.get(k, 0.0) + rows
             trials = rows
             for j, r in enumerate(reach):
                 r = min(r, trials)  # reach is non-increasing for prefix acceptance; guard anyway
@@ -139,10 +139,10 @@ class AcceptanceTracker:
         if settled:
             self.k_acc[k] = self.k_acc.get(k, 0.0) + accepted
             self.k_rows[k] = self.k_rows.get(k, 0.0) + rows
-            if phase is not None:
-                key, f = (k, phase), math.exp(-rows / self.phase_memory_rows)
-                self.phase_acc[key] = self.phase_acc.get(key, 0.0) * f + accepted
-                self.phase_pred[key] = self.phase_pred.get(key, 0.0) * f + predicted
+            if regime is not None:
+                key, f = (k, regime), math.exp(-rows / self.regime_memory_rows)
+                self.regime_acc[key] = self.regime_acc.get(key, 0.0) * f + accepted
+                self.regime_pred[key] = self.regime_pred.get(key, 0.0) * f + predicted
         self.updates += 1
 
     def observe(self, stats) -> None:
@@ -168,14 +168,14 @@ class AcceptanceTracker:
         self.pos_trials = [t * f for t in self.pos_trials]
         self.k_acc = {k: a * f for k, a in self.k_acc.items()}
         self.k_rows = {k: r * f for k, r in self.k_rows.items()}
-        self.phase_w = {k: w * f for k, w in self.phase_w.items()}
-        self.phase_acc = {key: a * f for key, a in self.phase_acc.items()}
-        self.phase_pred = {key: p * f for key, p in self.phase_pred.items()}
+        self.regime_w = {k: w * f for k, w in self.regime_w.items()}
+        self.regime_acc = {key: a * f for key, a in self.regime_acc.items()}
+        self.regime_pred = {key: p * f for key, p in self.regime_pred.items()}
 
     def reset(self) -> None:
         self.scale(0.0)
         self.k_acc, self.k_rows = {}, {}
-        self.phase_w, self.phase_acc, self.phase_pred = {}, {}, {}
+        self.regime_w, self.regime_acc, self.regime_pred = {}, {}, {}
         self.updates = 0
         self.last_k, self.run = None, 0
 
@@ -189,19 +189,19 @@ class AcceptanceTracker:
             fallback = alpha
         return out
 
-    def phase(self) -> int | None:
-        """The strategy whose steps make up most of the position counts now (their phase), None before any."""
-        return max(self.phase_w, key=self.phase_w.get) if self.phase_w else None
+    def regime(self) -> int | None:
+        """The strategy whose steps make up most of the position counts now (their regime), None before any."""
+        return max(self.regime_w, key=self.regime_w.get) if self.regime_w else None
 
-    def phase_ratio(self, k: int, phase: int | None = None) -> float:
+    def regime_ratio(self, k: int, regime: int | None = None) -> float:
         """What k's settled steps accepted over what the position model predicted for them, while the position
-        counts were in `phase` (default: now), shrunk toward 1 by `phase_prior_rows` rows at the model's rate."""
-        return self._phase_ratio(k, self.phase() if phase is None else phase, self.position_model(k))
+        counts were in `regime` (default: now), shrunk toward 1 by `regime_prior_rows` rows at the model's rate."""
+        return self._regime_ratio(k, self.regime() if regime is None else regime, self.position_model(k))
 
-    def _phase_ratio(self, k: int, phase: int | None, model: float) -> float:
-        """phase_ratio with the position model's E[accepted | k] given (token_table has it in hand)."""
-        key, prior = (k, phase), self.phase_prior_rows * max(model, 1e-6)
-        return (self.phase_acc.get(key, 0.0) + prior) / (self.phase_pred.get(key, 0.0) + prior)
+    def _regime_ratio(self, k: int, regime: int | None, model: float) -> float:
+        """regime_ratio with the position model's E[accepted | k] given (token_table has it in hand)."""
+        key, prior = (k, regime), self.regime_prior_rows * max(model, 1e-6)
+        return (self.regime_acc.get(key, 0.0) + prior) / (self.regime_pred.get(key, 0.0) + prior)
 
     def position_model(self, k: int) -> float:
         """E[accepted drafts per row | k] from the per-position rates."""
@@ -230,12 +230,12 @@ class AcceptanceTracker:
         recomputing the chain per read cost more than the rest of it)."""
         if self._tokens is None:
             self._tokens = [1.0] + [0.0] * self.k_max
-            total, run, phase = 0.0, 1.0, self.phase()
+            total, run, regime = 0.0, 1.0, self.regime()
             for k, alpha in enumerate(self.alphas(), start=1):
                 run *= alpha
                 total += run
-                # the phase's own strategy needs no correction: the position counts were measured in its phase
-                fallback = total if k == phase else min(total * self._phase_ratio(k, phase, total), float(k))
+                # the regime's own strategy needs no correction: the position counts were measured in its regime
+                fallback = total if k == regime else min(total * self._regime_ratio(k, regime, total), float(k))
                 rows = self.k_rows.get(k, 0.0)
                 self._tokens[k] = 1.0 + (self.k_acc.get(k, 0.0) + self.k_weight * fallback) / (rows + self.k_weight)
         return self._tokens

@@ -199,7 +199,7 @@ def measure(
     once by the next prompt (cycled, each with its own seed), so the batch stays full and its rows sit at
     every depth of their responses, not only at the first tokens. The strategies take turns on that batch:
     `settle` untimed steps at k (they absorb what the previous strategy left behind: the drafter's catch-up
-    over that strategy's accepted tokens, and the phase of the drafts, see `acceptance`), then `block` timed
+    over that strategy's accepted tokens, and the regime of the drafts, see `acceptance`), then `block` timed
     steps, round after round until every k has `steps` timed steps. Six and six: at batch 2, k = 1 measured
     1.90 tokens per row after 3 settling steps and 1.95 after 8 (1.96 in steady runs), at the same share of
     untimed steps as three and three. Taking turns gives every k the same contexts and the same machine

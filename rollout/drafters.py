@@ -1,10 +1,12 @@
-"""Drafters: propose k tokens per running row, with the draft distributions q they were drawn from.
+"""The engine's drafters: proposers of k tokens per running row, with the draft distributions q they were
+drawn from.
 
-One interface (`Drafter`), three implementations:
-- `NgramDrafter`: prompt lookup, model-free. Deterministic proposals (q = one-hot, returned as None).
-- `DraftModelDrafter`: a small HF causal LM with the target's vocabulary, run through our ModelRunner on
+One interface (`Proposer`), three implementations (named *Proposer: the engine-side runners, as distinct from
+the drafter models they run, such as the trained `drafter_trainer.model.Eagle3Drafter`):
+- `NgramProposer`: prompt lookup, model-free. Deterministic proposals (q = one-hot, returned as None).
+- `DraftModelProposer`: a small HF causal LM with the target's vocabulary, run through our ModelRunner on
   its own static KV cache.
-- `Eagle3Drafter`: adapter over `drafter_trainer.model.Eagle3Drafter`, fed the target's three aux hidden
+- `Eagle3Proposer`: runs a `drafter_trainer.model.Eagle3Drafter` module, fed the target's three aux hidden
   states from the verify forward; it follows the inference procedure documented in that module.
 
 Lifecycle, driven by the engine: `setup` once; `prefill` when requests are admitted (the target has just
@@ -25,7 +27,7 @@ from tailspec.rollout.sampling import DRAFT, process, sample, uniforms
 from tailspec.rollout.slots import Batch
 
 
-class Drafter:
+class Proposer:
     """Base class: the no-op parts of the interface. `name` labels benchmark rows and stats."""
 
     name = "none"
@@ -68,7 +70,7 @@ def _draw(logits: torch.Tensor, batch: Batch, j: int) -> tuple[torch.Tensor, tor
     return sample(q, u), q
 
 
-class NgramDrafter(Drafter):
+class NgramProposer(Proposer):
     """Prompt lookup: find the most recent earlier occurrence of the row's last n tokens (n from max_n
     down to min_n) and propose the k tokens that followed it. Rows without a match propose their last
     token repeated (a cheap guess; correctness never depends on the proposal)."""
@@ -104,7 +106,7 @@ class NgramDrafter(Drafter):
         return tok.gather(1, idx), None
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelProposer(Proposer):
     """A small causal LM with the target's vocabulary (e.g. the `micro` policy for the `tiny` target).
 
     Its KV cache follows the sequence lazily: each propose first feeds the last `lag` known tokens (2 after
@@ -162,8 +164,8 @@ class DraftModelDrafter(Drafter):
         self.runner.move_slots(src, dst)
 
 
-class Eagle3Drafter(Drafter):
-    """Runs a `drafter_trainer.model.Eagle3Drafter` inside the engine.
+class Eagle3Proposer(Proposer):
+    """Runs a `drafter_trainer.model.Eagle3Drafter` module inside the engine.
 
     The forward is our own over the module's weights and a bucketed slice of a compacted per-slot cache
     (the module's cached forward gathers the whole cache per call); `tests/test_engine_misc.py` checks it

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 from tailspec.rollout import sampling
-from tailspec.rollout.drafters import Drafter
+from tailspec.rollout.drafters import Proposer
 from tailspec.rollout.model_runner import ModelRunner, check_supported
 from tailspec.rollout.sequence import RequestOutput, RequestStats, SamplingParams
 from tailspec.rollout.slots import (
@@ -48,7 +48,7 @@ class Engine:
     def __init__(
         self,
         model: torch.nn.Module,
-        drafter: Drafter | None = None,
+        drafter: Proposer | None = None,
         *,
         choose_k: ChooseK | int = 0,
         max_batch: int = 64,

@@ -9,7 +9,7 @@ shape of vLLM's `num_speculative_tokens_per_batch_size`, for the vLLM backend.
   among the near-ties (candidates whose estimate is within `explore_margin` of the best: those a few percent
   of error can overturn; among them the least known, by the rows behind each estimate, is the likeliest), in
   runs of `explore_run` steps (the acceptance tracker's `settle_steps` + 2) because the first steps after a
-  switch still settle into the new strategy's phase; hysteresis (switch only for a clear gain) against
+  switch still settle into the new strategy's regime; hysteresis (switch only for a clear gain) against
   thrashing on noisy timings, per batch bucket. The estimates fold the noted steps in and the pick is
   re-decided every `decide_every` steps, or at once when the batch size changes. An engine's first
   `cold_steps` steps do not time the cost model (they run slow whatever k).
@@ -272,8 +272,8 @@ class AdaptiveSelector:
     def _least_known(self, batch_size: int, ks: list[int]) -> int:
         """One of `ks`, drawn with weight 1 / (rows behind its estimate + k_weight): the near-tie whose estimate
         rests least on its own measurements is the likeliest to be wrong. The acceptance of a strategy run only
-        in explorations rests mostly on the position model, which running another k measures in that k's phase;
-        only its explored steps teach its phase ratio (without it, k = 1 explored beside a committed k = 2 was
+        in explorations rests mostly on the position model, which running another k measures in that k's regime;
+        only its explored steps teach its regime ratio (without it, k = 1 explored beside a committed k = 2 was
         estimated 4-6% short on the task). For k = 0 the acceptance is exact and the rows are those of its timed
         steps (the cost model's samples times the batch)."""
         kw = self.acceptance.k_weight

@@ -11,7 +11,7 @@ import torch
 from engine_helpers import hf_greedy, micro_policy, random_micro, task_prompts
 from tailspec.rollout import cost_model
 from tailspec.rollout.acceptance import AcceptanceTracker
-from tailspec.rollout.drafters import DraftModelDrafter, NgramDrafter
+from tailspec.rollout.drafters import DraftModelProposer, NgramProposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.selector import AdaptiveSelector
 from tailspec.rollout.sequence import SamplingParams
@@ -38,7 +38,7 @@ def mid_sequence_switches(step_log) -> int:
 
 
 def test_cost_model_warmup_on_the_real_engine(policy):
-    eng = Engine(policy, NgramDrafter(), max_batch=8, max_seq_len=256, k_max=3)
+    eng = Engine(policy, NgramProposer(), max_batch=8, max_seq_len=256, k_max=3)
     acc = AcceptanceTracker(k_max=3)
     cost = cost_model.measure(eng, task_prompts(8), buckets=[1, 4, 8], ks=[0, 1, 3], steps=3,
                               block=1, settle=1, rows=8, on_step=acc.observe)
@@ -68,7 +68,7 @@ def test_stats_count_the_run_of_each_k(policy):
             seen.append((stats.last_k, stats.last_run))
         return pattern[stats.steps % len(pattern)]
 
-    eng = Engine(policy, NgramDrafter(), choose_k=choose, max_batch=2, max_seq_len=256, k_max=3)
+    eng = Engine(policy, NgramProposer(), choose_k=choose, max_batch=2, max_seq_len=256, k_max=3)
     eng.generate(task_prompts(2), SamplingParams(max_tokens=60, temperature=0.0))
     seen.append((eng.stats.last_k, eng.stats.last_run))
     ks = [k for _, k, _ in eng.step_log]
@@ -79,7 +79,7 @@ def test_stats_count_the_run_of_each_k(policy):
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
 def test_adaptive_switching_k_greedy_matches_hf(policy, reference, drafter):
     prompts, refs = reference
-    d = NgramDrafter() if drafter == "ngram" else DraftModelDrafter(random_micro(seed=3))
+    d = NgramProposer() if drafter == "ngram" else DraftModelProposer(random_micro(seed=3))
     eng = Engine(policy, d, max_batch=5, max_seq_len=256, k_max=4)
     # Equal costs keep every k a candidate whatever the machine's load (a measured table made this test
     # depend on timing: under load k > 0 dropped out and nothing switched); measuring has its own test above.
@@ -102,7 +102,7 @@ def test_adaptive_switching_k_sampling_is_exact():
     torch.set_num_threads(2)
     target, poor = small_llama(0), small_llama(1)
     setting = SETTINGS["t0.7-p0.9"]
-    eng = Engine(target, DraftModelDrafter(poor), max_batch=N, max_seq_len=len(PROMPT) + 3, k_max=2)
+    eng = Engine(target, DraftModelProposer(poor), max_batch=N, max_seq_len=len(PROMPT) + 3, k_max=2)
     cost = cost_model.CostModel([1], [0, 1, 2], {(1, 0): 1.0, (1, 1): 1.0, (1, 2): 1.0})
     sel = AdaptiveSelector(cost, AcceptanceTracker(k_max=2), epsilon=0.5, learn_cost=False, explore_run=1, seed=4)
     ks = []

@@ -298,11 +298,11 @@ def test_acceptance_keeps_what_is_particular_to_each_k():
     assert acc.expected_tokens(2) == pytest.approx(1 + 0.89 + 0.89 * 0.6, abs=0.06)
 
 
-def test_a_rarely_explored_strategy_keeps_its_phase_correction():
-    """k = 2 runs (its first position passes 89%: the position counts are in k = 2's phase); k = 1 is explored in
+def test_a_rarely_explored_strategy_keeps_its_regime_correction():
+    """k = 2 runs (its first position passes 89%: the position counts are in k = 2's regime); k = 1 is explored in
     runs of five every 50 steps at batch 2: three settling steps, then 95.5% (the task's figures). Its own mean
     holds only a few rows at any time, so its estimate leans on the position model, whose 0.89 would put it at
-    about 1.90 tokens per row (3% short: enough to lose a near-tie). The phase ratio, learned from every
+    about 1.90 tokens per row (3% short: enough to lose a near-tie). The regime ratio, learned from every
     explored run and kept, corrects the fallback to k = 1's own level."""
     rng = random.Random(3)
     acc = AcceptanceTracker(k_max=2)
@@ -310,19 +310,19 @@ def test_a_rarely_explored_strategy_keeps_its_phase_correction():
         run_chain(acc, rng, 2, [0.89, 0.69], 45, 2)
         for alpha in (0.85, 0.8, 0.84, 0.955, 0.955):
             run_chain(acc, rng, 1, [alpha], 1, 2)
-    assert acc.phase() == 2
+    assert acc.regime() == 2
     assert acc.position_model(1) < 0.91
     uncorrected = 1 + (acc.k_acc[1] + acc.k_weight * acc.position_model(1)) / (acc.k_rows[1] + acc.k_weight)
     assert acc.k_rows[1] < 2 * acc.k_weight and uncorrected < 1.935  # a few own rows; the plain fallback is short
-    assert acc.phase_ratio(1) == pytest.approx(0.955 / acc.position_model(1), rel=0.03)
+    assert acc.regime_ratio(1) == pytest.approx(0.955 / acc.position_model(1), rel=0.03)
     # the few own rows are noisy (2 rows a step), so the check is on what the correction adds: the fallback now
     # stands at k = 1's own level, and the estimate is that much above the uncorrected one
     corrected = 1 + (acc.k_acc[1] + acc.k_weight * 0.955) / (acc.k_rows[1] + acc.k_weight)
     assert acc.expected_tokens(1) == pytest.approx(corrected, abs=0.015)
     assert acc.expected_tokens(1) > uncorrected + 0.03
-    assert acc.expected_tokens(2) == pytest.approx(1 + 0.89 + 0.89 * 0.69, abs=0.04)  # the phase's own: unchanged
+    assert acc.expected_tokens(2) == pytest.approx(1 + 0.89 + 0.89 * 0.69, abs=0.04)  # the regime's own: unchanged
     acc.set_version(drafter_version="new")  # a new drafter: the ratios are forgotten with the rest
-    assert acc.phase() is None and acc.phase_ratio(1) == 1.0
+    assert acc.regime() is None and acc.regime_ratio(1) == 1.0
 
 
 def test_an_engines_first_steps_do_not_time_the_cost_model():
@@ -365,7 +365,7 @@ def test_near_tie_explorations_go_to_the_least_known():
 
 @pytest.mark.parametrize("engine_counts_runs", [False, True])
 def test_steps_settling_after_a_switch_do_not_count_for_the_new_strategy(engine_counts_runs):
-    """The first `settle_steps` = 3 steps after a change of k are still settling into its phase. Measured on
+    """The first `settle_steps` = 3 steps after a change of k are still settling into its regime. Measured on
     the task's engine: after a stretch of k = 2, k = 1 accepts 0.89, 0.80, 0.84 drafts per row, then 0.955.
     In runs of five k = 1 steps only the last two count for its own mean, so its estimate is the steady
     1.955; counting all but the first step (the old rule) gives 1.89, 3% short, enough to lose a near-tie.
@@ -448,9 +448,9 @@ def test_noted_steps_fold_in_as_if_each_were_observed_at_once():
     sel.flush()
     assert sel.acceptance.token_table() == ref_acc.token_table()
     # the cached table is each strategy's own mean shrunk toward the chain model of the positions, corrected by
-    # the strategy's phase ratio (capped at k drafts)
+    # the strategy's regime ratio (capped at k drafts)
     a = ref_acc
-    ratio = [1.0 if k == a.phase() else a.phase_ratio(k) for k in range(9)]
+    ratio = [1.0 if k == a.regime() else a.regime_ratio(k) for k in range(9)]
     own = [1.0] + [1 + (a.k_acc.get(k, 0.0) + a.k_weight * min(a.position_model(k) * ratio[k], k))
                    / (a.k_rows.get(k, 0.0) + a.k_weight) for k in range(1, 9)]
     assert a.token_table() == pytest.approx(own, rel=1e-12)

@@ -203,7 +203,7 @@ def test_worker_engine_follows_the_rollout_config(micro_policy, redis_url):
                                        "dtype": "bfloat16"})
         eng = w._engine(item, _load(w, item))
         assert (eng.max_batch, eng.max_seq_len, eng.k_max) == (3, 96, 5)
-        assert type(eng.drafter).__name__ == "NgramDrafter" and next(w.model.parameters()).dtype == torch.bfloat16
+        assert type(eng.drafter).__name__ == "NgramProposer" and next(w.model.parameters()).dtype == torch.bfloat16
         assert eng.choose_k(3, eng.stats) == 3
         assert w.pool is None and eng.verify_forward == eng.runner.forward  # CPU: no CUDA graphs
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 from engine_helpers import hf_greedy
-from tailspec.rollout.drafters import DraftModelDrafter, NgramDrafter
+from tailspec.rollout.drafters import DraftModelProposer, NgramProposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.model_runner import ModelRunner
 from tailspec.rollout.sequence import SamplingParams
@@ -70,7 +70,7 @@ def test_runner_forward_matches_hf(model):
 def test_engine_greedy_matches_hf_generate(model, drafter):
     prompts = [[1] + [3 + (i * 7 + j * 5) % 50 for j in range(2 + 3 * i)] for i in range(5)]
     refs = [hf_greedy(model, p, 24) for p in prompts]
-    d = NgramDrafter() if drafter == "ngram" else DraftModelDrafter(model)
+    d = NgramProposer() if drafter == "ngram" else DraftModelProposer(model)
     eng = Engine(model, d, choose_k=3, max_batch=3, max_seq_len=128)
     outs = eng.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     for o, r in zip(outs, refs):

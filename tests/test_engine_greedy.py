@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 from engine_helpers import hf_greedy, micro_policy, noisy_copy, random_eagle3, task_prompts
-from tailspec.rollout.drafters import DraftModelDrafter, Eagle3Drafter, NgramDrafter
+from tailspec.rollout.drafters import DraftModelProposer, Eagle3Proposer, NgramProposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
 
@@ -53,13 +53,13 @@ def reference(policy):
 
 def make_drafter(name: str, policy):
     if name == "ngram":
-        return NgramDrafter()
+        return NgramProposer()
     if name == "draft_model":
-        return DraftModelDrafter(noisy_copy(policy))  # a fair drafter: accepts and rejections both common
+        return DraftModelProposer(noisy_copy(policy))  # a fair drafter: accepts and rejections both common
     if name == "draft_model_self":
-        return DraftModelDrafter(policy)  # a perfect one: every draft accepted
+        return DraftModelProposer(policy)  # a perfect one: every draft accepted
     if name == "eagle3":
-        return Eagle3Drafter(random_eagle3(policy))
+        return Eagle3Proposer(random_eagle3(policy))
     raise AssertionError(name)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from engine_helpers import micro_policy, noisy_copy, random_eagle3, random_micro, task_prompts
 from tailspec.rollout import model_runner
-from tailspec.rollout.drafters import DraftModelDrafter, Eagle3Drafter, NgramDrafter
+from tailspec.rollout.drafters import DraftModelProposer, Eagle3Proposer, NgramProposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
 
@@ -36,7 +36,7 @@ def teacher_forced_logprobs(model, prompt, tokens, temperature=1.0):
 def test_greedy_logprobs_equal_plain_decoding(policy, prompts):
     sp = SamplingParams(max_tokens=30, temperature=0.0)
     plain = Engine(policy, None, max_batch=4, max_seq_len=160).generate(prompts, sp)
-    for drafter in (DraftModelDrafter(policy), DraftModelDrafter(random_micro(3)), NgramDrafter()):
+    for drafter in (DraftModelProposer(policy), DraftModelProposer(random_micro(3)), NgramProposer()):
         spec = Engine(policy, drafter, choose_k=4, max_batch=4, max_seq_len=160).generate(prompts, sp)
         for a, b in zip(plain, spec):
             assert a.token_ids == b.token_ids
@@ -49,7 +49,7 @@ def test_greedy_logprobs_equal_plain_decoding(policy, prompts):
 def test_sampled_logprobs_equal_teacher_forced(policy, prompts, drafter_kind):
     """Under SD at temperature 0.7, every emitted token's logprob is the policy's own (raw and processed),
     as a plain teacher-forced HF forward over the same tokens computes it."""
-    drafter = DraftModelDrafter(policy if drafter_kind == "good" else random_micro(3))
+    drafter = DraftModelProposer(policy if drafter_kind == "good" else random_micro(3))
     sp = [SamplingParams(max_tokens=30, temperature=0.7, seed=i) for i in range(len(prompts))]
     outs = Engine(policy, drafter, choose_k=3, max_batch=4, max_seq_len=160).generate(prompts, sp)
     assert sum(o.stats.accepted for o in outs) > 0
@@ -63,7 +63,7 @@ def test_sampled_logprobs_equal_teacher_forced(policy, prompts, drafter_kind):
 @pytest.mark.parametrize("drafter_name", ["none", "draft_model", "ngram"])
 def test_same_seed_same_output_regardless_of_batch(policy, prompts, drafter_name):
     def drafter():
-        return {"none": None, "draft_model": DraftModelDrafter(noisy_copy(policy)), "ngram": NgramDrafter()}[drafter_name]
+        return {"none": None, "draft_model": DraftModelProposer(noisy_copy(policy)), "ngram": NgramProposer()}[drafter_name]
 
     k = 0 if drafter_name == "none" else 3
     target = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.95, seed=1234)
@@ -84,7 +84,7 @@ def test_bad_input_rejected_before_any_compute(policy, monkeypatch):
     calls = []
     real = model_runner.ModelRunner.forward
     monkeypatch.setattr(model_runner.ModelRunner, "forward", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
-    eng = Engine(policy, NgramDrafter(), choose_k=2, max_batch=4, max_seq_len=64)
+    eng = Engine(policy, NgramProposer(), choose_k=2, max_batch=4, max_seq_len=64)
     V = policy.config.vocab_size
     good = [1, 5, 6]
     cases = [
@@ -118,10 +118,10 @@ def test_misfit_drafters_rejected_at_construction(policy):
     other_vocab = LlamaForCausalLM(LlamaConfig(vocab_size=policy.config.vocab_size + 5, hidden_size=32,
                                                intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(ValueError, match="vocab_size"):
-        Engine(policy, DraftModelDrafter(other_vocab), choose_k=2)
+        Engine(policy, DraftModelProposer(other_vocab), choose_k=2)
     bigger = build_model("tiny")  # hidden 256 / 4 layers: an EAGLE-3 head made for it does not fit micro
     with pytest.raises(ValueError, match="hidden_size"):
-        Engine(policy, Eagle3Drafter(random_eagle3(bigger)), choose_k=2)
+        Engine(policy, Eagle3Proposer(random_eagle3(bigger)), choose_k=2)
     with pytest.raises(ValueError, match="needs a drafter"):
         Engine(policy, None, choose_k=3)
 
@@ -133,7 +133,7 @@ def test_eagle3_adapter_matches_the_module(policy):
     from tailspec.drafter_trainer.model import DrafterCache, capture_aux
 
     head = random_eagle3(policy)
-    ad = Eagle3Drafter(head)
+    ad = Eagle3Proposer(head)
     ad.setup(2, 64, torch.device("cpu"))
     cache = DrafterCache.allocate(head.config, 2, 64)
     H = head.config.hidden_size
@@ -145,7 +145,7 @@ def test_eagle3_adapter_matches_the_module(policy):
     logits = ad.head(out)
     assert torch.allclose(logits, ref_logits, atol=1e-5) and torch.allclose(out, ref_out, atol=1e-5)
 
-    eng = Engine(policy, Eagle3Drafter(head), choose_k=lambda b, s: [2, 0, 3][s.steps % 3], max_batch=3, max_seq_len=128)
+    eng = Engine(policy, Eagle3Proposer(head), choose_k=lambda b, s: [2, 0, 3][s.steps % 3], max_batch=3, max_seq_len=128)
     for p in task_prompts(3, seed=2):
         eng.add_request(p, SamplingParams(max_tokens=40, temperature=1.0, seed=len(p)))
     checked = 0

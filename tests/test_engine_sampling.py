@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from tailspec.rollout import sampling
-from tailspec.rollout.drafters import DraftModelDrafter, NgramDrafter
+from tailspec.rollout.drafters import DraftModelProposer, NgramProposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -111,7 +111,7 @@ def check(toks: np.ndarray, joint: np.ndarray) -> tuple[bool, float, float, floa
 @pytest.mark.parametrize("drafter_kind", ["poor", "good"])
 def test_speculative_sampling_is_exact(target, poor, setting, drafter_kind):
     torch.set_num_threads(2)
-    drafter = DraftModelDrafter(poor if drafter_kind == "poor" else target)
+    drafter = DraftModelProposer(poor if drafter_kind == "poor" else target)
     joint = enumerate_joint(target, **SETTINGS[setting])
     toks = engine_samples(target, drafter, k=2, setting=SETTINGS[setting])
     ok, pval, tv, bound = check(toks, joint)
@@ -121,7 +121,7 @@ def test_speculative_sampling_is_exact(target, poor, setting, drafter_kind):
 def test_deterministic_drafts_are_exact(target):
     """n-gram drafts (q one-hot) take the other branch of the acceptance rule."""
     joint = enumerate_joint(target, temperature=1.0)
-    ok, pval, tv, bound = check(engine_samples(target, NgramDrafter(), k=2, setting=SETTINGS["t1.0"]), joint)
+    ok, pval, tv, bound = check(engine_samples(target, NgramProposer(), k=2, setting=SETTINGS["t1.0"]), joint)
     assert ok, f"chi-square p={pval:.2e}, TV={tv:.4f} (bound {bound:.4f})"
 
 
@@ -147,5 +147,5 @@ def _resample_impl(p, q, drafts, u_accept, u_sample):
 def test_broken_acceptance_rule_fails_the_same_check(target, poor, monkeypatch, broken):
     joint = enumerate_joint(target, temperature=1.0)
     monkeypatch.setattr(sampling, "verify", broken)
-    ok, pval, tv, bound = check(engine_samples(target, DraftModelDrafter(poor), k=2, setting=SETTINGS["t1.0"]), joint)
+    ok, pval, tv, bound = check(engine_samples(target, DraftModelProposer(poor), k=2, setting=SETTINGS["t1.0"]), joint)
     assert not ok, f"a broken rule passed: chi-square p={pval:.2e}, TV={tv:.4f} (bound {bound:.4f})"

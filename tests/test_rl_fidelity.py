@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 from tailspec.rollout import sampling
-from tailspec.rollout.drafters import DraftModelDrafter, NgramDrafter
+from tailspec.rollout.drafters import DraftModelProposer, NgramProposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
 
@@ -54,7 +54,7 @@ def reward_curve(policy, draft, tok, seed: int, spec: bool) -> list[float]:
     model = copy.deepcopy(policy)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)
-    drafters = [(lambda: NgramDrafter(), 3), (lambda: DraftModelDrafter(draft), 2), (lambda: DraftModelDrafter(draft), 4)]
+    drafters = [(lambda: NgramProposer(), 3), (lambda: DraftModelProposer(draft), 2), (lambda: DraftModelProposer(draft), 4)]
     curve = []
     for step in range(STEPS):
         problems = sample_problems(PROMPTS, seed=seed * 1000 + step)

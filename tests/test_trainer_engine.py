@@ -18,7 +18,7 @@ from tests.test_trainer_model import make_target
 from tests.test_trainer_session import cfg
 
 rollout = pytest.importorskip("tailspec.rollout.engine")
-from tailspec.rollout.drafters import Eagle3Drafter as EngineEagle3  # noqa: E402
+from tailspec.rollout.drafters import Eagle3Proposer  # noqa: E402
 from tailspec.rollout.engine import Engine  # noqa: E402
 from tailspec.rollout.sequence import SamplingParams  # noqa: E402
 
@@ -47,7 +47,7 @@ def test_engine_decodes_losslessly_with_exported_drafter(tmp_path):
     out = export(s.drafter, tmp_path / "eagle3", "eagle3")
     drafter = load_export(out, target.get_input_embeddings())
     for k in (1, 3):
-        engine = Engine(target, EngineEagle3(drafter, target), choose_k=k, max_batch=16, max_seq_len=64, seed=0)
+        engine = Engine(target, Eagle3Proposer(drafter, target), choose_k=k, max_batch=16, max_seq_len=64, seed=0)
         outs = engine.generate(prompts, greedy)
         assert [o.token_ids for o in outs] == ref, k  # lossless: token-identical to the target alone
         drafted = sum(o.stats.drafted for o in outs)

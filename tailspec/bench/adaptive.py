@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _load(args, cfg):
     import torch
 
-    from tailspec.rollout.drafters import DraftModelDrafter, Eagle3Drafter, NgramDrafter
+    from tailspec.rollout.drafters import DraftModelProposer, Eagle3Proposer, NgramProposer
     from tailspec.tasks.policy import load_policy, resolve_policy
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -63,14 +63,14 @@ def _load(args, cfg):
     target.to(device)
     if args.drafter == "ngram":
         def make_drafter():
-            return NgramDrafter()
+            return NgramProposer()
         label = "ngram"
     elif args.drafter == "draft_model":
         draft, _ = load_policy(resolve_policy(args.draft_preset, cfg.task, cache_dir=cfg.cache_dir), dtype=dtype)
         draft.to(device)
 
         def make_drafter():
-            return DraftModelDrafter(draft)
+            return DraftModelProposer(draft)
         label = f"draft_model:{args.draft_preset}"
     else:
         from tailspec.drafter_trainer.model import Eagle3Drafter as Eagle3Module
@@ -87,7 +87,7 @@ def _load(args, cfg):
         head = Eagle3Module.load(args.eagle3, target.get_input_embeddings()).to(device, dtype)
 
         def make_drafter():
-            return Eagle3Drafter(head, target)
+            return Eagle3Proposer(head, target)
         label = f"eagle3:{args.eagle3}"
     return target, tok, make_drafter, label, device
 

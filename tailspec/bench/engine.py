@@ -132,7 +132,7 @@ def drafter_cost(model, eagle, batches, prompts, *, steps: int = 24, calls: int 
     batch, interleaved `repeats` times, `calls` calls each:
     - target forward: `engine.runner.forward` of the last token of every row (plain decoding's forward, the
       unit a draft token saves);
-    - drafter step: one iteration of `rollout.drafters.Eagle3Drafter.propose`'s loop: the drafter layer
+    - drafter step: one iteration of `rollout.drafters.Eagle3Proposer.propose`'s loop: the drafter layer
       (`step`), its head and the draw of the next draft (`_draw`: the row's sampling on the draft logits).
     Each is the median of its calls; the ratio is their quotient. Neither includes the engine's per-step
     bookkeeping (sampling and acceptance of the verify, the emitted tokens' scatters), which a step pays
@@ -143,14 +143,14 @@ def drafter_cost(model, eagle, batches, prompts, *, steps: int = 24, calls: int 
 
 def _batch_cost(model, eagle, b: int, prompts, steps: int, calls: int, repeats: int, temperature: float) -> dict:
     """`drafter_cost` at one batch size."""
-    from tailspec.rollout.drafters import Eagle3Drafter, _draw
+    from tailspec.rollout.drafters import Eagle3Proposer, _draw
     from tailspec.rollout.engine import Engine
     from tailspec.rollout.sampling import step_uniforms_from
     from tailspec.rollout.sequence import SamplingParams
 
     rows = [prompts[i % len(prompts)] for i in range(b)]
     seq = max(len(p) for p in rows) + 2 * steps + 8  # k = 1: up to 2 tokens a step
-    dr = Eagle3Drafter(eagle)
+    dr = Eagle3Proposer(eagle)
     eng = Engine(model, dr, choose_k=1, max_batch=b, max_seq_len=seq, k_max=2)
     for i, p in enumerate(rows):  # ignore_eos: every row stays in the batch for the whole warm-up
         eng.add_request(p, SamplingParams(max_tokens=2 * steps + 4, temperature=temperature, ignore_eos=True, seed=i))
@@ -233,7 +233,7 @@ def _cost_section(model, eagle, tok, batches: list[int], args, log) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     from tailspec.commands.bench import machine
-    from tailspec.rollout.drafters import DraftModelDrafter, Eagle3Drafter, NgramDrafter
+    from tailspec.rollout.drafters import DraftModelProposer, Eagle3Proposer, NgramProposer
     from tailspec.rollout.engine import Engine
     from tailspec.rollout.sequence import SamplingParams
     from tailspec.tasks.runsum import sample_problems
@@ -258,11 +258,11 @@ def run(args: argparse.Namespace) -> dict:
 
     def make_drafter(name):
         if name == "ngram":
-            return NgramDrafter()
+            return NgramProposer()
         if name == "draft_model" and draft_model is not None:
-            return DraftModelDrafter(draft_model)
+            return DraftModelProposer(draft_model)
         if name == "eagle3" and eagle is not None:
-            return Eagle3Drafter(eagle)
+            return Eagle3Proposer(eagle)
         return None
 
     drafter_names = [d for d in wanted if make_drafter(d) is not None]

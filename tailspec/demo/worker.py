@@ -129,16 +129,16 @@ class Worker:
         self.drafter_key = key
 
     def _drafter(self, item: WorkItem, rc):
-        from tailspec.rollout.drafters import Eagle3Drafter, NgramDrafter
+        from tailspec.rollout.drafters import Eagle3Proposer, NgramProposer
 
         if not item.drafter_path or rc.drafter == "none":
             return None
         if rc.drafter == "ngram":
-            return NgramDrafter()
+            return NgramProposer()
         if rc.drafter == "draft_model":
             raise ValueError("rollout.drafter=draft_model: the demo has no draft model; use eagle3 (co-trained), "
                              "ngram or none")
-        return Eagle3Drafter(self.drafter_module, target=self.model)
+        return Eagle3Proposer(self.drafter_module, target=self.model)
 
     def _measure_cost(self, engine, item: WorkItem, rc, on_step=None) -> None:
         """The cost model t(b, k) of this engine's shape, timed on the first phase that needs one (the
