@@ -1,8 +1,11 @@
 """Rollout samples for drafter training: validation, a bounded versioned replay buffer, the Redis reader.
 
 Only ids, rewards and versions travel (docs/architecture.md); hidden states are recomputed by the teacher. A bad
-sample is dropped and counted by reason (locally and in the cluster's `dropped` hash, as
-`trainer_<reason>`), never raised: one bad writer must not stop a session.
+sample is dropped and counted by reason (locally in `SampleReader.dropped` and in the cluster's `dropped` hash
+as `trainer_<reason>`, which the dashboards show), never raised: one bad writer must not stop a session.
+Reasons: `malformed` (no `data` field, not JSON, not a Sample), `oversized` (more ids than max_seq_len, or an
+entry too large to be one: dropped before it is parsed), `empty_prompt`, `empty_response`,
+`nonfinite_reward`, `out_of_vocab`, `stale_policy_version`.
 
 Fresh samples first: a new reader starts at the newest end of the stream (XREVRANGE back to the oldest
 policy version the buffer keeps) and then follows new entries forward, so a session never spends its
@@ -143,6 +146,28 @@ class SampleReader:
     dropped: Counter = field(default_factory=Counter)
     added: int = 0
 
+    @property
+    def max_entry_bytes(self) -> int:
+        """Largest stream entry that can hold a usable sample: max_seq_len ids of up to 32 characters each
+        (digits, separator, whitespace of a pretty-printing writer) plus 64 KiB for the other fields. A larger
+        one is dropped unparsed, so a multi-megabyte entry costs the reader a length check, not a JSON parse."""
+        return 64 * 1024 + 32 * self.max_seq_len
+
+    def decode(self, fields: dict) -> Sample | None:
+        """The Sample of one stream entry's fields, or None after counting why it is unusable."""
+        raw = fields.get(b"data", fields.get("data"))
+        if raw is None:
+            self.drop("malformed")
+            return None
+        if len(raw) > self.max_entry_bytes:
+            self.drop("oversized")
+            return None
+        try:
+            return state.decode(Sample, raw, where=state.key(self.cluster, "samples"))
+        except state.StateError:
+            self.drop("malformed")
+            return None
+
     def drop(self, reason: str) -> None:
         self.dropped[reason] += 1
         try:
@@ -169,11 +194,14 @@ class SampleReader:
         if self.last_id is None:
             self._read_newest()
             return self.added - before
-        entries, self.last_id = state.read_stream(
-            self.redis, state.key(self.cluster, "samples"), Sample, after=self.last_id, count=count,
-            on_bad=lambda _id, _err: self.drop("malformed"))
-        for _, s in entries:
-            self.offer(s)
+        after = self.last_id
+        start = "-" if after in ("0", b"0", "0-0") else b"(" + (after if isinstance(after, bytes) else after.encode())
+        for entry_id, fields in self.redis.xrange(state.key(self.cluster, "samples"), min=start, max="+",
+                                                  count=count):
+            self.last_id = entry_id
+            s = self.decode(fields)
+            if s is not None:
+                self.offer(s)
         return self.added - before
 
 
@@ -193,11 +221,14 @@ class SampleReader:
                 break
             if self.last_id == "0":
                 self.last_id = raw[0][0]
-            for entry_id, fields in raw:
-                try:
-                    s = state.decode(Sample, fields.get(b"data") or fields.get("data"), where=key)
-                except state.StateError:
-                    self.drop("malformed")
+            for _, fields in raw:
+                s = self.decode(fields)
+                if s is None:
+                    continue
+                # An unusable sample is dropped here: its policy version (any number) must not move the window.
+                reason = validate_sample(s, self.vocab_size, self.max_seq_len)
+                if reason:
+                    self.drop(reason)
                     continue
                 newest = s.policy_version if newest is None else max(newest, s.policy_version)
                 if s.policy_version <= newest - keep or len(got) >= want:

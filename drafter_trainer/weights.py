@@ -19,6 +19,9 @@ import numpy as np
 
 Mode = Literal["reward", "advantage", "uniform"]
 EPS = 1e-6
+# Rewards larger than this in magnitude are scaled down first: near float64's limit (1.8e308) their differences,
+# means and squares overflow to inf and the weights to NaN, and one such sample would make the loss NaN.
+SCALE_ABOVE = 1e100
 
 
 def raw_weights(rewards: Sequence[float], group_ids: Sequence[str | None] | None, mode: Mode) -> np.ndarray:
@@ -27,6 +30,11 @@ def raw_weights(rewards: Sequence[float], group_ids: Sequence[str | None] | None
         raise ValueError(f"rewards must be a flat sequence, got shape {r.shape}")
     if not np.isfinite(r).all():
         raise ValueError("rewards must be finite (validate samples before weighting)")
+    peak = float(np.abs(r).max()) if r.size else 0.0
+    if peak > SCALE_ABOVE:
+        # Every mode's weights are invariant to a positive scale of the rewards (advantage: up to EPS, nothing
+        # at this magnitude), so dividing by the peak changes no weight and keeps every step finite.
+        r = r / peak
     if mode == "uniform" or r.size == 0:
         return np.ones_like(r)
     if mode == "reward":

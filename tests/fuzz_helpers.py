@@ -71,15 +71,17 @@ class Tally:
     def total(self) -> int:
         return sum(self.counts.values())
 
-    def report(self) -> None:
-        """Print the tally and merge it into test-output/fuzz-cases.json (test name → counts)."""
-        print(f"fuzz {self.name}: {self.total} cases {self.counts}")
+    def report(self, cases: str | None = None) -> None:
+        """Print the tally and merge it into test-output/fuzz-cases.json (test name → counts). `cases` names the
+        count that is the number of cases (default: the sum of all counts)."""
+        n = self.counts.get(cases, 0) if cases else self.total
+        print(f"fuzz {self.name}: {n} cases {self.counts}")
         OUT.parent.mkdir(exist_ok=True)
         try:
             known = json.loads(OUT.read_text())
         except (OSError, ValueError):
             known = {}
-        known[self.name] = {"cases": self.total, **self.counts}
+        known[self.name] = {"cases": n, **self.counts}
         OUT.write_text(json.dumps(known, indent=1, sort_keys=True))
 
 
