@@ -1,7 +1,7 @@
 """Acceptance estimates from real accepted counts: per position and per strategy, exponentially decayed.
 
 Per position j (0-based draft index): alpha_j = P(draft j accepted | drafts 0..j-1 accepted). The engine
-reports, after every step with k > 0, how many rows had draft j accepted (`StepStats.last_reach`), so a step
+reports, after every step with k > 0, how many rows had draft j accepted (`StepRecord.reach`), so a step
 at k updates positions 0..k-1 at once: trials_j = rows that reached j, successes_j = rows that passed it.
 For a chain drafter the proposal at position j does not depend on k, so alpha_j would predict every strategy:
 
@@ -46,6 +46,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tailspec.rollout.strategy import StepRecord
+
 
 @dataclass
 class AcceptanceTracker:
@@ -69,9 +71,7 @@ class AcceptanceTracker:
     regime_acc: dict[tuple[int, int], float] = field(default_factory=dict)  # (k, regime) -> settled accepted drafts
     regime_pred: dict[tuple[int, int], float] = field(default_factory=dict)  # (k, regime) -> position model's drafts
     updates: int = 0
-    dropped: int = 0  # inconsistent updates refused
-    last_k: int | None = None  # k of the previous step (a step at another k is a switch step)
-    run: int = 0  # consecutive steps at last_k
+    dropped: int = 0  # inconsistent records refused
     _tokens: list[float] | None = field(default=None, init=False, repr=False)  # expected_tokens by k, until the next change
 
     def __post_init__(self) -> None:
@@ -87,55 +87,26 @@ class AcceptanceTracker:
             self.pos_trials = [0.0] * self.k_max
 
     # -- updates ---------------------------------------------------------------------------------------------
-    def update(self, k: int, rows: int, accepted: int, reach: list[int] | None = None, run: int | None = None) -> None:
-        """One decode step: `rows` rows drafted k tokens each, `accepted` drafts accepted in all;
-        reach[j] = rows whose draft j was accepted; `run` = consecutive steps at k, this one included (the
-        engine's StepStats.last_run; None: counted here from the updates, which assumes no step was left
-        out). Inconsistent input is dropped (a counted no-op)."""
-        if run is None:
-            run = self.run + 1 if k == self.last_k else 1 if self.last_k is not None else self.settle_steps + 1
-        self.last_k, self.run = k, run
-        settled = run > self.settle_steps
+    def observe(self, record: StepRecord) -> None:
+        """Fold one decode step in. A record inconsistent with itself is dropped (a counted no-op)."""
+        k, rows, accepted = record.k, record.rows, record.accepted
         if k <= 0:
             return  # plain decoding: nothing to learn
         if rows <= 0 or k > self.k_max or not 0 <= accepted <= k * rows:
             self.dropped += 1
             return
+        reach = record.reach or None
         if reach is not None and (len(reach) != k or any(not 0 <= r <= rows for r in reach)):
             self.dropped += 1
             reach = None
+        settled = record.run > self.settle_steps
         # the position model's prediction for this step before it sees it, for the regime ratio; not while the
         # counts are still mostly the prior (a ratio learned against the prior would stick for regime_memory_rows)
         regime = self.regime() if settled and self.pos_trials[0] >= 4 * self.prior_weight else None
         predicted = rows * self.position_model(k) if regime is not None else 0.0
-        d = math.exp(-rows / self.memory_rows)
-        # every position forgets at each informative step, also those the step did not reach: after a drop in
-        # acceptance the later positions are rarely reached, and what they measured before must not keep
-        # promising long drafts; a position without news falls back to the one before it (optimistic after
-        # a long run of k = 1; exploring the longer k corrects that, an overestimate gets tried)
-        for j in range(self.k_max):
-            self.pos_acc[j] *= d
-            self.pos_trials[j] *= d
-        # a strategy's own mean forgets by rows as that strategy brings news, and by steps otherwise: what
-        # exploration measured for a strategy run rarely survives a long stretch of another one
-        d_other = math.exp(-1.0 / self.other_memory_steps)
-        self._tokens = None
-        for key in self.k_acc:
-            f = d if key == k else d_other
-            self.k_acc[key] *= f
-            self.k_rows[key] *= f
-        for key in self.regime_w:
-            self.regime_w[key] *= d
+        self._decay(k, rows)
         if reach is not None:
-            self.regime_w[k] = self.regime_w.get(k, 0.0) + rows
-            trials = rows
-            for j, r in enumerate(reach):
-                r = min(r, trials)  # reach is non-increasing for prefix acceptance; guard anyway
-                self.pos_acc[j] += r
-                self.pos_trials[j] += trials
-                trials = r
-                if trials == 0:
-                    break
+            self._count_positions(k, rows, reach)
         if settled:
             self.k_acc[k] = self.k_acc.get(k, 0.0) + accepted
             self.k_rows[k] = self.k_rows.get(k, 0.0) + rows
@@ -145,10 +116,37 @@ class AcceptanceTracker:
                 self.regime_pred[key] = self.regime_pred.get(key, 0.0) * f + predicted
         self.updates += 1
 
-    def observe(self, stats) -> None:
-        """Fold the engine's StepStats of the step that just ran."""
-        self.update(stats.last_k, stats.last_batch, stats.last_accepted, list(stats.last_reach) or None,
-                    stats.last_run or None)
+    def _decay(self, k: int, rows: int) -> None:
+        """Forget before an informative step at k with `rows` rows."""
+        d = math.exp(-rows / self.memory_rows)
+        # every position forgets at each informative step, also those the step did not reach: after a drop in
+        # acceptance the later positions are rarely reached, and what they measured before must not keep
+        # promising long drafts; a position without news falls back to the one before it (optimistic after
+        # a long run of k = 1; exploring the longer k corrects that, an overestimate gets tried)
+        for j in range(self.k_max):
+            self.pos_acc[j] *= d
+            self.pos_trials[j] *= d
+        # a strategy's own mean forgets by rows as that strategy brings news, and by steps otherwise
+        d_other = math.exp(-1.0 / self.other_memory_steps)
+        self._tokens = None
+        for key in self.k_acc:
+            f = d if key == k else d_other
+            self.k_acc[key] *= f
+            self.k_rows[key] *= f
+        for key in self.regime_w:
+            self.regime_w[key] *= d
+
+    def _count_positions(self, k: int, rows: int, reach: tuple[int, ...]) -> None:
+        """Add a step's trials and successes per position (and its weight in the counts' regime)."""
+        self.regime_w[k] = self.regime_w.get(k, 0.0) + rows
+        trials = rows
+        for j, r in enumerate(reach):
+            r = min(r, trials)  # reach is non-increasing for prefix acceptance; guard anyway
+            self.pos_acc[j] += r
+            self.pos_trials[j] += trials
+            trials = r
+            if trials == 0:
+                break
 
     def set_version(self, drafter_version=None, policy_version=None) -> bool:
         """Tell the tracker which drafter / policy the next steps run. Returns True if anything changed."""
@@ -177,7 +175,6 @@ class AcceptanceTracker:
         self.k_acc, self.k_rows = {}, {}
         self.regime_w, self.regime_acc, self.regime_pred = {}, {}, {}
         self.updates = 0
-        self.last_k, self.run = None, 0
 
     # -- estimates -------------------------------------------------------------------------------------------
     def alphas(self) -> list[float]:

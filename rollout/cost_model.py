@@ -191,32 +191,49 @@ def measure(
     settle: int = 6,
     rows: int = 48,
 ) -> CostModel:
-    """Warm-up: time `steps` decode steps of the real engine at every (bucket, k), keep the median. A small
-    bucket times more steps, enough for `rows` rows (batch 1: 48 steps at the default): one row's step time
-    and acceptance vary with its content far more than a batch's average, and a step there costs little.
+    """Warm-up: time `steps` decode steps of the real engine at every (bucket, k), keep the median; a small
+    bucket times enough steps for `rows` rows (batch 1: 48 at the default).
 
-    For each bucket, one batch of `bucket` requests runs like a rollout: a request that stops is replaced at
-    once by the next prompt (cycled, each with its own seed), so the batch stays full and its rows sit at
-    every depth of their responses, not only at the first tokens. The strategies take turns on that batch:
-    `settle` untimed steps at k (they absorb what the previous strategy left behind: the drafter's catch-up
-    over that strategy's accepted tokens, and the regime of the drafts, see `acceptance`), then `block` timed
-    steps, round after round until every k has `steps` timed steps. Six and six: at batch 2, k = 1 measured
-    1.90 tokens per row after 3 settling steps and 1.95 after 8 (1.96 in steady runs), at the same share of
-    untimed steps as three and three. Taking turns gives every k the same contexts and the same machine
-    load (a burst of load on a shared machine lands on all of them); the time of admissions (prefill) is not
-    in a step's time. With `passes` > 1 the whole sweep repeats and each entry keeps the median over passes. The result
-    is projected onto monotone costs (`CostModel.monotone`). `on_step(stats)` sees every timed step's
-    StepStats (e.g. `AcceptanceTracker.observe`: those are real drafts on real responses). The engine must be
-    idle and is left idle (the requests still running at the end are aborted); its strategy hook is
-    restored afterwards.
+    Per bucket, one batch of `bucket` requests runs like a rollout: a request that stops is replaced at once by
+    the next prompt (cycled, each with its own seed), so the batch stays full and its rows sit at every depth of
+    their responses. The strategies take turns on it: `settle` untimed steps at k, then `block` timed ones,
+    round after round until every k has its steps (admissions' prefill is not timed). With `passes` > 1 the
+    sweep repeats and each entry keeps the median over passes. The result is projected onto monotone costs
+    (`CostModel.monotone`). `on_step(record)` sees every timed step's `StepRecord` (e.g.
+    `AcceptanceTracker.observe`: real drafts on real responses). The engine must be idle and is left idle (the
+    requests still running at the end are aborted), with its strategy hook restored.
     """
-    from tailspec.rollout.sequence import SamplingParams
-    from tailspec.rollout.strategy import fixed_k
+    buckets, ks, room = _warmup_shapes(engine, prompts, buckets, ks, (steps, passes, block, max_tokens, settle, rows))
+    feed = _Feed(engine, prompts, min(max_tokens, room), temperature)
+    hook = engine.choose_k
+    samples: dict[tuple[int, int], list[float]] = {}
+    try:
+        for _ in range(passes):
+            for b in buckets:
+                times = _time_bucket(engine, feed, b, ks, max(steps, -(-rows // b)), settle, block, on_step)
+                engine.abort_all()
+                # median per pass, then the median over passes: the table should describe the machine as
+                # the rollout will see it (a min would pick each entry's luckiest moment, unevenly)
+                for k in ks:
+                    samples.setdefault((b, k), []).append(statistics.median(times[k]))
+    finally:
+        engine.configure(choose_k=hook)
+        engine.abort_all()
+    table = {key: statistics.median(v) for key, v in samples.items()}
+    bad = [key for key, v in table.items() if not v > 0]
+    if bad:
+        raise RuntimeError(f"warm-up could not time (bucket, k) = {bad[:4]}")
+    return CostModel(buckets, ks, table).monotone()
 
+
+def _warmup_shapes(engine, prompts, buckets, ks, counts: tuple[int, ...]) -> tuple[list[int], list[int], int]:
+    """(buckets, ks, tokens of room after the longest prompt) of a warm-up; an error for what cannot run.
+    `counts`: measure's (steps, passes, block, max_tokens, settle, rows)."""
     if engine.has_unfinished():
         raise RuntimeError("cost model warm-up needs an idle engine (requests are still running)")
     if not prompts:
         raise ValueError("cost model warm-up needs at least one prompt")
+    steps, passes, block, max_tokens, settle, rows = counts
     if steps < 1 or passes < 1 or block < 1 or max_tokens < 1 or settle < 0 or rows < 0:
         raise ValueError(f"need steps, passes, block, max_tokens >= 1 and settle, rows >= 0; got {steps}, {passes}, "
                          f"{block}, {max_tokens}, {settle}, {rows}")
@@ -231,51 +248,54 @@ def measure(
     room = engine.max_seq_len - max(len(p) for p in prompts)
     if room < 2:
         raise ValueError(f"prompts too long for the warm-up (max_seq_len={engine.max_seq_len})")
-    hook = engine.choose_k
-    samples: dict[tuple[int, int], list[float]] = {}
-    admitted = 0
+    return buckets, ks, room
 
-    def top_up(b: int) -> None:
-        nonlocal admitted
-        while engine.slots.n + len(engine.waiting) < b:
-            p = prompts[admitted % len(prompts)]
-            engine.add_request(list(p), SamplingParams(max_tokens=min(max_tokens, room), temperature=temperature,
-                                                      seed=admitted))
-            admitted += 1
 
-    try:
-        for _ in range(passes):
-            for b in buckets:
-                n_steps = max(steps, -(-rows // b))
-                times: dict[int, list[float]] = {k: [] for k in ks}
-                while any(len(t) < n_steps for t in times.values()):
-                    for k in ks:
-                        engine.choose_k = fixed_k(k)
-                        settled, tries = 0, 0
-                        while len(times[k]) < n_steps and tries < settle + block + 4:
-                            top_up(b)
-                            engine.step()
-                            tries += 1
-                            if engine.stats.last_batch != b or engine.stats.last_k != k:
-                                continue
-                            if settled < settle:
-                                settled += 1
-                                continue
-                            times[k].append(engine.stats.last_step_s)
-                            if on_step is not None:
-                                on_step(engine.stats)
-                            if len(times[k]) % block == 0:
-                                break
-                engine.abort_all()
-                # median per pass, then the median over passes: the table should describe the machine as
-                # the rollout will see it (a min would pick each entry's luckiest moment, unevenly)
-                for k in ks:
-                    samples.setdefault((b, k), []).append(statistics.median(times[k]))
-    finally:
-        engine.choose_k = hook
-        engine.abort_all()
-    table = {key: statistics.median(v) for key, v in samples.items()}
-    bad = [key for key, v in table.items() if not v > 0]
-    if bad:
-        raise RuntimeError(f"warm-up could not time (bucket, k) = {bad[:4]}")
-    return CostModel(buckets, ks, table).monotone()
+@dataclass
+class _Feed:
+    """The warm-up's requests: the prompts cycled, each admission with its own seed."""
+
+    engine: object
+    prompts: Sequence[Sequence[int]]
+    max_tokens: int
+    temperature: float
+    admitted: int = 0
+
+    def top_up(self, b: int) -> None:
+        """Queue requests until `b` are running or waiting."""
+        from tailspec.rollout.sequence import SamplingParams
+
+        eng = self.engine
+        while eng.slots.n + len(eng.waiting) < b:
+            p = self.prompts[self.admitted % len(self.prompts)]
+            eng.add_request(list(p), SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
+                                                   seed=self.admitted))
+            self.admitted += 1
+
+
+def _time_bucket(engine, feed: _Feed, b: int, ks: list[int], n_steps: int, settle: int, block: int,
+                 on_step) -> dict[int, list[float]]:
+    """Step seconds per k at batch b: the strategies take turns, `settle` untimed then `block` timed steps each."""
+    from tailspec.rollout.selector import fixed_selector
+
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    while any(len(t) < n_steps for t in times.values()):
+        for k in ks:
+            engine.configure(choose_k=fixed_selector(k))
+            settled, tries = 0, 0
+            while len(times[k]) < n_steps and tries < settle + block + 4:
+                feed.top_up(b)
+                engine.step()
+                tries += 1
+                last = engine.last
+                if last.rows != b or last.k != k:
+                    continue
+                if settled < settle:
+                    settled += 1
+                    continue
+                times[k].append(last.seconds)
+                if on_step is not None:
+                    on_step(last)
+                if len(times[k]) % block == 0:
+                    break
+    return times

@@ -1,7 +1,7 @@
 """The native rollout engine: continuous batching over a static KV cache, exact speculative decoding.
 
 One decode step, for the running rows 0..n-1 (kept compacted by SlotTable):
-  k = choose_k(n, stats)                                   strategy hook (k = 0: plain decoding)
+  k = choose_k(n, last)                                    strategy hook (k = 0: plain decoding)
   drafts, q = drafter.propose(batch, k)                     [n, k], [n, k, V] or None
   logits = target([last token, drafts] at L-1 .. L-1+k)     one verify forward, fixed width k+1
   tokens, n_acc = verify(p, q, drafts, uniforms)            exact speculative sampling, ragged acceptance
@@ -11,7 +11,13 @@ anything attends to them. Prefill caches positions 0..L-2 only; the last prompt 
 input, so the first response token is speculated like every other.
 
 Host syncs per step: one `.tolist()` of three numbers (any finished, accepted, max length), plus one read
-per finished request. No Python loop runs over the rows of the batch on the hot path.
+per finished request. No Python loop runs over the rows of the batch on the hot path. Each step ends in one
+frozen `StepRecord` (rows, k, its run at k, accepted drafts, per-position reach, seconds): `last`, the bounded
+`history`, and what the strategy hook is handed before the next step.
+
+Configuration: the strategy hook and the verify forward's seam are set at construction or through
+`configure` (the cost model's warm-up swaps hooks, a graph pool installs its replays); nothing outside the
+engine assigns its attributes.
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from tailspec.rollout import sampling
 from tailspec.rollout.drafters import Proposer
 from tailspec.rollout.model_runner import ModelRunner, check_supported
+from tailspec.rollout.selector import fixed_selector
 from tailspec.rollout.sequence import RequestOutput, RequestStats, SamplingParams
 from tailspec.rollout.slots import (
     ACCEPTED,
@@ -41,7 +48,10 @@ from tailspec.rollout.slots import (
     Batch,
     SlotTable,
 )
-from tailspec.rollout.strategy import ChooseK, StepStats, fixed_k
+from tailspec.rollout.strategy import ChooseK, StepRecord
+
+# the verify forward's seam: ModelRunner.forward's contract, (ids, start, slot0, max_pos, want_aux) -> (logits, aux)
+VerifyForward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 class Engine:
@@ -57,6 +67,7 @@ class Engine:
         max_stop_ids: int = 8,
         seed: int = 0,
         eos_token_id: int | Sequence[int] | None = None,
+        history: int = 1024,
     ):
         cfg = model.config
         check_supported(cfg)
@@ -71,28 +82,61 @@ class Engine:
         eos = eos_token_id if eos_token_id is not None else getattr(cfg, "eos_token_id", None)
         self.eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         self.drafter = drafter
-        self.choose_k: ChooseK = fixed_k(choose_k) if isinstance(choose_k, int) else choose_k
-        if drafter is None and isinstance(choose_k, int) and choose_k > 0:
-            raise ValueError(f"k={choose_k} needs a drafter; pass drafter= or k=0")
+        self._choose_k = self._hook(choose_k)
 
         cache_len = max_seq_len + k_max + 1
         aux_ids = drafter.aux_layer_ids if (drafter is not None and drafter.needs_aux) else None
         self.runner = ModelRunner(model, max_batch, cache_len, aux_layer_ids=aux_ids)
-        # the verify forward's seam: a graph pool (rollout.graph_pool) replaces it with captured replays
-        self.verify_forward = self.runner.forward
+        self._verify_forward: VerifyForward = self.runner.forward  # a graph pool's replays, through configure
         self.device = self.runner.device
         self.slots = SlotTable(max_batch, cache_len + k_max + 2, max_seq_len + k_max + 2, max_stop_ids, self.device)
         if drafter is not None:
             drafter.setup(max_batch, cache_len, self.device)
         self.waiting: deque[tuple[int, list[int], SamplingParams]] = deque()
-        self.stats = StepStats()
-        self.step_log: list[tuple[int, int, int]] = []  # (batch size, k, accepted) per decode step
+        self.last: StepRecord | None = None  # the latest decode step
+        self.history: deque[StepRecord] = deque(maxlen=history)  # the latest `history` decode steps
         self._next_id = 0
         self._gen = torch.Generator().manual_seed(seed)
         self._batch: Batch | None = None
         self._max_length = 0
         self._arange = torch.arange(k_max + 2, device=self.device)
         self._fwd_drafted = torch.tensor([[1, k] for k in range(k_max + 1)], device=self.device)
+
+    # -- configuration ---------------------------------------------------------------------------------------
+    def configure(self, *, choose_k: ChooseK | int | None = None, verify_forward: VerifyForward | None = None) -> Engine:
+        """Change how the engine decodes from its next step on; the one way to, after construction.
+
+        `choose_k`: the strategy hook (an int: that k at every step; k > 0 needs a drafter). `verify_forward`:
+        the verify forward's seam, ModelRunner.forward's contract (a graph pool's `forward` replays captured
+        graphs; `engine.runner.forward` is eager). An argument left out keeps what is set. Returns the engine."""
+        if choose_k is not None:
+            self._choose_k = self._hook(choose_k)
+        if verify_forward is not None:
+            self._verify_forward = verify_forward
+        return self
+
+    def _hook(self, choose_k: ChooseK | int) -> ChooseK:
+        if not isinstance(choose_k, int):
+            return choose_k
+        hook = fixed_selector(choose_k)
+        if self.drafter is None and choose_k > 0:
+            raise ValueError(f"k={choose_k} needs a drafter; pass drafter= or k=0")
+        return hook
+
+    @property
+    def choose_k(self) -> ChooseK:
+        """The strategy hook (read-only: set it at construction or with `configure`)."""
+        return self._choose_k
+
+    @property
+    def verify_forward(self) -> VerifyForward:
+        """The verify forward's seam (read-only: set it with `configure`)."""
+        return self._verify_forward
+
+    @property
+    def steps(self) -> int:
+        """Decode steps run so far."""
+        return self.last.step if self.last is not None else 0
 
     # -- requests ------------------------------------------------------------------------------------------
     def validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
@@ -243,17 +287,32 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         if self.waiting and self.slots.n < self.max_batch:
             self._admit()
-        s = self.slots
-        n = s.n
+        n = self.slots.n
         if n == 0:
             return []
         if self._batch is None:
-            self._batch = s.batch(self._max_length)
+            self._batch = self.slots.batch(self._max_length)
         batch = self._batch
         batch.max_length = self._max_length
-        k = 0 if self.drafter is None else max(0, min(int(self.choose_k(n, self.stats)), self.k_max))
+        k = 0 if self.drafter is None else max(0, min(int(self._choose_k(n, self.last)), self.k_max))
         t_step = time.perf_counter()
+        out, n_acc, logits, p = self._draft_and_verify(batch, n, k)
+        done, stopped, accepted = self._emit(batch, n, k, out, n_acc, logits, p)
+        head = torch.stack([done.sum(), accepted.sum(), batch.lengths.max()])
+        if k > 0:  # rows whose draft j was accepted, j < k: the selector's per-position acceptance
+            head = torch.cat([head, (n_acc[:, None] > self._arange[None, :k]).sum(0)])
+        any_done, acc_sum, max_len, *reach = head.tolist()
+        self._max_length = max_len
+        self.last = StepRecord.following(self.last, n, k, acc_sum, reach, time.perf_counter() - t_step)
+        self.history.append(self.last)
+        if not any_done:
+            return []
+        return self._finish(done, stopped)
 
+    def _draft_and_verify(self, batch: Batch, n: int, k: int):
+        """Draft k tokens per row and verify them in one target forward of width k+1. Returns the step's
+        tokens [n, k+1] (accepted drafts, then the target's token at n_acc), n_acc [n], the target's logits
+        and its processed distribution p."""
         L = batch.lengths
         last = batch.tokens.gather(1, (L - 1)[:, None])
         if batch.any_sampled:  # every uniform of the step in one gather from the rows' tables
@@ -268,17 +327,22 @@ class Engine:
         else:
             drafts, q, inp = last[:, :0], None, last
         need_aux = self.drafter is not None and self.drafter.needs_aux
-        logits, aux = self.verify_forward(inp, L - 1, max_pos=self._max_length - 1 + k, want_aux=need_aux)
+        logits, aux = self._verify_forward(inp, L - 1, max_pos=self._max_length - 1 + k, want_aux=need_aux)
         p = sampling.process(
             logits, batch.temperature, batch.top_k, batch.top_p, batch.any_sampled, batch.any_greedy, batch.any_truncated,
             batch.any_scaled,
         )
-        j = self._arange[: k + 1]
-        pos = L[:, None] + j  # positions of the k+1 candidate tokens
         out, n_acc = sampling.verify(p, q, drafts, u_acc, u_smp)
         if self.drafter is not None:
             self.drafter.observe(batch, k, out, n_acc, aux)
+        return out, n_acc, logits, p
 
+    def _emit(self, batch: Batch, n: int, k: int, out, n_acc, logits, p):
+        """Write the step's tokens and logprobs into the slots, cut after the first stop id and at max_tokens,
+        and count them. Returns per row: done, stopped (by a stop id), drafts accepted and emitted."""
+        s, L = self.slots, batch.lengths
+        j = self._arange[: k + 1]
+        pos = L[:, None] + j  # positions of the k+1 candidate tokens
         raw_lp = torch.log_softmax(logits, -1).gather(-1, out[..., None])[..., 0]
         if batch.any_greedy or batch.any_scaled or batch.any_truncated:
             smp_lp = p.gather(-1, out[..., None])[..., 0].log()
@@ -301,23 +365,7 @@ class Engine:
         s.ints[:n, LEN : GEN + 1] += n_emit[:, None]
         s.ints[:n, FWD : DRAFTED + 1] += self._fwd_drafted[k]
         s.ints[:n, ACCEPTED] += accepted
-
-        head = torch.stack([done.sum(), accepted.sum(), L.max()])
-        if k > 0:  # rows whose draft j was accepted, j < k: the selector's per-position acceptance
-            head = torch.cat([head, (n_acc[:, None] > j[None, :k]).sum(0)])
-        any_done, acc_sum, max_len, *reach = head.tolist()
-        self._max_length = max_len
-        st = self.stats
-        st.steps += 1
-        st.last_run = st.last_run + 1 if k == st.last_k and st.steps > 1 else 1
-        st.last_batch, st.last_k, st.last_accepted = n, k, acc_sum
-        st.last_reach, st.last_step_s = reach, time.perf_counter() - t_step
-        st.drafted += k * n
-        st.accepted += acc_sum
-        self.step_log.append((n, k, acc_sum))
-        if not any_done:
-            return []
-        return self._finish(done, stopped)
+        return done, stopped, accepted
 
     def _finish(self, done: torch.Tensor, stopped: torch.Tensor) -> list[RequestOutput]:
         s = self.slots

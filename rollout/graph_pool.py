@@ -254,9 +254,10 @@ class GraphPool:
         return g.logits[:n], (g.aux[:n] if g.aux is not None else None)
 
     def attach(self, engine) -> GraphPool:
+        """Install the pool on the engine's verify seam (`Engine.configure(verify_forward=...)`)."""
         if engine.runner is not self.runner:
             raise ValueError("graph pool was built for another engine's runner")
-        engine.verify_forward = self.forward
+        engine.configure(verify_forward=self.forward)
         return self
 
 

@@ -185,7 +185,7 @@ class ModelRunner:
         L = self._attn_len(max_pos)
         key_pos = torch.arange(L, device=start.device)
         mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,L]
-        H, Hq, Hk, D = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        Hq, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
         # RoPE tables for every qkv head at these positions: built once per forward, not per layer
         cos, sin = qkv_rope_tables(self.cos[pos], self.sin_signed[pos], Hq + Hk, Hk)  # [B,T,Hq+2Hk,D]
         rows = torch.arange(B, device=start.device)[:, None].expand(B, T)

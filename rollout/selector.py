@@ -1,6 +1,6 @@
 """Strategy selectors: which draft length k to run at the next decode step, given the running batch size.
 
-Every selector is a `ChooseK` (`selector(batch_size, step_stats) -> k`, the engine's per-step hook) and
+Every selector is a `ChooseK` (`selector(batch_size, last_step) -> k`, the engine's per-step hook) and
 exposes `schedule(max_batch)`: the (start, end, k) inclusive batch-size ranges it would choose now — the
 shape of vLLM's `num_speculative_tokens_per_batch_size`, for the vLLM backend.
 
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from tailspec.rollout.acceptance import AcceptanceTracker
 from tailspec.rollout.cost_model import CostModel
+from tailspec.rollout.strategy import StepRecord
 
 Schedule = list[tuple[int, int, int]]  # (first batch size, last batch size, k), inclusive
 
@@ -53,7 +54,7 @@ class TableSelector:
     def __post_init__(self) -> None:
         check_schedule(self.table)
 
-    def __call__(self, batch_size: int, stats=None) -> int:
+    def __call__(self, batch_size: int, last: StepRecord | None = None) -> int:
         for start, end, k in self.table:
             if start <= batch_size <= end:
                 return k
@@ -125,6 +126,22 @@ def candidate_ks(
 
 
 @dataclass
+class Exploration:
+    """An exploration run in progress: strategy k for `left` more steps."""
+
+    k: int
+    left: int
+
+
+@dataclass
+class Decision:
+    """When the committed k is decided again: at another batch size, or after `left` more steps."""
+
+    batch_size: int = 0
+    left: int = 0
+
+
+@dataclass
 class AdaptiveSelector:
     cost: CostModel
     acceptance: AcceptanceTracker
@@ -138,7 +155,7 @@ class AdaptiveSelector:
     decide_every: int = 8  # steps between decisions at an unchanged batch size (a new batch size decides at once)
     seed: int = 0
     learn_cost: bool = True
-    cold_steps: int = 8  # an engine's first steps do not time the cost model (measured: 10-30% slow, see flush)
+    cold_steps: int = 8  # an engine's first steps do not time the cost model (they run slow whatever k)
     name: str = "adaptive"
     k: int | None = None  # the committed strategy at the current batch size's bucket
     committed: dict[int, int] = field(default_factory=dict)  # bucket -> its committed strategy
@@ -146,11 +163,10 @@ class AdaptiveSelector:
     explored: int = 0
     _rng: random.Random = field(init=False, repr=False)
     _cands: dict[int, list[int]] = field(init=False, repr=False, default_factory=dict)
-    _stats: object = field(init=False, repr=False, default=None)
-    _seen: int = field(init=False, repr=False, default=0)
-    _exploring: tuple[int, int] | None = field(init=False, repr=False, default=None)  # (k, steps left)
-    _pending: list[tuple] = field(init=False, repr=False, default_factory=list)  # steps seen, not yet folded in
-    _decided_at: tuple[int, int] = field(init=False, repr=False, default=(0, 0))  # (batch size, steps left)
+    _noted: StepRecord | None = field(init=False, repr=False, default=None)  # the last record observed
+    _pending: list[StepRecord] = field(init=False, repr=False, default_factory=list)  # observed, not yet folded in
+    _exploring: Exploration | None = field(init=False, repr=False, default=None)
+    _decision: Decision = field(init=False, repr=False, default_factory=Decision)
 
     def __post_init__(self) -> None:
         if (not 0 <= self.epsilon <= 1 or self.hysteresis < 0 or self.margin < 0 or self.explore_margin < 0
@@ -170,6 +186,7 @@ class AdaptiveSelector:
             raise ValueError(f"strategies {bad} are not in the cost model {self.cost.ks} or exceed k_max={self.acceptance.k_max}")
         self._rng = random.Random(self.seed)
 
+    # -- estimates -------------------------------------------------------------------------------------------
     def candidates(self, batch_size: int) -> list[int]:
         cands = self._cands.get(batch_size)
         if cands is None:  # the plan's strategies for this batch size's bucket (the warm-up table's, fixed)
@@ -193,89 +210,91 @@ class AdaptiveSelector:
         scores = scores or self.scores(batch_size)
         return max(scores, key=lambda k: (scores[k], -k))
 
-    def observe(self, stats) -> None:
-        """Note the step the engine just ran; `flush` folds it into the acceptance and cost estimates.
-
-        Only a tuple is kept per step: the fold and the decision run every `decide_every` steps, where the
-        code is hot. Run at every step between two torch forwards, the same Python cost ~40 us (1.9% of a
-        batch-1 step on the CPU), three times its cost in a tight loop."""
-        # a new engine (or stats object): its step counter starts over. Held, not compared by id(): a freed
-        # stats object's id is reused by the next one, whose first steps were then dropped as already seen
-        if stats is not self._stats:
-            self._stats, self._seen = stats, 0
-        if stats.steps <= self._seen:
+    def observe(self, record: StepRecord) -> None:
+        """Note a step an engine ran; `flush` folds it into the estimates at the next decision. The record
+        handed again (the engine hands its latest at every call) counts once. Queued rather than folded: the
+        fold and the decision then run every `decide_every` steps, outside the steps' hot path."""
+        if record is self._noted:
             return
-        self._seen = stats.steps
-        self._pending.append((stats.last_k, stats.last_batch, stats.last_accepted, stats.last_reach, stats.last_step_s,
-                              stats.last_run, stats.steps))
+        self._noted = record
+        self._pending.append(record)
 
     def flush(self) -> None:
         """Fold the steps noted since the last flush into the estimates, in order."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        for k, rows, accepted, reach, seconds, run, step in pending:
-            self.acceptance.update(k, rows, accepted, list(reach) or None, run or None)
-            # a new engine's first steps are slow whatever k runs (on the CPU, batch 1-8, k = 1-2: the first
-            # step 30% over the steady one, the fifth 5%): timing the committed or an explored k by them made
-            # it look up to 10% dearer, and a near-tie was lost for the rest of the rollout
-            if self.learn_cost and rows > 0 and step > self.cold_steps:
-                self.cost.observe(rows, k, seconds)
+        for record in pending:
+            self.acceptance.observe(record)
+            if self.learn_cost and record.rows > 0 and record.step > self.cold_steps:
+                self.cost.observe(record.rows, record.k, record.seconds)
 
-    def __call__(self, batch_size: int, stats=None) -> int:
-        if stats is not None:
-            self.observe(stats)
+    # -- the choice ------------------------------------------------------------------------------------------
+    def __call__(self, batch_size: int, last: StepRecord | None = None) -> int:
+        if last is not None:
+            self.observe(last)
         cands = self.candidates(batch_size)
-        if self._exploring is not None:  # finish the exploration run (if the strategy is still allowed here)
-            k, left = self._exploring
-            self._exploring = (k, left - 1) if left > 1 else None
-            if k in cands:
-                self.explored += 1
-                return k
-            self._exploring = None
-        decided_b, left = self._decided_at
-        scores = None
-        if left <= 0 or decided_b != batch_size or self.k not in cands:
-            # hysteresis holds a commitment per bucket: the long tail walks the batch down through the
-            # buckets, and a k committed at batch 2 must not need a clear gain to give way at batch 4, where
-            # the argmax is another (that cost 13% there)
-            scores = self.scores(batch_size)
-            best = self.best(batch_size, scores)
-            bucket = self.cost.bucket(batch_size)
-            k = self.committed.get(bucket)
-            if k not in cands:
-                k = best
-            elif best != k and scores[best] > (1 + self.hysteresis) * scores[k]:
-                k = best
-                self.switches += 1
-            self.k = self.committed[bucket] = k
-            left = self.decide_every
-        self._decided_at = (batch_size, left - 1)
-        if self.epsilon > 0 and len(cands) > 1 and self._rng.random() < self.epsilon / self.explore_run:
-            scores = scores or self.scores(batch_size)
-            others = [k for k in cands if k != self.k]
-            top = max(scores.values())
-            near = [k for k in others if scores[k] * (1 + self.explore_margin) >= top]
-            # most explorations go to the near-ties: they cost little (a few percent a step) and decide the
-            # pick, where a warm-up error of a few percent is likely; the rest go to any candidate, so that a
-            # strategy whose estimate is far off (a pessimistic prior, a spoiled warm-up entry) still gets
-            # tried, at up to 40% of a step each (k = 0 or k = 6 at batch 1)
-            if near and self._rng.random() < self.explore_near:
-                k = self._least_known(batch_size, near)
-            else:
-                k = self._rng.choice(others)
-            self.explored += 1
-            self._exploring = (k, self.explore_run - 1) if self.explore_run > 1 else None
+        k = self._continue_exploration(cands)
+        if k is not None:
             return k
+        scores = self._decide(batch_size, cands)
+        if self.epsilon > 0 and len(cands) > 1 and self._rng.random() < self.epsilon / self.explore_run:
+            return self._explore(batch_size, cands, scores)
         return self.k
 
+    def _continue_exploration(self, cands: list[int]) -> int | None:
+        """The next step of the exploration run in progress, while its strategy is a candidate here."""
+        run = self._exploring
+        if run is None:
+            return None
+        self._exploring = Exploration(run.k, run.left - 1) if run.left > 1 else None
+        if run.k not in cands:
+            self._exploring = None
+            return None
+        self.explored += 1
+        return run.k
+
+    def _decide(self, batch_size: int, cands: list[int]) -> dict[int, float] | None:
+        """Re-decide the committed k when due (returns the scores it computed, else None)."""
+        d, scores = self._decision, None
+        if d.left <= 0 or d.batch_size != batch_size or self.k not in cands:
+            scores = self.scores(batch_size)
+            self.k = self._hysteresis(batch_size, cands, scores)
+            d.left = self.decide_every
+        d.batch_size, d.left = batch_size, d.left - 1
+        return scores
+
+    def _hysteresis(self, batch_size: int, cands: list[int], scores: dict[int, float]) -> int:
+        """The batch bucket's committed k, left only for a best that beats it by more than `hysteresis`."""
+        bucket, best = self.cost.bucket(batch_size), self.best(batch_size, scores)
+        k = self.committed.get(bucket)
+        if k not in cands:
+            k = best
+        elif best != k and scores[best] > (1 + self.hysteresis) * scores[k]:
+            k = best
+            self.switches += 1
+        self.committed[bucket] = k
+        return k
+
+    def _explore(self, batch_size: int, cands: list[int], scores: dict[int, float] | None) -> int:
+        """Start an exploration run: a near-tie (by how little is known of it) or, else, any other candidate."""
+        scores = scores or self.scores(batch_size)
+        others = [k for k in cands if k != self.k]
+        top = max(scores.values())
+        near = [k for k in others if scores[k] * (1 + self.explore_margin) >= top]
+        if near and self._rng.random() < self.explore_near:
+            k = self._least_known(batch_size, near)
+        else:
+            k = self._rng.choice(others)
+        self.explored += 1
+        self._exploring = Exploration(k, self.explore_run - 1) if self.explore_run > 1 else None
+        return k
+
     def _least_known(self, batch_size: int, ks: list[int]) -> int:
-        """One of `ks`, drawn with weight 1 / (rows behind its estimate + k_weight): the near-tie whose estimate
-        rests least on its own measurements is the likeliest to be wrong. The acceptance of a strategy run only
-        in explorations rests mostly on the position model, which running another k measures in that k's regime;
-        only its explored steps teach its regime ratio (without it, k = 1 explored beside a committed k = 2 was
-        estimated 4-6% short on the task). For k = 0 the acceptance is exact and the rows are those of its timed
-        steps (the cost model's samples times the batch)."""
+        """One of `ks`, drawn with weight 1 / (rows behind its own estimate + k_weight): the near-tie whose
+        estimate rests least on its own measurements is the likeliest to be wrong. A strategy's own rows are
+        its settled steps' (the rest of its estimate is the position model, measured in another regime); for
+        k = 0 the acceptance is exact and its rows are those of its timed steps."""
         kw = self.acceptance.k_weight
         rows = [self.acceptance.k_rows.get(k, 0.0) if k > 0 else self.cost.samples(batch_size, 0) * batch_size for k in ks]
         return self._rng.choices(ks, weights=[1.0 / (r + kw) for r in rows])[0]

@@ -1,45 +1,42 @@
-"""The per-step strategy hook: `choose_k(batch_size, step_stats) -> k` (k = 0 is plain decoding).
+"""The engine's per-step strategy hook and the record of a decode step.
 
-The engine calls it before every decode step, so k may change at every step. The adaptive selector (its
-own issue) is one more function of this shape; the simple rules here are the baselines.
+Before every decode step the engine asks its hook `choose_k(batch_size, last) -> k` (k = 0: plain decoding),
+so k may change at every step; `last` is the `StepRecord` of the step the engine just ran (None before its
+first). After every step the engine makes one `StepRecord`: everything a strategy or an estimator learns from
+a step is in it, counted once, by the engine, and never recomputed by a reader.
+
+The rules that choose k (fixed, BEG's table, ReSpec's threshold, the adaptive selector) all live in
+`rollout.selector`; this module holds only the contract between them and the engine, so the engine, the
+acceptance tracker and the cost model's warm-up depend on it without depending on any rule.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 
-@dataclass
-class StepStats:
-    """What the engine knows after the previous step (all host-side numbers; reading them costs nothing)."""
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One decode step of one engine, as the engine measured it (host-side numbers only)."""
 
-    steps: int = 0  # decode steps so far
-    last_batch: int = 0
-    last_k: int = 0
-    last_run: int = 0  # consecutive steps at last_k, the last one included (1: k just changed)
-    last_accepted: int = 0  # accepted draft tokens summed over the batch in the last step
-    drafted: int = 0  # totals since the engine started
-    accepted: int = 0
-    last_reach: list[int] = field(default_factory=list)  # [j] rows whose draft j was accepted (n_acc > j)
-    last_step_s: float = 0.0  # wall time of the last decode step (drafting + verify + accept), admission excluded
+    step: int  # 1 for an engine's first decode step, then 2, 3, ...
+    rows: int  # running rows (the batch size) of the step
+    k: int  # draft length the step ran (0: plain decoding)
+    run: int  # consecutive steps at this k, this one included (1: k just changed, or the engine's first step)
+    accepted: int  # accepted draft tokens summed over the rows
+    reach: tuple[int, ...]  # [j] rows whose draft j was accepted (n_acc > j), j < k; () when k = 0
+    seconds: float  # wall time of the step (drafting + verify + accept), admission excluded
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-
-ChooseK = Callable[[int, StepStats], int]
-
-
-def fixed_k(k: int) -> ChooseK:
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    return lambda batch_size, stats: k
+    @classmethod
+    def following(cls, previous: StepRecord | None, rows: int, k: int, accepted: int, reach: Sequence[int],
+                  seconds: float) -> StepRecord:
+        """The record of the step after `previous` (None: the engine's first): the one place a step's index
+        and its run length at k are counted."""
+        if previous is None:
+            return cls(1, rows, k, 1, accepted, tuple(reach), seconds)
+        run = previous.run + 1 if k == previous.k else 1
+        return cls(previous.step + 1, rows, k, run, accepted, tuple(reach), seconds)
 
 
-def batch_threshold(k: int, max_batch: int) -> ChooseK:
-    """ReSpec-style gate: speculate with k while the running batch is at most max_batch, else plain decoding."""
-    if k < 0 or max_batch < 1:
-        raise ValueError(f"need k >= 0 and max_batch >= 1, got k={k}, max_batch={max_batch}")
-    return lambda batch_size, stats: k if batch_size <= max_batch else 0
+ChooseK = Callable[[int, "StepRecord | None"], int]

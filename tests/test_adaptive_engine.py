@@ -1,6 +1,6 @@
 """Lossless with the adaptive selector in the loop: it switches k mid-sequence (exploration forced high) and
 greedy output still equals HF generate, and speculative sampling still follows the target's distribution.
-Also: the cost model's warm-up on a real engine, and the selector learning from the engine's own stats."""
+Also: the cost model's warm-up on a real engine, and the selector learning from the engine's own step records."""
 
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ def reference(policy):
     return prompts, [hf_greedy(policy, p, m) for p, m in zip(prompts, MAX_TOKENS)]
 
 
-def mid_sequence_switches(step_log) -> int:
+def mid_sequence_switches(history) -> int:
     """Consecutive steps at the same batch size (no request joined or left) that ran different k."""
-    return sum(a[0] == b[0] and a[1] != b[1] for a, b in itertools.pairwise(step_log))
+    return sum(a.rows == b.rows and a.k != b.k for a, b in itertools.pairwise(history))
 
 
 def test_cost_model_warmup_on_the_real_engine(policy):
@@ -46,9 +46,9 @@ def test_cost_model_warmup_on_the_real_engine(policy):
     assert acc.updates == 2 * (8 + 3 + 3)
     assert set(cost.table) == {(b, k) for b in (1, 4, 8) for k in (0, 1, 3)}
     assert all(0 < t < 5 for t in cost.table.values())
-    assert not eng.has_unfinished() and eng.choose_k(1, eng.stats) == 0  # left idle, hook restored
+    assert not eng.has_unfinished() and eng.choose_k(1, eng.last) == 0  # left idle, hook restored
     # the strategies took turns on one batch per bucket (not one batch per strategy, run one after another)
-    ks_at_8 = [k for b, k, _ in eng.step_log if b == 8]
+    ks_at_8 = [r.k for r in eng.history if r.rows == 8]
     assert sum(a != b for a, b in itertools.pairwise(ks_at_8)) >= 4
     eng.add_request(task_prompts(1)[0], SamplingParams(max_tokens=8))
     eng.step()
@@ -57,21 +57,21 @@ def test_cost_model_warmup_on_the_real_engine(policy):
         cost_model.measure(eng, task_prompts(2), buckets=[16], ks=[0])
 
 
-def test_stats_count_the_run_of_each_k(policy):
-    """StepStats.last_run = consecutive steps at last_k, the last included: what the acceptance tracker
-    uses to leave a new strategy's settling steps out of its own mean."""
+def test_records_count_the_run_of_each_k(policy):
+    """StepRecord.run = consecutive steps at its k, itself included: what the acceptance tracker uses to leave
+    a new strategy's settling steps out of its own mean. The hook is handed the record of the step just run."""
     pattern = [2, 2, 2, 1, 3, 3, 0, 0, 2]
     seen = []
 
-    def choose(batch_size, stats):
-        if stats.steps:
-            seen.append((stats.last_k, stats.last_run))
-        return pattern[stats.steps % len(pattern)]
+    def choose(batch_size, last):
+        if last is not None:
+            seen.append((last.k, last.run))
+        return pattern[(last.step if last is not None else 0) % len(pattern)]
 
     eng = Engine(policy, NgramProposer(), choose_k=choose, max_batch=2, max_seq_len=256, k_max=3)
     eng.generate(task_prompts(2), SamplingParams(max_tokens=60, temperature=0.0))
-    seen.append((eng.stats.last_k, eng.stats.last_run))
-    ks = [k for _, k, _ in eng.step_log]
+    seen.append((eng.last.k, eng.last.run))
+    ks = [r.k for r in eng.history]
     want = [(k, 1 + next((i for i in range(j) if ks[j - 1 - i] != k), j)) for j, k in enumerate(ks)]
     assert seen == want and max(r for _, r in want) >= 3
 
@@ -86,12 +86,12 @@ def test_adaptive_switching_k_greedy_matches_hf(policy, reference, drafter):
     cost = cost_model.CostModel([1, 2, 4, 5], [0, 1, 2, 4], {(b, k): 1e-3 for b in (1, 2, 4, 5) for k in (0, 1, 2, 4)})
     # one-step explorations: as many switches as the selector can make (its default runs are 5 steps)
     sel = AdaptiveSelector(cost, AcceptanceTracker(k_max=4), epsilon=0.5, hysteresis=0.0, explore_run=1, seed=3)
-    eng.choose_k = sel
+    eng.configure(choose_k=sel)
     outs = eng.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0) for m in MAX_TOKENS])
     for i, (o, r) in enumerate(zip(outs, refs)):
         assert o.token_ids == r, f"prompt {i}: engine {o.token_ids} != HF {r}"
-    assert mid_sequence_switches(eng.step_log) >= 5, eng.step_log[:20]
-    assert sel.acceptance.updates > 0 and sel.cost.observed > 0  # it learned from the engine's own stats
+    assert mid_sequence_switches(eng.history) >= 5, list(eng.history)[:20]
+    assert sel.acceptance.updates > 0 and sel.cost.observed > 0  # it learned from the engine's own records
 
 
 def test_adaptive_switching_k_sampling_is_exact():
@@ -107,11 +107,11 @@ def test_adaptive_switching_k_sampling_is_exact():
     sel = AdaptiveSelector(cost, AcceptanceTracker(k_max=2), epsilon=0.5, learn_cost=False, explore_run=1, seed=4)
     ks = []
 
-    def choose(n, stats):
-        ks.append(sel(n, stats))
+    def choose(n, last):
+        ks.append(sel(n, last))
         return ks[-1]
 
-    eng.choose_k = choose
+    eng.configure(choose_k=choose)
     outs = eng.generate([PROMPT] * N, [SamplingParams(max_tokens=3, seed=i, ignore_eos=True, **setting) for i in range(N)])
     import numpy as np
 

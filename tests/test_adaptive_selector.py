@@ -23,7 +23,7 @@ from tailspec.rollout.selector import (
     merge_schedule,
     threshold_selector,
 )
-from tailspec.rollout.strategy import StepStats
+from tailspec.rollout.strategy import StepRecord
 
 from tailspec.core.config import RolloutConfig
 
@@ -57,25 +57,52 @@ def sample_reach(rng: random.Random, k: int, rows: int, alphas: list[float]) -> 
     return reach
 
 
+def record(previous: StepRecord | None, rows: int, k: int, reach: list[int], seconds: float = 0.0) -> StepRecord:
+    """The engine's record of a step after `previous` (None: an engine's first step)."""
+    return StepRecord.following(previous, rows, k, sum(reach), reach, seconds)
+
+
+_RUNS: dict[int, tuple[AcceptanceTracker, list]] = {}
+
+
+def tracker_run(acc: AcceptanceTracker, k: int) -> int:
+    """The run at k of the next step fed to `acc`, counted over every step fed to that tracker (its first
+    counted as settled), as these tests' steps were counted when they were written (the tracker counted runs
+    itself then). Runs the engine counts (`StepRecord.following`) start over with each engine."""
+    held = _RUNS.get(id(acc))
+    if held is None or held[0] is not acc:
+        held = _RUNS[id(acc)] = (acc, [None, 0])
+    last_k, run = held[1]
+    run = run + 1 if k == last_k else 1 if last_k is not None else acc.settle_steps + 1
+    held[1][:] = [k, run]
+    return run
+
+
+def fed(acc: AcceptanceTracker, rows: int, k: int, reach: list[int], accepted: int | None = None) -> StepRecord:
+    """A step for `acc` with its run from `tracker_run`."""
+    accepted = sum(reach) if accepted is None else accepted
+    return StepRecord(0, rows, k, tracker_run(acc, k), accepted, tuple(reach), 0.0)
+
+
 def run_chain(acc: AcceptanceTracker, rng: random.Random, k: int, alphas: list[float], steps: int, rows: int) -> None:
     for _ in range(steps):
-        reach = sample_reach(rng, k, rows, alphas)
-        acc.update(k, rows, sum(reach), reach)
+        acc.observe(fed(acc, rows, k, sample_reach(rng, k, rows, alphas)))
 
 
 def feed(sel: AdaptiveSelector, batch: int, alpha: float, steps: int, rng: random.Random, noise: float = 0.0) -> list[int]:
-    """Drive the selector like the engine does: ask k, 'run' the step (sampled acceptance, noisy time)."""
-    stats = StepStats()
+    """Drive the selector like a new engine does: ask k, handing it the record of the step before (steps counted
+    from 1), and 'run' the step (sampled acceptance, noisy time). The last step's record is never handed over."""
+    ran = None  # (k, reach, seconds) of the step just run
     chosen = []
-    for _ in range(steps):
-        k = sel(batch, stats)
+    for i in range(steps):
+        last = None
+        if ran is not None:
+            k, reach, seconds = ran
+            last = StepRecord(i, batch, k, tracker_run(sel.acceptance, k), sum(reach), tuple(reach), seconds)
+        k = sel(batch, last)
         chosen.append(k)
         reach = sample_reach(rng, k, batch, [alpha] * k)
-        stats.steps += 1
-        stats.last_batch, stats.last_k = batch, k
-        stats.last_reach = reach
-        stats.last_accepted = sum(reach)
-        stats.last_step_s = synthetic_time(batch, k) * (1 + noise * (2 * rng.random() - 1))
+        ran = (k, reach, synthetic_time(batch, k) * (1 + noise * (2 * rng.random() - 1)))
     return chosen
 
 
@@ -208,16 +235,16 @@ def test_make_selector_from_config():
 
 def test_acceptance_tracker_positions_versions_and_bad_input():
     acc = AcceptanceTracker(k_max=4, memory_rows=1e12, prior_weight=1e-6)
-    acc.update(3, 100, 90 + 60 + 30, [90, 60, 30])
+    acc.observe(fed(acc, 100, 3, [90, 60, 30]))
     a = acc.alphas()
     assert a[0] == pytest.approx(0.9, abs=1e-4) and a[1] == pytest.approx(60 / 90, abs=1e-4) and a[2] == pytest.approx(0.5, abs=1e-4)
     assert a[3] == pytest.approx(a[2], abs=1e-4)  # never observed: falls back to the position before
     assert acc.expected_tokens(3) == pytest.approx(1 + 1.8, abs=1e-3)
-    acc.update(3, 10, 999, [1, 2, 3])  # inconsistent: dropped, counted
+    acc.observe(fed(acc, 10, 3, [1, 2, 3], accepted=999))  # inconsistent: dropped, counted
     assert acc.dropped == 1 and acc.expected_tokens(3) == pytest.approx(2.8, abs=1e-3)
     acc.set_version(drafter_version=1, policy_version=1)  # new drafter: back to the prior
     assert acc.alphas()[0] == pytest.approx(acc.prior)
-    acc.update(2, 100, 20, [10, 10])
+    acc.observe(fed(acc, 100, 2, [10, 10]))
     before = acc.pos_trials[0]
     assert acc.set_version(drafter_version=1, policy_version=2)  # new policy: decayed, not forgotten
     assert acc.pos_trials[0] == pytest.approx(before * acc.policy_decay)
@@ -331,12 +358,9 @@ def test_an_engines_first_steps_do_not_time_the_cost_model():
     def drive(cold_steps: int) -> float:
         sel = AdaptiveSelector(synthetic_cost(), AcceptanceTracker(k_max=8), cold_steps=cold_steps)
         for _ in range(3):  # three engines, each with a slow start
-            stats = StepStats()
             for i in range(20):
-                stats.steps += 1
-                stats.last_batch, stats.last_k, stats.last_reach, stats.last_accepted = 4, 2, [3, 2], 5
-                stats.last_step_s = synthetic_time(4, 2) * (1.3 if i < 6 else 1.0)
-                sel.observe(stats)
+                seconds = synthetic_time(4, 2) * (1.3 if i < 6 else 1.0)
+                sel.observe(StepRecord(i + 1, 4, 2, tracker_run(sel.acceptance, 2), 5, (3, 2), seconds))
         sel.flush()
         return sel.cost.factor[(4, 2)] * sel.cost.load
 
@@ -363,19 +387,26 @@ def test_near_tie_explorations_go_to_the_least_known():
     assert starts[unknown] > 10 * starts[known] > 0
 
 
-@pytest.mark.parametrize("engine_counts_runs", [False, True])
-def test_steps_settling_after_a_switch_do_not_count_for_the_new_strategy(engine_counts_runs):
+@pytest.mark.parametrize("chained", [False, True])
+def test_steps_settling_after_a_switch_do_not_count_for_the_new_strategy(chained):
     """The first `settle_steps` = 3 steps after a change of k are still settling into its regime. Measured on
     the task's engine: after a stretch of k = 2, k = 1 accepts 0.89, 0.80, 0.84 drafts per row, then 0.955.
     In runs of five k = 1 steps only the last two count for its own mean, so its estimate is the steady
     1.955; counting all but the first step (the old rule) gives 1.89, 3% short, enough to lose a near-tie.
-    The run length comes from the engine (StepStats.last_run) or is counted from the updates."""
+    The run length is the engine's (StepRecord.run): counted by StepRecord.following, or given as such."""
     acc = AcceptanceTracker(k_max=2)
+    last = None
+
+    def step(k: int, reach: list[int], run: int) -> StepRecord:
+        return record(last, 100, k, reach) if chained else StepRecord(0, 100, k, run, sum(reach), tuple(reach), 0.0)
+
     for _ in range(40):
         for r in range(10):
-            acc.update(2, 100, 89 + 61, [89, 61], run=r + 1 if engine_counts_runs else None)
+            last = step(2, [89, 61], r + 1)
+            acc.observe(last)
         for r, a in enumerate([89, 80, 84, 95, 96]):
-            acc.update(1, 100, a, [a], run=r + 1 if engine_counts_runs else None)
+            last = step(1, [a], r + 1)
+            acc.observe(last)
     assert acc.expected_tokens(1) == pytest.approx(1.955, abs=0.01)
     assert acc.expected_tokens(2) == pytest.approx(2.50, abs=0.01)
 
@@ -432,18 +463,16 @@ def test_noted_steps_fold_in_as_if_each_were_observed_at_once():
     rng = random.Random(12)
     sel = make(epsilon=0.0)
     ref_acc, ref_cost = AcceptanceTracker(k_max=8, prior=0.5), synthetic_cost()
-    stats = StepStats()
+    last = None
     for i in range(50):
         k = [1, 2, 2, 3, 0][i % 5]
         reach = sample_reach(rng, k, 8, [0.7] * k)
-        stats.steps += 1
-        stats.last_batch, stats.last_k, stats.last_reach = 8, k, reach
-        stats.last_accepted, stats.last_step_s = sum(reach), synthetic_time(8, k) * (1 + 0.3 * rng.random())
-        sel.observe(stats)
-        sel.observe(stats)  # the same step seen twice counts once
-        ref_acc.observe(stats)
-        if stats.steps > sel.cold_steps:  # an engine's first steps do not time the cost model
-            ref_cost.observe(8, k, stats.last_step_s)
+        last = record(last, 8, k, reach, synthetic_time(8, k) * (1 + 0.3 * rng.random()))
+        sel.observe(last)
+        sel.observe(last)  # the same step seen twice counts once
+        ref_acc.observe(last)
+        if last.step > sel.cold_steps:  # an engine's first steps do not time the cost model
+            ref_cost.observe(8, k, last.seconds)
     assert sel.acceptance.updates == 0  # nothing folded yet
     sel.flush()
     assert sel.acceptance.token_table() == ref_acc.token_table()
@@ -457,18 +486,17 @@ def test_noted_steps_fold_in_as_if_each_were_observed_at_once():
     assert sel.cost.factor == ref_cost.factor and sel.cost.load == ref_cost.load
 
 
-def test_a_new_stats_object_is_observed_from_its_first_step():
-    """Each engine brings its own StepStats, counting from 0. Told apart by id(), a new one that reused a
-    freed one's memory (CPython does, for the same type) had its first steps dropped as already seen: the
-    drop of acceptance after a feed() with a fresh stats object went unnoticed in CI."""
+def test_a_new_engines_records_are_observed_from_its_first_step():
+    """Each engine counts its steps from 1. A new engine's records repeat the step numbers an earlier one
+    used, and may reuse a freed record's memory (CPython does, for the same type): none of its steps may be
+    dropped as already seen (such a drop hid a fall of acceptance in CI, when stats objects were told apart
+    by id())."""
     sel = make()
     for i in range(20):
-        stats = StepStats()
+        last = None
         for _ in range(5):
-            stats.steps += 1
-            stats.last_batch, stats.last_k, stats.last_reach, stats.last_accepted = 1, 2, [1, 0], 1
-            stats.last_step_s = synthetic_time(1, 2)
-            sel.observe(stats)
+            last = record(last, 1, 2, [1, 0], synthetic_time(1, 2))
+            sel.observe(last)
         sel.flush()
         assert sel.acceptance.updates == 5 * (i + 1)
-        del stats
+        del last

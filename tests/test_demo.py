@@ -21,7 +21,7 @@ FIELDS = {"step", "mode", "step_time_s", "rollout_time_s", "train_time_s", "idle
 def demo_run(tmp_path_factory, redis_server):
     from tailspec.commands.demo import announcing_demo
     from tailspec.core.config import load_config
-    from tailspec.demo.run import DemoOptions
+    from tailspec.demo.options import DemoOptions
 
     cfg = load_config(environ={})
     run_dir = tmp_path_factory.mktemp("run")
@@ -204,7 +204,7 @@ def test_worker_engine_follows_the_rollout_config(micro_policy, redis_url):
         eng = w._engine(item, _load(w, item))
         assert (eng.max_batch, eng.max_seq_len, eng.k_max) == (3, 96, 5)
         assert type(eng.drafter).__name__ == "NgramProposer" and next(w.model.parameters()).dtype == torch.bfloat16
-        assert eng.choose_k(3, eng.stats) == 3
+        assert eng.choose_k(3, eng.last) == 3
         assert w.pool is None and eng.verify_forward == eng.runner.forward  # CPU: no CUDA graphs
 
         item = _item(policy, tok, {"drafter": "ngram", "selector": "adaptive", "epsilon": 0.3, "k_max": 2, "max_batch": 2,

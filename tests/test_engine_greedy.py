@@ -104,7 +104,7 @@ def test_k_may_change_every_step(policy, reference, drafter):
     ks = itertools.cycle([0, 3, 1, 7, 0, 0, 2, 5])
     asked = []
 
-    def choose_k(batch_size, stats):
+    def choose_k(batch_size, last):
         asked.append(batch_size)
         return next(ks)
 

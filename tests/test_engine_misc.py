@@ -145,7 +145,10 @@ def test_eagle3_adapter_matches_the_module(policy):
     logits = ad.head(out)
     assert torch.allclose(logits, ref_logits, atol=1e-5) and torch.allclose(out, ref_out, atol=1e-5)
 
-    eng = Engine(policy, Eagle3Proposer(head), choose_k=lambda b, s: [2, 0, 3][s.steps % 3], max_batch=3, max_seq_len=128)
+    def choose_k(batch_size, last):  # k = 2, 0, 3, 2, 0, 3, ... by step
+        return [2, 0, 3][(last.step if last is not None else 0) % 3]
+
+    eng = Engine(policy, Eagle3Proposer(head), choose_k=choose_k, max_batch=3, max_seq_len=128)
     for p in task_prompts(3, seed=2):
         eng.add_request(p, SamplingParams(max_tokens=40, temperature=1.0, seed=len(p)))
     checked = 0

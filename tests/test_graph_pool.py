@@ -17,7 +17,7 @@ from tailspec.rollout.graph_pool import GraphPool, GraphShape, build_pool, captu
 from tailspec.rollout.model_runner import ModelRunner
 from tailspec.rollout.selector import AdaptiveSelector, candidate_ks
 from tailspec.rollout.sequence import SamplingParams
-from tailspec.rollout.strategy import StepStats
+from tailspec.rollout.strategy import StepRecord
 from transformers import LlamaConfig, LlamaForCausalLM
 
 BUCKETS = [1, 2, 4, 8, 16]
@@ -86,19 +86,17 @@ def test_every_choice_of_the_adaptive_selector_is_captured():
     plan = capture_plan(c, SHAPE, budget_bytes=1 << 40)
     rng = random.Random(0)
     sel = AdaptiveSelector(c, AcceptanceTracker(k_max=4), epsilon=0.3, seed=1)
-    stats = StepStats()
+    last = None
     for step in range(2000):
         n = rng.randint(1, 16)
-        k = sel(n, stats)
+        k = sel(n, last)
         assert plan.lookup(n, k) == c.bucket(n), (n, k)
         alpha = [0.05, 0.5, 0.9][(step // 300) % 3]  # acceptance moves: the selector's choices move with it
         reach, alive = [], n
         for _ in range(k):
             alive = sum(rng.random() < alpha for _ in range(alive))
             reach.append(alive)
-        stats.steps += 1
-        stats.last_batch, stats.last_k, stats.last_accepted, stats.last_reach = n, k, sum(reach), reach
-        stats.last_step_s = c.t(n, k)
+        last = StepRecord.following(last, n, k, sum(reach), reach, c.t(n, k))
     assert sel.switches > 2
 
 
@@ -147,7 +145,7 @@ def test_engine_through_the_pool_matches_plain_engine():
     params = [SamplingParams(max_tokens=8 + 5 * i, temperature=0.0) for i in range(6)]
     ks = iter([0, 2, 1, 2, 0, 2, 2, 1] * 40)
 
-    def choose(n, stats):
+    def choose(n, last):
         return next(ks)
 
     ref = Engine(model, NgramProposer(), choose_k=choose, max_batch=8, max_seq_len=64, k_max=2).generate(prompts, params)
@@ -158,8 +156,8 @@ def test_engine_through_the_pool_matches_plain_engine():
     assert eng.verify_forward == pool.forward
     outs = eng.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
-    assert pool.replays == eng.stats.steps and pool.eager == 0
-    assert {n for n, _, _ in eng.step_log} > {6}  # the batch shrank: padded buckets were used
+    assert pool.replays == eng.steps and pool.eager == 0
+    assert {r.rows for r in eng.history} > {6}  # the batch shrank: padded buckets were used
 
 
 def test_pool_disabled_on_cpu_without_emulation():

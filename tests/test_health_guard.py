@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from tailspec.rollout.health_guard import GuardPolicy, HealthGuard
 
 

@@ -144,7 +144,7 @@ def _steady_tps(make_engine, choose_k, batch: int, prompts, params, warmup: int,
             elapsed += dt
             emitted += produced() - before
             if mix is not None:
-                mix[eng.stats.last_k] += 1
+                mix[eng.last.k] += 1
     return emitted / elapsed if elapsed > 0 else 0.0
 
 

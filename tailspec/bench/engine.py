@@ -86,7 +86,7 @@ def _hf_generate(model, prompts, params, batch: int, pad_id: int, eos_id: int, a
 def _engine_run(engine, prompts, params) -> tuple[int, float, float, int]:
     """(tokens, seconds, tokens per target forward, decode steps) of one run to completion."""
     dev = engine.device
-    steps0 = engine.stats.steps
+    steps0 = engine.steps
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     if dev.type == "cuda":
@@ -94,7 +94,7 @@ def _engine_run(engine, prompts, params) -> tuple[int, float, float, int]:
     dt = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     forwards = sum(o.stats.target_forwards for o in outs)
-    return tokens, dt, tokens / max(forwards, 1), engine.stats.steps - steps0
+    return tokens, dt, tokens / max(forwards, 1), engine.steps - steps0
 
 
 def memory_floor(model, device: str, nbytes: int | None = None, repeats: int = 10) -> dict:
@@ -231,30 +231,9 @@ def _cost_section(model, eagle, tok, batches: list[int], args, log) -> dict:
     }
 
 
-def run(args: argparse.Namespace) -> dict:
-    from tailspec.commands.bench import machine
+def _drafters(draft_model, eagle):
+    """make_drafter(name): a fresh proposer of that kind, or None where its model is missing."""
     from tailspec.rollout.drafters import DraftModelProposer, Eagle3Proposer, NgramProposer
-    from tailspec.rollout.engine import Engine
-    from tailspec.rollout.sequence import SamplingParams
-    from tailspec.tasks.runsum import sample_problems
-    from tailspec.tasks.tokenizer import encode_prompt
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    model, tok = _load(args.policy, dtype, args.device)
-    draft_model = _load(args.draft_policy, dtype, args.device)[0] if args.draft_policy else None
-    eagle = None
-    if args.eagle3:
-        from tailspec.drafter_trainer.model import Eagle3Drafter as Eagle3Module
-
-        eagle = Eagle3Module.load(args.eagle3, target_embedding=model.get_input_embeddings(), map_location=args.device)
-        eagle = eagle.to(dtype)
-    batches = [int(b) for b in args.batches.split(",") if b]
-    ks = [int(k) for k in args.ks.split(",") if k]
-    wanted = [d for d in args.drafters.split(",") if d]
-    pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
 
     def make_drafter(name):
         if name == "ngram":
@@ -265,58 +244,64 @@ def run(args: argparse.Namespace) -> dict:
             return Eagle3Proposer(eagle)
         return None
 
-    drafter_names = [d for d in wanted if make_drafter(d) is not None]
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)
-    log(f"bench engine: policy={args.policy} drafters={drafter_names} batches={batches} ks={ks} "
-        f"T={args.temperature} device={machine()}")
-    floor = memory_floor(model, args.device)
-    log(f"memory floor: {floor['weight_bytes'] / 1e6:.1f} MB of weights at {floor['copy_bandwidth_gb_s']} GB/s "
-        f"copy bandwidth = {floor['floor_ms_per_step']:.3f} ms per decode step")
-    cost = _cost_section(model, eagle, tok, sorted({1, *batches}), args, log)
-    rows = []
-    for b in batches:
-        n = max(4, args.prompts_per_batch * b)
-        prompts = [encode_prompt(tok, p.prompt) for p in sample_problems(n, seed=20_000 + b)]
-        max_prompt = max(len(p) for p in prompts)
-        seq = max_prompt + args.max_tokens
-        configs: list[tuple[str, str | None, int | None, object]] = [("hf_generate", None, None, None)]
-        if b == 1 and draft_model is not None and not args.no_assisted:
-            configs.append(("hf_assisted", "draft_model", None, None))
-        configs.append(("engine", None, 0, Engine(model, None, max_batch=b, max_seq_len=seq, k_max=0)))
-        for name in drafter_names:
-            for k in ks:
-                eng = Engine(model, make_drafter(name), choose_k=k, max_batch=b, max_seq_len=seq, k_max=k)
-                configs.append(("engine", name, k, eng))
-        # warm-up: one short run per engine (allocations, first-call overheads)
-        for method, _, _, eng in configs:
-            if eng is not None:
-                eng.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=args.temperature))
-        samples: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(configs))}
-        for rep in range(args.repeats):
-            for i, (method, name, k, eng) in enumerate(configs):
-                step_s = float("nan")  # per decode step: engine rows only
-                if method == "hf_generate":
-                    tokens, dt = _hf_generate(model, prompts, params, b, pad_id, eos_id)
-                    acc = 1.0
-                elif method == "hf_assisted":
-                    tokens, dt = _hf_generate(model, prompts, params, 1, pad_id, eos_id, assistant=draft_model)
-                    acc = float("nan")
-                else:
-                    tokens, dt, acc, steps = _engine_run(eng, prompts, params)
-                    step_s = dt / max(steps, 1)
-                samples[i].append((tokens / dt, acc, step_s))
-        for i, (method, name, k, _) in enumerate(configs):
-            tps = statistics.median(s[0] for s in samples[i])
-            acc = statistics.median(s[1] for s in samples[i])
-            step = statistics.median(s[2] for s in samples[i])
-            row = {"batch": b, "method": method, "drafter": name, "k": k, "tokens_per_s": round(tps, 1),
-                   "acceptance_length": None if acc != acc else round(acc, 3)}
-            if method == "engine":  # wall time per decode step (admissions' prefill included)
-                row["step_ms"] = round(step * 1e3, 3)
-            rows.append(row)
-            log(f"  b={b:<3} {method:<12} {name!s:<12} k={k!s:<4} {tps:9.1f} tok/s  accept_len={row['acceptance_length']}"
-                + (f"  step {row['step_ms']:.3f} ms (floor {floor['floor_ms_per_step']:.3f} ms)" if "step_ms" in row else ""))
+    return make_drafter
 
+
+def _batch_rows(model, tok, draft_model, make_drafter, drafter_names, ks, b: int, args, floor, log) -> list[dict]:
+    """One row per configuration at batch b: HF generate (and assisted at batch 1), the engine without SD, the
+    engine with SD per drafter and k; the median of `args.repeats` interleaved runs each."""
+    from tailspec.rollout.engine import Engine
+    from tailspec.rollout.sequence import SamplingParams
+    from tailspec.tasks.runsum import sample_problems
+    from tailspec.tasks.tokenizer import encode_prompt
+
+    pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    n = max(4, args.prompts_per_batch * b)
+    prompts = [encode_prompt(tok, p.prompt) for p in sample_problems(n, seed=20_000 + b)]
+    seq = max(len(p) for p in prompts) + args.max_tokens
+    configs: list[tuple[str, str | None, int | None, object]] = [("hf_generate", None, None, None)]
+    if b == 1 and draft_model is not None and not args.no_assisted:
+        configs.append(("hf_assisted", "draft_model", None, None))
+    configs.append(("engine", None, 0, Engine(model, None, max_batch=b, max_seq_len=seq, k_max=0)))
+    for name in drafter_names:
+        for k in ks:
+            eng = Engine(model, make_drafter(name), choose_k=k, max_batch=b, max_seq_len=seq, k_max=k)
+            configs.append(("engine", name, k, eng))
+    # warm-up: one short run per engine (allocations, first-call overheads)
+    for _, _, _, eng in configs:
+        if eng is not None:
+            eng.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=args.temperature))
+    samples: dict[int, list[tuple[float, float, float]]] = {i: [] for i in range(len(configs))}
+    for _ in range(args.repeats):
+        for i, (method, _, _, eng) in enumerate(configs):
+            step_s = float("nan")  # per decode step: engine rows only
+            if method == "hf_generate":
+                tokens, dt = _hf_generate(model, prompts, params, b, pad_id, eos_id)
+                acc = 1.0
+            elif method == "hf_assisted":
+                tokens, dt = _hf_generate(model, prompts, params, 1, pad_id, eos_id, assistant=draft_model)
+                acc = float("nan")
+            else:
+                tokens, dt, acc, steps = _engine_run(eng, prompts, params)
+                step_s = dt / max(steps, 1)
+            samples[i].append((tokens / dt, acc, step_s))
+    rows = []
+    for i, (method, name, k, _) in enumerate(configs):
+        tps = statistics.median(s[0] for s in samples[i])
+        acc = statistics.median(s[1] for s in samples[i])
+        step = statistics.median(s[2] for s in samples[i])
+        row = {"batch": b, "method": method, "drafter": name, "k": k, "tokens_per_s": round(tps, 1),
+               "acceptance_length": None if acc != acc else round(acc, 3)}
+        if method == "engine":  # wall time per decode step (admissions' prefill included)
+            row["step_ms"] = round(step * 1e3, 3)
+        rows.append(row)
+        log(f"  b={b:<3} {method:<12} {name!s:<12} k={k!s:<4} {tps:9.1f} tok/s  accept_len={row['acceptance_length']}"
+            + (f"  step {row['step_ms']:.3f} ms (floor {floor['floor_ms_per_step']:.3f} ms)" if "step_ms" in row else ""))
+    return rows
+
+
+def _summary(rows: list[dict], batches: list[int]) -> dict:
     def tps(b, method, spec=None):
         sel = [r for r in rows if r["batch"] == b and r["method"] == method
                and (spec is None or ((r["k"] or 0) > 0) == spec)]
@@ -338,6 +323,38 @@ def run(args: argparse.Namespace) -> dict:
         nos, sd = tps(b, "engine", False), tps(b, "engine", True)
         if sd is not None:
             summary[f"best_spec_vs_nospec_batch{b}"] = round(sd / nos, 3)
+    return summary
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tailspec.commands.bench import machine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    model, tok = _load(args.policy, dtype, args.device)
+    draft_model = _load(args.draft_policy, dtype, args.device)[0] if args.draft_policy else None
+    eagle = None
+    if args.eagle3:
+        from tailspec.drafter_trainer.model import Eagle3Drafter as Eagle3Module
+
+        eagle = Eagle3Module.load(args.eagle3, target_embedding=model.get_input_embeddings(), map_location=args.device)
+        eagle = eagle.to(dtype)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    ks = [int(k) for k in args.ks.split(",") if k]
+    make_drafter = _drafters(draft_model, eagle)
+    drafter_names = [d for d in args.drafters.split(",") if d and make_drafter(d) is not None]
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)
+    log(f"bench engine: policy={args.policy} drafters={drafter_names} batches={batches} ks={ks} "
+        f"T={args.temperature} device={machine()}")
+    floor = memory_floor(model, args.device)
+    log(f"memory floor: {floor['weight_bytes'] / 1e6:.1f} MB of weights at {floor['copy_bandwidth_gb_s']} GB/s "
+        f"copy bandwidth = {floor['floor_ms_per_step']:.3f} ms per decode step")
+    cost = _cost_section(model, eagle, tok, sorted({1, *batches}), args, log)
+    rows = []
+    for b in batches:
+        rows += _batch_rows(model, tok, draft_model, make_drafter, drafter_names, ks, b, args, floor, log)
+    summary = _summary(rows, batches)
     log(f"summary: {summary}")
     return {"device": machine(), "policy": args.policy, "temperature": args.temperature, "rows": rows, "summary": summary,
             "memory_floor": floor, **cost}

@@ -154,7 +154,6 @@ class Worker:
                                        ks=cost_model.default_ks(engine.k_max), steps=3,
                                        temperature=item.temperature, on_step=on_step)
         self.cost_key = key
-        engine.step_log.clear()  # the warm-up is not part of the rollout's strategy mix
 
     def _engine(self, item: WorkItem, rc):
         from tailspec.rollout.acceptance import AcceptanceTracker
@@ -176,8 +175,8 @@ class Worker:
         if adaptive or wants_pool:
             self._measure_cost(engine, item, rc, on_step=self.acceptance.observe if adaptive else None)
         if drafter is not None:
-            engine.choose_k = make_selector(rc.model_copy(update={"k": min(rc.k, k_max)}), self.cost,
-                                            self.acceptance if adaptive else None, seed=item.step)
+            engine.configure(choose_k=make_selector(rc.model_copy(update={"k": min(rc.k, k_max)}), self.cost,
+                                                    self.acceptance if adaptive else None, seed=item.step))
         if wants_pool:
             t0 = time.perf_counter()
             self.pool = attach_graph_pool(engine, rc, self.cost)
@@ -198,38 +197,46 @@ class Worker:
             return WorkResult(worker=self.name, step=item.step, outputs=[], started_at=started, finished_at=time.time(),
                               cost_model=self.cost.to_dict() if self.cost is not None else None)
         setup_s = time.time() - started
-        decode_s = 0.0
         n = len(item.requests)
         rid_of: dict[int, int] = {}
         for req in item.requests:
             max_tokens = min(item.max_tokens, rc.max_seq_len - len(req.prompt_ids))
             sp = SamplingParams(max_tokens=max_tokens, temperature=item.temperature, seed=req.seed)
             rid_of[engine.add_request(req.prompt_ids, sp)] = req.rid
+        outputs, records = self._decode(engine, item, rid_of)
+        # Drained: the scheduler may lend this GPU while the other workers' tail runs.
+        self.client.report_progress(self.name, [self.gpu], active=0, finished=n, phase="rollout", total=n,
+                                    step=item.step, tokens_done=sum(len(o.token_ids) for o in outputs))
+        mix = Counter(str(r.k) for r in records)
+        by_k: dict[str, list[int]] = {}
+        for r in records:
+            cell = by_k.setdefault(str(r.k), [0, 0])
+            cell[0] += r.rows
+            cell[1] += r.accepted
+        return WorkResult(worker=self.name, step=item.step, outputs=outputs, started_at=started,
+                          finished_at=time.time(), decode_steps=len(records), strategy_mix=dict(mix),
+                          setup_s=setup_s, decode_s=sum(r.seconds for r in records), accepted_by_k=by_k,
+                          cost_model=self.effective_cost())
+
+    def _decode(self, engine, item: WorkItem, rid_of: dict[int, int]) -> tuple[list[WorkOutput], list]:
+        """Run the queued requests to completion, reporting progress; returns the outputs and the engine's
+        record of every decode step of the rollout (the warm-up's are not among them)."""
+        n = len(rid_of)
         outputs: list[WorkOutput] = []
+        records = []
         tokens = 0
         last = 0.0
         while engine.has_unfinished():
             for out in engine.step():
                 outputs.append(work_output(rid_of[out.request_id], out))
                 tokens += len(out.token_ids)
-            decode_s += engine.stats.last_step_s
+            records.append(engine.last)
             now = time.monotonic()
             if now - last >= self.progress_period_s:
                 last = now
                 self.client.report_progress(self.name, [self.gpu], active=n - len(outputs), finished=len(outputs),
                                             phase="rollout", total=n, step=item.step, tokens_done=tokens)
-        # Drained: the scheduler may lend this GPU while the other workers' tail runs.
-        self.client.report_progress(self.name, [self.gpu], active=0, finished=n, phase="rollout", total=n,
-                                    step=item.step, tokens_done=tokens)
-        mix = Counter(str(k) for _, k, _ in engine.step_log)
-        by_k: dict[str, list[int]] = {}
-        for rows, k, acc in engine.step_log:
-            cell = by_k.setdefault(str(k), [0, 0])
-            cell[0] += rows
-            cell[1] += acc
-        return WorkResult(worker=self.name, step=item.step, outputs=outputs, started_at=started,
-                          finished_at=time.time(), decode_steps=len(engine.step_log), strategy_mix=dict(mix),
-                          setup_s=setup_s, decode_s=decode_s, accepted_by_k=by_k, cost_model=self.effective_cost())
+        return outputs, records
 
     def effective_cost(self) -> dict | None:
         """t(b, k) as the engine's cost model predicts it now (the warm-up table times what the rollout's own
