@@ -42,7 +42,7 @@ class Action:
     latency_s: float | None = None  # idle: drain → detection; reclaimed: revoke → reclaimed
 
 
-@dataclass
+@dataclass(slots=True)
 class GpuMachine:
     node: str
     gpu: int
@@ -130,16 +130,22 @@ class IdleDetector:
     ) -> list[Action]:
         owner: dict[GpuKey, Progress] = {}
         for p in progress.values():
+            node = p.node
             for g in p.gpus:
-                owner[(p.node, g)] = p
-        for k in set(telemetry) | set(owner):
-            self.machine(*k)
+                owner[(node, g)] = p
+        machines = self.machines
+        for keys in (telemetry, owner):
+            for k in keys:
+                if k not in machines:  # a GPU seen for the first time (cheap check: ticks see ~every GPU)
+                    self.machine(*k)
         rollout = phase is not None and phase.phase == "rollout"
         tail = expected_tail_s(now, phase, progress.values())
+        lend_reason = f"expected tail {tail:.2f}s"
         actions: list[Action] = []
-        for k, m in self.machines.items():
-            p, t = owner.get(k), telemetry.get(k)
-            actions.extend(self._step(m, now, phase, rollout, tail, p, t, stopped_sessions))
+        step = self._step
+        for k, m in machines.items():
+            step(m, now, phase, rollout, tail, owner.get(k), telemetry.get(k), stopped_sessions, actions,
+                 lend_reason)
         return actions
 
     def _step(
@@ -152,8 +158,12 @@ class IdleDetector:
         p: Progress | None,
         t: GpuTelemetry | None,
         stopped: set[str] | frozenset[str],
+        out: list[Action] | None = None,
+        lend_reason: str | None = None,
     ) -> list[Action]:
-        out: list[Action] = []
+        """Step one GPU's machine; its actions are appended to `out` (a new list if None), which is returned."""
+        if out is None:
+            out = []
         t_ok = t is not None and t.error is None
         generating = p is not None and p.active > 0
         drained = (
@@ -228,7 +238,7 @@ class IdleDetector:
                 m.detected_at = now
                 out.append(Action("idle", m.node, m.gpu, latency_s=now - m.drained_at))
             if idle and self.lend and tail > self.startup_s and self.memory_hold(p, t) is None:
-                out.append(Action("lend", m.node, m.gpu, f"expected tail {tail:.2f}s"))
+                out.append(Action("lend", m.node, m.gpu, lend_reason or f"expected tail {tail:.2f}s"))
         else:
             m._forget_drain()
             m._enter(GpuState.UNKNOWN, now)

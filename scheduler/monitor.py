@@ -43,12 +43,14 @@ class TelemetryMonitor:
         c = self.cluster
         ttl_ms = int(max(2.0, 10 * self.period_s) * 1000)
         pipe = self.r.pipeline(transaction=False)
+        if samples:  # one SADD of every GPU, not one per GPU: the set rarely changes, the command count matters
+            pipe.sadd(state.key(c, "gpus"), *(f"{s.node}:{s.gpu}" for s in samples))
         for s in samples:
-            pipe.set(state.key(c, "telemetry", node=s.node, gpu=s.gpu), state.encode(s), px=ttl_ms)
-            pipe.sadd(state.key(c, "gpus"), f"{s.node}:{s.gpu}")
+            data = state.encode(s)
+            pipe.set(state.key(c, "telemetry", node=s.node, gpu=s.gpu), data, px=ttl_ms)
             pipe.xadd(
                 state.key(c, "telemetry_history"),
-                {"data": state.encode(s)},
+                {"data": data},
                 maxlen=self.history_maxlen,
                 approximate=True,
             )

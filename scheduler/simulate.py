@@ -45,7 +45,10 @@ class SimResult:
     workers: int
     steps: list[StepRecord]
     node: str
-    worker_gpus: dict[str, list[int]]
+    worker_gpus: dict[str, list[int]]  # worker → its GPU indices on its node
+    worker_node: dict[str, str] = field(default_factory=dict)
+    progress_reports: int = 0  # report_progress calls made
+    report_seconds: float = 0.0  # wall time the rollouts took (the reports' span)
 
     @property
     def idle_gpu_seconds(self) -> float:
@@ -68,11 +71,24 @@ def lognormal_lengths(
     return [int(min(hi, max(lo, round(math.exp(rng.gauss(math.log(median), sigma)))))) for _ in range(n)]
 
 
+def node_gpus(node: str, gpus: int, gpus_per_node: int | None = None) -> dict[str, int]:
+    """The simulated cluster's nodes and their GPU counts: `gpus` GPUs on one node named `node`, or on nodes
+    of `gpus_per_node` GPUs each named `{node}-{i}` (the last may hold fewer)."""
+    if gpus_per_node is None or gpus_per_node >= gpus:
+        return {node: gpus}
+    n = -(-gpus // gpus_per_node)
+    return {f"{node}-{i}": min(gpus_per_node, gpus - i * gpus_per_node) for i in range(n)}
+
+
 def run_simulated_rollout(
     redis_url: str,
     workers: int = 4,
     steps: int = 2,
     *,
+    gpus_per_worker: int = 1,
+    gpus_per_node: int | None = None,
+    policy_path: str | None = None,
+    policy_version: int = 0,
     requests_per_worker: int = 8,
     lengths: Sequence[int] | None = None,
     token_time_s: float = 0.02,
@@ -86,10 +102,15 @@ def run_simulated_rollout(
     client: TailspecClient | None = None,
     stop: threading.Event | None = None,
 ) -> SimResult:
-    """Run `steps` rollout steps with `workers` simulated workers (worker i on GPU i); returns ground
-    truth. `lengths` (tokens per request) are consumed in order, cycling; otherwise log-normal draws."""
-    if workers < 1 or steps < 1 or requests_per_worker < 1:
-        raise ValueError("workers, steps and requests_per_worker must be ≥ 1")
+    """Run `steps` rollout steps with `workers` simulated workers (worker i on GPUs i·k … i·k + k − 1 of the
+    cluster, k = `gpus_per_worker`, as a tensor-parallel replica; GPUs on one node, or `gpus_per_node` per node:
+    see node_gpus); returns ground truth. `lengths` (tokens per request) are consumed in order, cycling;
+    otherwise log-normal draws. `policy_path` / `policy_version` go into the phase record (what real sessions
+    load their teacher from)."""
+    if workers < 1 or steps < 1 or requests_per_worker < 1 or gpus_per_worker < 1:
+        raise ValueError("workers, steps, requests_per_worker and gpus_per_worker must be ≥ 1")
+    if gpus_per_node is not None and (gpus_per_node < 1 or gpus_per_node % gpus_per_worker):
+        raise ValueError(f"gpus_per_node ({gpus_per_node}) must be a multiple of gpus_per_worker ({gpus_per_worker})")
     if token_time_s <= 0:
         raise ValueError(f"token_time_s must be > 0, got {token_time_s}")
     if lengths is not None and (len(lengths) == 0 or any(int(x) < 1 for x in lengths)):
@@ -98,7 +119,12 @@ def run_simulated_rollout(
     c = client or TailspecClient(redis_url, cluster=cluster, node=node)
     rng = random.Random(seed)
     names = [f"sim-worker{i}" for i in range(workers)]
-    gpus = {w: [i] for i, w in enumerate(names)}
+    per_node = gpus_per_node if gpus_per_node is not None else workers * gpus_per_worker
+    multi = per_node < workers * gpus_per_worker
+    gpus = {w: [(i * gpus_per_worker + j) % per_node for j in range(gpus_per_worker)] for i, w in enumerate(names)}
+    wnode = {w: f"{node}-{i * gpus_per_worker // per_node}" if multi else node for i, w in enumerate(names)}
+    reports = 0
+    t_first = time.time()
     records: list[StepRecord] = []
     cursor = 0
 
@@ -115,7 +141,7 @@ def run_simulated_rollout(
             if stop is not None and stop.is_set():
                 break
             lens = {w: draw(requests_per_worker) for w in names}
-            c.set_phase("rollout", step=step)
+            c.set_phase("rollout", step=step, policy_version=policy_version, policy_path=policy_path)
             t0 = time.time()
             rec = StepRecord(step=step, started_at=t0, lengths=lens)
             last_active: dict[str, int] = {}
@@ -139,7 +165,9 @@ def run_simulated_rollout(
                             step=step,
                             tokens_done=tokens,
                             tokens_per_s=active / token_time_s,
+                            node=wnode[w],
                         )
+                        reports += 1
                         last_active[w] = active
                         if active == 0:
                             rec.drained_at[w] = t0 + max(lens[w]) * token_time_s
@@ -147,7 +175,7 @@ def run_simulated_rollout(
                     break
                 time.sleep(report_period_s)
             rec.ended_at = time.time()
-            c.set_phase("train", step=step)
+            c.set_phase("train", step=step, policy_version=policy_version, policy_path=policy_path)
             for w in names:
                 c.report_progress(
                     w,
@@ -157,16 +185,19 @@ def run_simulated_rollout(
                     phase="train",
                     total=requests_per_worker,
                     step=step,
+                    node=wnode[w],
                 )
+                reports += 1
             records.append(rec)
             if train_s > 0:
                 time.sleep(train_s)
-        c.set_phase("idle", step=len(records))
+        c.set_phase("idle", step=len(records), policy_version=policy_version, policy_path=policy_path)
         c.flush(2.0)
     finally:
         if own_client:
             c.close()
-    return SimResult(workers=workers, steps=records, node=node, worker_gpus=gpus)
+    return SimResult(workers=workers, steps=records, node=node, worker_gpus=gpus, worker_node=wnode,
+                     progress_reports=reports, report_seconds=time.time() - t_first)
 
 
 def run_simulated_cluster(

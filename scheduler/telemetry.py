@@ -164,70 +164,94 @@ class SimulatedTelemetry:
         return list(range(self.num_gpus))
 
     def _activity(self) -> tuple[dict[int, Progress], set[int]]:
-        c = self.cluster
-        workers = sorted(
-            w.decode() if isinstance(w, bytes) else w for w in self.r.smembers(state.key(c, "workers"))
-        )
-        pipe = self.r.pipeline(transaction=False)
-        for w in workers:
-            pipe.get(state.key(c, "progress", worker=w))
-        for g in range(self.num_gpus):
-            pipe.get(state.key(c, "lease", node=self.node, gpu=g))
-        raw = pipe.execute()
-        owners: dict[int, Progress] = {}
-        for w, v in zip(workers, raw[: len(workers)]):
-            if v is None:
-                continue
-            try:
-                p = state.decode(Progress, v, where=f"progress:{w}")
-            except StateError:
-                self.bad_progress += 1
-                continue
-            if p.node == self.node:
-                for g in p.gpus:
-                    owners[g] = p
-        leased = set()
-        for g, v in enumerate(raw[len(workers) :]):
-            if v is not None:
-                try:
-                    state.decode(Lease, v)
-                    leased.add(g)
-                except StateError:
-                    pass
-        return owners, leased
+        owners, leased = _read_activity(self.r, self.cluster, {self.node: self.num_gpus}, self)
+        return ({g: p for (n, g), p in owners.items()}, {g for n, g in leased})
 
     def sample(self) -> list[GpuTelemetry]:
         owners, leased = self._activity()
         now = time.time()
-        out = []
-        for g in range(self.num_gpus):
-            p = owners.get(g)
-            mem = self.worker_mem(p)
-            if p is not None and p.active > 0:
-                util = 70.0 + 25.0 * min(1.0, p.active / 8) + self.rng.uniform(-3, 3)
-            elif g in leased:
-                util = 55.0 + self.rng.uniform(-5, 5)
-                mem += self.mem_total // 10  # a session's teacher, drafter and optimizer
-            else:
-                util = self.rng.uniform(0.0, 2.0)
-            util = min(100.0, max(0.0, util))
-            out.append(
-                GpuTelemetry(
-                    node=self.node,
-                    gpu=g,
-                    util=round(util, 1),
-                    mem_used=min(mem, self.mem_total),
-                    mem_total=self.mem_total,
-                    power_w=round(70 + 6 * util, 1),
-                    processes=[],
-                    simulated=True,
-                    ts=now,
-                )
-            )
-        return out
+        return [self._sample_gpu(self.node, g, owners.get(g), g in leased, now) for g in range(self.num_gpus)]
+
+    def _sample_gpu(self, node: str, g: int, p: Progress | None, leased: bool, now: float) -> GpuTelemetry:
+        mem = self.worker_mem(p)
+        if p is not None and p.active > 0:
+            util = 70.0 + 25.0 * min(1.0, p.active / 8) + self.rng.uniform(-3, 3)
+        elif leased:
+            util = 55.0 + self.rng.uniform(-5, 5)
+            mem += self.mem_total // 10  # a session's teacher, drafter and optimizer
+        else:
+            util = self.rng.uniform(0.0, 2.0)
+        util = min(100.0, max(0.0, util))
+        return GpuTelemetry(
+            node=node,
+            gpu=g,
+            util=round(util, 1),
+            mem_used=min(mem, self.mem_total),
+            mem_total=self.mem_total,
+            power_w=round(70 + 6 * util, 1),
+            processes=[],
+            simulated=True,
+            ts=now,
+        )
 
     def close(self) -> None:
         pass
+
+
+class SimulatedNodes(SimulatedTelemetry):
+    """Simulated telemetry of many nodes sampled by one process: what the per-node monitors of a large cluster
+    publish, for benchmarks that stand in for one (`tailspec bench scheduler --gpus 1024`). The same model as
+    SimulatedTelemetry, labelled simulated the same way; one read of the workers' progress and the leases per
+    sample serves every node. `nodes`: node name → GPU count."""
+
+    def __init__(self, r: Any, cluster: str, nodes: dict[str, int], seed: int | None = None,
+                 mem_total: int = SimulatedTelemetry.MEM_TOTAL):
+        if not nodes:
+            raise ValueError("SimulatedNodes needs at least one node")
+        first = next(iter(nodes))
+        super().__init__(first, r, cluster, nodes[first], seed=seed, mem_total=mem_total)
+        self.nodes = dict(nodes)  # `node`, `num_gpus` and the inherited per-GPU calls: the first node's
+
+    def sample(self) -> list[GpuTelemetry]:
+        owners, leased = _read_activity(self.r, self.cluster, self.nodes, self)
+        now = time.time()
+        return [self._sample_gpu(n, g, owners.get((n, g)), (n, g) in leased, now)
+                for n, count in self.nodes.items() for g in range(count)]
+
+
+def _read_activity(r: Any, cluster: str, nodes: dict[str, int], counter: Any
+                   ) -> tuple[dict[tuple[str, int], Progress], set[tuple[str, int]]]:
+    """Who is active where: (node, gpu) → the progress of the worker owning it (on `nodes` only), and the
+    (node, gpu) pairs holding a lease. Two round trips: the worker set, then one MGET of every progress and lease
+    key (one command, not one GET each: at a thousand GPUs the per-command cost of the client dominates).
+    Progress that does not decode is counted on `counter.bad_progress` and skipped."""
+    c = cluster
+    workers = sorted(w.decode() if isinstance(w, bytes) else w for w in r.smembers(state.key(c, "workers")))
+    gpus = [(n, g) for n, count in nodes.items() for g in range(count)]
+    keys = [state.key(c, "progress", worker=w) for w in workers]
+    keys += [state.key(c, "lease", node=n, gpu=g) for n, g in gpus]
+    raw = r.mget(keys) if keys else []
+    owners: dict[tuple[str, int], Progress] = {}
+    for w, v in zip(workers, raw[: len(workers)]):
+        if v is None:
+            continue
+        try:
+            p = state.decode(Progress, v, where=f"progress:{w}")
+        except StateError:
+            counter.bad_progress += 1
+            continue
+        if p.node in nodes:
+            for g in p.gpus:
+                owners[(p.node, g)] = p
+    leased = set()
+    for k, v in zip(gpus, raw[len(workers):]):
+        if v is not None:
+            try:
+                state.decode(Lease, v)
+                leased.add(k)
+            except StateError:
+                pass
+    return owners, leased
 
 
 def make_telemetry(
