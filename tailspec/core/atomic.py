@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -59,18 +60,19 @@ def _owner() -> str:
 
 
 def _remove_stale(path: Path) -> None:
-    """Remove what a crashed writer of `path` left behind: temporaries of a process on this host that no longer
-    runs. A live writer's temporary (another process writing the same path) and other hosts' are left alone."""
-    host = socket.gethostname()
-    for stale in [*path.parent.glob(f".{path.name}.tmp.*"), *path.parent.glob(f".{path.name}.old.*")]:
-        parts = stale.name[len(path.name) + 1 :].split(".")  # tmp|old, host..., pid, random
-        if len(parts) < 4 or ".".join(parts[1:-2]) != host:
+    """Remove what crashed writers left in `path`'s directory: any `.<name>.tmp.*` / `.<name>.old.*` of a process
+    on this host that no longer runs, whatever name it was writing (a killed writer of `ckpt-00000023` is cleaned
+    by the write of `ckpt-00000024`). A live writer's temporary and other hosts' are left alone."""
+    pattern = re.compile(rf"^\..+\.(?:tmp|old)\.{re.escape(socket.gethostname())}\.(\d+)\.[^.]+$")
+    for stale in path.parent.glob(".*"):
+        m = pattern.match(stale.name)
+        if m is None or not stale.is_dir():
             continue
         try:
-            os.kill(int(parts[-2]), 0)
+            os.kill(int(m.group(1)), 0)
         except ProcessLookupError:
             shutil.rmtree(stale, ignore_errors=True)
-        except (ValueError, PermissionError):
+        except PermissionError:
             continue
 
 
