@@ -305,7 +305,7 @@ class VersionStore:
         number = self._next_number()
         info = DrafterVersion(
             version=number, path=str(self.path(number).resolve()), policy_version=teacher.policy_version,
-            acceptance_length=cand_len, baseline_acceptance_length=baseline, promoted=False,
+            acceptance_length=cand_len, validation_k=k, baseline_acceptance_length=baseline, promoted=False,
             created_at=time.time(), session_id=session_id, note=note,
             baseline_version=cur_info.version if cur is not None else None, pairs=d.pairs,
             gain_mean=d.gain_mean, gain_lcb=d.gain_lcb if math.isfinite(d.gain_lcb) else None, decision=d.reason,

@@ -9,13 +9,20 @@ guarantees that — so nothing fails; rollouts just run slower than without spec
 turns that into an alert and a fallback within one window of steps.
 
 The guard only counts: `observe(k, rows, accepted)` after each decode step (k = 0 steps are not evidence),
-`arm(...)` at each load or sync event. It never touches an engine; the caller asks `speculate` before
-choosing k. Live acceptance length = 1 + accepted drafts per row-step, the same tokens-per-forward figure a
-validation reports, so the two compare directly."""
+`arm(...)` at each load or sync event. It never touches an engine; `guarded` wraps an engine's strategy hook
+so that it feeds the guard every step's record and runs k = 0 while the guard is tripped.
+
+A version is validated at one draft length (its acceptance length at `validated_k`), but an adaptive engine
+runs whatever k pays at its batch size. So the guard fits the per-position acceptance α of a chain drafter
+(α + α² + … + α^K = validated − 1) and expects Σ_{j ≤ k} α^j accepted drafts per row at a step of length k:
+live and validated are compared at the window's own mix of k, never k = 1 against a k = 4 figure."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from tailspec.rollout.strategy import ChooseK, StepRecord
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,7 @@ class Verdict:
     version: int | None  # the drafter version judged
     event: str  # what armed the guard: "load", "reload", "policy_sync", ...
     live: float  # tokens per forward over the window
-    validated: float | None  # the version's validated acceptance length, if known
+    validated: float | None  # tokens per forward the validation predicts at the window's k mix, if known
     steps: int
     reason: str
 
@@ -58,26 +65,34 @@ class HealthGuard:
         self.policy = policy or GuardPolicy()
         self.version: int | None = None
         self.validated: float | None = None
+        self.validated_k = 4
+        self._alpha: float | None = None
         self.event = ""
         self.watching = False
         self.tripped_version: int | None = None
         self._tripped = False
         self._steps = self._rows = self._accepted = 0
+        self._expected = 0.0
         self.verdicts: list[Verdict] = []
 
     @property
     def speculate(self) -> bool:
         return not self._tripped
 
-    def arm(self, version: int | None, validated: float | None, event: str) -> None:
+    def arm(self, version: int | None, validated: float | None, event: str, validated_k: int = 4) -> None:
         """A drafter was loaded or reloaded, or the policy weights changed under it: watch the next window.
-        A new version clears a trip; the same version after a policy sync keeps speculation off only if it
-        was already judged broken (a sync does not repair a drafter)."""
+        `validated`: the version's acceptance length at draft length `validated_k` (None: unknown, only the
+        floor applies). A new version clears a trip; the same version after a policy sync keeps speculation
+        off only if it was already judged broken (a sync does not repair a drafter)."""
+        if validated_k < 1:
+            raise ValueError(f"validated_k must be >= 1, got {validated_k}")
         if version != self.tripped_version:
             self._tripped = False
-        self.version, self.validated, self.event = version, validated, event
+        self.version, self.validated, self.validated_k, self.event = version, validated, validated_k, event
+        self._alpha = chain_alpha(validated, validated_k) if validated is not None else None
         self.watching = not self._tripped
         self._steps = self._rows = self._accepted = 0
+        self._expected = 0.0
 
     def observe(self, k: int, rows: int, accepted: int) -> Verdict | None:
         """Fold one decode step (k drafts for each of `rows` rows, `accepted` drafts accepted in all); the
@@ -89,6 +104,9 @@ class HealthGuard:
         self._steps += 1
         self._rows += rows
         self._accepted += accepted
+        if self._alpha is not None:
+            a = self._alpha
+            self._expected += rows * (a * (1 - a**k) / (1 - a) if a < 1 else float(k))
         if self._steps < self.policy.window_steps:
             return None
         return self._judge()
@@ -96,16 +114,49 @@ class HealthGuard:
     def _judge(self) -> Verdict:
         p = self.policy
         live = 1.0 + self._accepted / self._rows
+        expected = 1.0 + self._expected / self._rows if self._alpha is not None else None
         reason = ""
         if live <= p.floor:
             reason = f"{live:.3f} tokens/forward <= floor {p.floor}"
-        elif self.validated is not None and self.validated > 1.0 and \
-                live - 1.0 < p.min_gain_share * (self.validated - 1.0):
+        elif expected is not None and expected > 1.0 and live - 1.0 < p.min_gain_share * (expected - 1.0):
             reason = (f"{live:.3f} tokens/forward, gain {live - 1:.3f} < {p.min_gain_share:.0%} of the validated "
-                      f"gain {self.validated - 1:.3f}")
-        v = Verdict(bool(reason), self.version, self.event, live, self.validated, self._steps, reason)
+                      f"gain {expected - 1:.3f} at these draft lengths")
+        v = Verdict(bool(reason), self.version, self.event, live, expected, self._steps, reason)
         self.watching = False
         if v.tripped:
             self._tripped, self.tripped_version = True, self.version
         self.verdicts.append(v)
         return v
+
+
+def chain_alpha(acceptance_length: float, k: int) -> float:
+    """The per-position acceptance α of a chain drafter whose expected acceptance length at draft length k is
+    `acceptance_length` (1 + α + … + α^k); clipped to [0, 1]."""
+    gain = min(max(acceptance_length - 1.0, 0.0), float(k))
+    lo, hi = 0.0, 1.0
+    for _ in range(50):  # the sum is increasing in α: bisection to ~1e-15
+        mid = (lo + hi) / 2
+        if sum(mid**j for j in range(1, k + 1)) < gain:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def guarded(choose_k: ChooseK, guard: HealthGuard,
+            on_verdict: Callable[[Verdict], None] | None = None) -> ChooseK:
+    """An engine strategy hook that folds every step's record into `guard` and runs plain decoding (k = 0)
+    while the guard holds speculation off; otherwise `choose_k` decides. The inner hook still sees every
+    record, so its estimates stay current. `on_verdict` is called with each verdict as it is reached."""
+    seen: list[StepRecord | None] = [None]
+
+    def hook(batch_size: int, last: StepRecord | None) -> int:
+        if last is not None and last is not seen[0]:
+            seen[0] = last
+            verdict = guard.observe(last.k, last.rows, last.accepted)
+            if verdict is not None and on_verdict is not None:
+                on_verdict(verdict)
+        k = choose_k(batch_size, last)
+        return k if guard.speculate else 0
+
+    return hook

@@ -368,3 +368,57 @@ def test_the_lineage_starts_with_the_bootstrap_runs_optimizer_state(demo_run, re
     ck = load_checkpoint(head.path)
     assert ck.optimizer_state is not None and ck.optimizer_state["state"].keys() == saved["state"].keys()
     r.close()
+
+
+def test_worker_health_guard_trips_on_a_broken_drafter_and_decodes_exactly(micro_policy, redis_url, tmp_path):
+    """A drafter version whose fc is zeroed after load (the weight-sync failure RL users report): the worker's
+    guard trips within one window, the event is recorded, the rest of the rollout runs k = 0, and the tokens are
+    exactly plain decoding's (greedy). The same version after a policy sync stays off; a new version is tried."""
+    import redis
+    import torch
+
+    from tailspec.core.state import DrafterVersion, Event
+    from tailspec.tasks.policy import load_policy
+    from tests.engine_helpers import random_eagle3
+
+    policy, tok = micro_policy
+    target, _ = load_policy(str(policy))
+    d = random_eagle3(target, draft_vocab_size=target.config.vocab_size)
+    with torch.no_grad():  # every weight of the head zeroed (the embedding is the target's, not saved with it)
+        for p in d.parameters():
+            p.zero_()
+    for v in (1, 2):
+        d.save(tmp_path / f"v{v}")
+        (tmp_path / f"v{v}" / "version.json").write_text(DrafterVersion(
+            version=v, path=str(tmp_path / f"v{v}"), policy_version=0, acceptance_length=2.5, validation_k=4,
+            promoted=True, created_at=0.0).model_dump_json())
+    rollout = {"drafter": "eagle3", "selector": "fixed", "k": 3, "k_max": 4, "max_batch": 4, "max_seq_len": 96,
+               "guard_window_steps": 4}
+    w = _worker(redis_url)
+    try:
+        item = _item(policy, tok, rollout, drafter_path=str(tmp_path / "v1"), n=4).model_copy(
+            update={"temperature": 0.0})
+        res = w.run_item(item)
+        assert w.guard.version == 1 and not w.guard.speculate
+        tripped = [v for v in res.guard if v["tripped"]]
+        assert len(tripped) == 1 and tripped[0]["steps"] == 4 and tripped[0]["event"] == "load"
+        ks = [int(k) for k in res.strategy_mix]
+        assert 0 in ks and 3 in ks and res.strategy_mix["3"] == 4  # one window at k = 3, then plain decoding
+        first = res
+        events = [state.decode(Event, f[b"data"]) for _, f in redis.Redis.from_url(redis_url).xrange(
+            state.key("cfgtest", "events"))]
+        assert any(e.kind == "drafter_guard" and e.detail["tripped"] and e.detail["version"] == 1 for e in events)
+
+        synced = item.model_copy(update={"policy_version": 1})  # new weights, same drafter version
+        res = w.run_item(synced)
+        assert set(res.strategy_mix) == {"0"} and w.guard.event == "policy_sync"
+        res = w.run_item(item.model_copy(update={"drafter_path": str(tmp_path / "v2"), "drafter_version": 2}))
+        assert w.guard.event == "reload" and res.strategy_mix.get("3", 0) >= 1  # tried again (and judged)
+        w2 = _worker(redis_url)
+        try:  # plain decoding in a worker of its own: the broken drafter's rollout decoded exactly the same
+            plain = w2.run_item(item.model_copy(update={"drafter_path": None, "drafter_version": None}))
+        finally:
+            w2.client.close()
+        assert [o.token_ids for o in first.outputs] == [o.token_ids for o in plain.outputs]
+    finally:
+        w.client.close()

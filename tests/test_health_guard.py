@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tailspec.rollout.health_guard import GuardPolicy, HealthGuard
+from tailspec.rollout.health_guard import GuardPolicy, HealthGuard, chain_alpha, guarded
+from tailspec.rollout.strategy import StepRecord
 
 
 def run_window(g: HealthGuard, rng, p_accept: float, k: int = 4, rows: int = 8, steps: int = 16):
@@ -83,3 +84,33 @@ def test_bad_counts_and_bad_policies_are_refused_by_name():
         GuardPolicy(floor=0.5)
     with pytest.raises(ValueError, match="min_gain_share"):
         GuardPolicy(min_gain_share=1.5)
+
+
+def test_live_and_validated_compare_at_the_steps_own_draft_length():
+    """Validated at k = 4 (length 3.0, α ≈ 0.72), run at k = 1 with the same α: live 1.72 is healthy, though
+    its gain is well under half of the k = 4 gain 2.0 (comparing across k would trip a good drafter)."""
+    rng = np.random.default_rng(3)
+    alpha = chain_alpha(3.0, 4)
+    assert sum(alpha**j for j in range(1, 5)) == pytest.approx(2.0)
+    g = HealthGuard(GuardPolicy(window_steps=16))
+    g.arm(version=5, validated=3.0, event="load", validated_k=4)
+    v = run_window(g, rng, p_accept=alpha, k=1, rows=16)
+    assert not v.tripped and v.validated == pytest.approx(1 + alpha)
+    g.arm(version=6, validated=3.0, event="load", validated_k=4)
+    v = run_window(g, rng, p_accept=0.25, k=1, rows=16)  # gain ~0.25 < half of 0.72
+    assert v.tripped and "validated gain" in v.reason
+
+
+def test_guarded_hook_feeds_the_guard_and_turns_speculation_off():
+    g = HealthGuard(GuardPolicy(window_steps=2))
+    g.arm(version=1, validated=2.5, event="load")
+    verdicts = []
+    hook = guarded(lambda b, last: 3, g, on_verdict=verdicts.append)
+    rec = StepRecord.following(None, rows=4, k=3, accepted=0, reach=(0, 0, 0), seconds=0.01)
+    assert hook(4, None) == 3 and hook(4, rec) == 3
+    assert hook(4, rec) == 3  # the same record handed again counts once
+    rec2 = StepRecord.following(rec, rows=4, k=3, accepted=0, reach=(0, 0, 0), seconds=0.01)
+    assert hook(4, rec2) == 0 and len(verdicts) == 1 and verdicts[0].tripped
+    assert hook(4, StepRecord.following(rec2, 4, 0, 0, (), 0.01)) == 0  # stays off
+    g.arm(version=2, validated=2.5, event="reload")
+    assert hook(4, None) == 3

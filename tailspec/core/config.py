@@ -125,6 +125,13 @@ class RolloutConfig(_Section):
     cuda_graphs: bool = Field(True, description="capture the verify forward's CUDA graphs (on CUDA only)")
     graph_memory_budget_mb: int = Field(2048, ge=0, description="memory the CUDA graph pool may take")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the policy's dtype in the engine")
+    guard: bool = Field(True, description="drafter health guard: after each drafter load/reload and policy sync, "
+                        "turn speculation off when live acceptance shows the drafter broken (rollout.health_guard)")
+    guard_window_steps: int = Field(16, ge=1, le=10_000, description="speculative decode steps per guard verdict")
+    guard_floor: float = Field(1.05, ge=1.0, le=2.0, description="tokens per forward at or below which the "
+                               "drafter is broken, whatever it was validated at")
+    guard_min_gain_share: float = Field(0.5, ge=0.0, le=1.0, description="live gain below this share of the "
+                                        "validated gain (at the same draft lengths): broken")
 
 
 class DashboardConfig(_Section):

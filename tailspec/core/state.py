@@ -161,6 +161,8 @@ class DrafterVersion(_Payload):
     path: str
     policy_version: int = Field(ge=0)
     acceptance_length: float | None = Field(None, description="expected acceptance length at validation_k")
+    validation_k: int | None = Field(None, ge=1, le=64, description="draft length acceptance_length was measured "
+                                     "at (None: recorded before this field, 4)")
     baseline_acceptance_length: float | None = None
     promoted: bool
     created_at: float
@@ -225,7 +227,7 @@ class Event(_Payload):
     kind: Literal[
         "lease_granted", "lease_renewed", "lease_revoked", "lease_expired", "session_started",
         "session_stopped", "session_failed", "phase", "version_promoted", "version_rejected", "warning",
-        "gpu_idle", "lineage_merged", "session_declined", "leader_elected",
+        "gpu_idle", "lineage_merged", "session_declined", "leader_elected", "drafter_guard",
     ]
     node: str | None = None
     gpu: int | None = None

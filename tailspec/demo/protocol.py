@@ -79,6 +79,8 @@ class WorkResult(_Payload):
     cost_model: dict[str, Any] | None = Field(None, description="the engine's cost table t(b, k) (CostModel.to_dict): "
                                               "the warm-up's with the warm-up result, after a rollout what the "
                                               "rollout's own steps taught it")
+    guard: list[dict[str, Any]] = Field(default_factory=list, description="drafter health verdicts reached "
+                                        "during this item (rollout.health_guard.Verdict fields)")
     error: str | None = None
 
 

@@ -242,6 +242,10 @@ class Demo:
             res = state.decode(WorkResult, got[1], where=key)
             if res.error:
                 raise RuntimeError(f"worker {res.worker} failed at step {step}: {res.error}")
+            for v in res.guard:
+                if v.get("tripped"):
+                    log.warning("step %d, %s: drafter v%s broken after %s (%s): speculation off until another "
+                                "version loads", step, res.worker, v.get("version"), v.get("event"), v.get("reason"))
             results.append(res)
         return results
 

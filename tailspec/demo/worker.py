@@ -73,6 +73,24 @@ def attach_graph_pool(engine, rc, cost, emulate: bool = False):
     return build_pool(engine, cost, rc.graph_memory_budget_mb << 20, ks=ks, emulate=emulate)
 
 
+def validated_acceptance(drafter_path: str | None) -> tuple[float | None, int]:
+    """A version's validated acceptance length and the draft length it was measured at, from the version.json
+    the version store writes beside its weights; (None, 4) when there is none or it does not parse."""
+    from pathlib import Path
+
+    from tailspec.core.state import DrafterVersion
+
+    f = Path(drafter_path) / "version.json" if drafter_path else None
+    if f is None or not f.is_file():
+        return None, 4
+    try:
+        info = DrafterVersion.model_validate_json(f.read_text())
+    except (OSError, ValueError) as e:
+        log.warning("drafter guard: %s unreadable (%s); judging by the floor only", f, e)
+        return None, 4
+    return info.acceptance_length, info.validation_k or 4
+
+
 def worker_device(gpu: int) -> torch.device:
     """The worker's accelerator: CUDA device `gpu` (modulo the devices there are) where CUDA is present, else
     the CPU (simulated GPUs)."""
@@ -102,6 +120,8 @@ class Worker:
         self.cost_key: tuple | None = None
         self.acceptance = None
         self.pool = None  # the last engine's graph pool (None: eager)
+        self.guard = None  # the drafter health guard (rollout.health_guard), one per worker across its engines
+        self.verdicts: list[dict] = []  # verdicts reached during the current item
 
     def _load_policy(self, item: WorkItem, rc) -> None:
         from tailspec.tasks.policy import load_policy
@@ -175,8 +195,13 @@ class Worker:
         if adaptive or wants_pool:
             self._measure_cost(engine, item, rc, on_step=self.acceptance.observe if adaptive else None)
         if drafter is not None:
-            engine.configure(choose_k=make_selector(rc.model_copy(update={"k": min(rc.k, k_max)}), self.cost,
-                                                    self.acceptance if adaptive else None, seed=item.step))
+            choose_k = make_selector(rc.model_copy(update={"k": min(rc.k, k_max)}), self.cost,
+                                     self.acceptance if adaptive else None, seed=item.step)
+            if self.guard is not None and self.drafter_module is not None:
+                from tailspec.rollout.health_guard import guarded
+
+                choose_k = guarded(choose_k, self.guard, on_verdict=self._on_verdict)
+            engine.configure(choose_k=choose_k)
         if wants_pool:
             t0 = time.perf_counter()
             self.pool = attach_graph_pool(engine, rc, self.cost)
@@ -190,8 +215,11 @@ class Worker:
 
         started = time.time()
         rc = rollout_config(item)
+        before = (self.policy_key, self.drafter_key)
         self._load_policy(item, rc)
         self._load_drafter(item, rc)
+        self.verdicts = []
+        self._arm_guard(item, rc, *before)
         engine = self._engine(item, rc)
         if item.warmup:
             return WorkResult(worker=self.name, step=item.step, outputs=[], started_at=started, finished_at=time.time(),
@@ -216,7 +244,43 @@ class Worker:
         return WorkResult(worker=self.name, step=item.step, outputs=outputs, started_at=started,
                           finished_at=time.time(), decode_steps=len(records), strategy_mix=dict(mix),
                           setup_s=setup_s, decode_s=sum(r.seconds for r in records), accepted_by_k=by_k,
-                          cost_model=self.effective_cost())
+                          cost_model=self.effective_cost(), guard=self.verdicts)
+
+    def _arm_guard(self, item: WorkItem, rc, policy_before: tuple | None, drafter_before: tuple | None) -> None:
+        """Arm the health guard when a trained drafter was loaded (a new version: load / reload) or the policy
+        weights under the same version changed (policy_sync). The version's validated acceptance comes from
+        its version.json, when the version store wrote one."""
+        if not rc.guard or self.drafter_module is None:
+            return
+        from tailspec.rollout.health_guard import GuardPolicy, HealthGuard
+
+        policy = GuardPolicy(rc.guard_window_steps, rc.guard_floor, rc.guard_min_gain_share)
+        if self.guard is None or self.guard.policy != policy:
+            self.guard = HealthGuard(policy)
+        version_before = drafter_before[1] if drafter_before is not None else None
+        if drafter_before is not None and version_before == item.drafter_version and policy_before == self.policy_key:
+            return  # nothing changed under the drafter
+        if version_before != item.drafter_version or drafter_before is None:
+            event = "load" if drafter_before is None and self.guard.version is None else "reload"
+        else:
+            event = "policy_sync"
+        validated, k = validated_acceptance(item.drafter_path)
+        self.guard.arm(item.drafter_version, validated, event, validated_k=k)
+
+    def _on_verdict(self, v) -> None:
+        from dataclasses import asdict
+
+        from tailspec.core.state import Event
+
+        d = asdict(v)
+        self.verdicts.append(d)
+        if v.tripped:
+            log.warning("%s: %s", self.name, v.message())
+        try:  # best effort: the dashboards' event log; the verdict also travels with the work result
+            state.append(self.r, state.key(self.cluster, "events"),
+                         Event(kind="drafter_guard", detail={"worker": self.name, **d}))
+        except Exception as e:  # noqa: BLE001 - a lost event must not fail the rollout
+            log.warning("drafter_guard event not recorded: %s", e)
 
     def _decode(self, engine, item: WorkItem, rid_of: dict[int, int]) -> tuple[list[WorkOutput], list]:
         """Run the queued requests to completion, reporting progress; returns the outputs and the engine's
