@@ -74,8 +74,7 @@ def _stat_mapping(values: dict[str, tuple[str, str]]) -> list:
     return [{"type": "value", "options": {k: {"text": t, "color": c} for k, (t, c) in values.items()}}]
 
 
-def build() -> dict:
-    L = Layout()
+def _gpu_panels(L: Layout) -> None:
     state_expr = " + ".join(f'{v} * sum by (node, gpu) (tailspec_gpu_state{{{NODE}, state="{s}"}})'
                             for s, (v, _, _) in STATES.items() if v)
 
@@ -107,6 +106,8 @@ def build() -> dict:
     L.panel("timeseries", "GPU power", [(f"tailspec_gpu_power_watts{{{NODE}}}", "{{node}}:{{gpu}}")], unit="watt",
             w=12, h=4)
 
+
+def _reclaim_panels(L: Layout) -> None:
     L.row("Reclaimed time")
     L.panel("stat", "Reclaimed share", [("tailspec_reclaimed_share_ratio", "lent / idle")], unit="percentunit", w=6,
             desc="Share of the GPU time the long tail left idle that went to drafter training.")
@@ -117,6 +118,8 @@ def build() -> dict:
              ("rate(tailspec_lent_gpu_seconds_total[1m])", "lent GPUs")], w=12,
             desc="GPU-seconds per second = the average number of GPUs idle (drained or lent) and lent.")
 
+
+def _session_panels(L: Layout) -> None:
     L.row("Training sessions")
     L.panel("timeseries", "Sessions started / stopped / preempted (per 5 min)",
             [("increase(tailspec_sessions_started_total[5m])", "started"),
@@ -134,6 +137,8 @@ def build() -> dict:
     L.panel("timeseries", "Drafter training steps (latest session per GPU)",
             [(f"tailspec_drafter_training_steps{{{NODE}}}", "{{node}}:{{gpu}}")], w=12)
 
+
+def _version_panels(L: Layout) -> None:
     L.row("Drafter versions")
     L.panel("stat", "Promoted drafter version", [("tailspec_drafter_version", "version")], w=6)
     L.panel("timeseries", "Validation acceptance length",
@@ -153,6 +158,8 @@ def build() -> dict:
     L.panel("stat", "Sample stream", [("tailspec_samples_stream_length", "entries"),
                                       ("tailspec_samples_policy_version", "v {{end}}")], w=6)
 
+
+def _rollout_panels(L: Layout) -> None:
     L.row("Rollout: speculative decoding")
     L.panel("timeseries", "Acceptance length (latest phase)",
             [("tailspec_rollout_acceptance_length", "{{worker}}"),
@@ -166,6 +173,8 @@ def build() -> dict:
     L.panel("timeseries", "Dropped samples by reason (per 5 min)",
             [("increase(tailspec_dropped_samples_total[5m])", "{{reason}}")], w=12)
 
+
+def _health_panels(L: Layout) -> None:
     L.row("Health")
     L.panel("stat", "Cluster state readable", [("min(tailspec_redis_up)", "redis")], w=4, h=4,
             mappings=_stat_mapping({"0": ("DOWN", "red"), "1": ("up", "green")}))
@@ -180,6 +189,21 @@ def build() -> dict:
     L.panel("stat", "Malformed state entries skipped (1 h)",
             [("sum(increase(tailspec_exporter_bad_payloads_total[1h]))", "last hour")], w=4, h=4)
 
+
+def build() -> dict:
+    """The overview dashboard: one row of panels per question a user asks (where the GPU time goes, how
+    much was reclaimed, what the sessions and drafter versions did, what speculation bought, health)."""
+    L = Layout()
+    _gpu_panels(L)
+    _reclaim_panels(L)
+    _session_panels(L)
+    _version_panels(L)
+    _rollout_panels(L)
+    _health_panels(L)
+    return _dashboard(L.panels)
+
+
+def _dashboard(panels: list) -> dict:
     return {
         "__requires": [
             {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "10.0.0"},
@@ -208,7 +232,7 @@ def build() -> dict:
              "allValue": ".*", "current": {"text": "All", "value": "$__all"}, "refresh": 2, "sort": 1,
              "hide": 0, "options": [], "regex": ""},
         ]},
-        "panels": L.panels,
+        "panels": panels,
     }
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from tailspec.drafter_trainer.export import export
 from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter
 from tailspec.rollout import vllm_backend as vb
-from tailspec.rollout.vllm_backend import DrafterMismatch, DrafterSpec, check_schedule, speculative_config
+from tailspec.rollout.vllm_checks import DrafterMismatch, DrafterSpec, check_schedule, speculative_config
 from transformers import LlamaConfig
 
 

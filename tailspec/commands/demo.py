@@ -151,7 +151,6 @@ def _demo(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from tailspec.cli import config_from_args
-    from tailspec.demo.report import write_report
     from tailspec.demo.services import place_workers
     from tailspec.tasks.policy import policy_meta, resolve_policy
 
@@ -161,12 +160,9 @@ def _demo(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the demo's own table is the progress display
-    if opts.workers < 1 or opts.steps < 1:
-        console.print("[red]--workers and --steps must be at least 1")
-        return 2
-    if cfg.rollout.drafter == "draft_model":
-        console.print("[red]rollout.drafter=draft_model: the demo has no draft model; use eagle3 (the co-trained "
-                      "drafter), ngram or none")
+    problem = _refused(opts, cfg)
+    if problem:
+        console.print(f"[red]{problem}")
         return 2
     console.rule(f"[bold]tailspec demo — {opts.mode}")
     if not Path(opts.policy).is_dir():
@@ -210,6 +206,24 @@ def _demo(args: argparse.Namespace) -> int:
         status["text"] = "starting redis, the scheduler and the workers…"
         live.refresh()
         rows = demo.run(on_row=on_row, on_progress=on_progress)
+    _summary(console, demo, opts, rows)
+    return 0
+
+
+def _refused(opts, cfg) -> str | None:
+    """Why the demo cannot run these options (said before anything starts), or None."""
+    if opts.workers < 1 or opts.steps < 1:
+        return "--workers and --steps must be at least 1"
+    if cfg.rollout.drafter == "draft_model":
+        return ("rollout.drafter=draft_model: the demo has no draft model; use eagle3 (the co-trained drafter), "
+                "ngram or none")
+    return None
+
+
+def _summary(console, demo, opts, rows) -> None:
+    """The run's report file, its closing lines, and one JSON line on stdout for scripts."""
+    from tailspec.demo.report import write_report
+
     meta = {"mode": opts.mode, "policy": opts.policy, "workers": opts.workers, "placement": demo.placement.note,
             "prompts_per_step": opts.prompts_per_step,
             "group_size": opts.group_size, "dashboard": demo.dashboard_url,
@@ -222,4 +236,3 @@ def _demo(args: argparse.Namespace) -> int:
     console.print(f"report: {report}", overflow="fold")
     print(json.dumps({"run_dir": str(demo.run_dir), "steps": len(rows), "reclaimed_share": lent / idle if idle else 0}),
           file=sys.stdout)
-    return 0
