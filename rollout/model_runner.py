@@ -80,6 +80,25 @@ def check_supported(config) -> None:
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
 
 
+def _fused_layer(layer: torch.nn.Module) -> _Layer:
+    """One decoder layer's weights as the runner uses them: q, k, v concatenated into one matrix and gate, up
+    into another. The RMSNorm weights before qkv and gate/up are folded into those matrices' columns:
+    rms(x) * w @ W.T == rms(x) @ (W * w).T, one op less per norm."""
+    a, m = layer.self_attn, layer.mlp
+    bias = a.q_proj.bias is not None
+    in_w, post_w = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+    return _Layer(
+        qkv_w=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) * in_w,
+        qkv_b=torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if bias else None,
+        q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
+        k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
+        o_w=a.o_proj.weight,
+        o_b=a.o_proj.bias,
+        gate_up_w=torch.cat([m.gate_proj.weight, m.up_proj.weight]) * post_w,
+        down_w=m.down_proj.weight,
+    )
+
+
 class ModelRunner:
     """Forward of a causal LM over a static KV cache with ragged per-row positions.
 
@@ -123,26 +142,8 @@ class ModelRunner:
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight
         self.lm_head = model.lm_head.weight
-        self.layers: list[_Layer] = []
         with torch.no_grad():
-            for layer in inner.layers:
-                a, m = layer.self_attn, layer.mlp
-                bias = a.q_proj.bias is not None
-                # The RMSNorm weights before qkv and gate/up are folded into those (already concatenated)
-                # matrices' columns: rms(x) * w @ W.T == rms(x) @ (W * w).T, one op less per norm.
-                in_w, post_w = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-                self.layers.append(
-                    _Layer(
-                        qkv_w=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) * in_w,
-                        qkv_b=torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if bias else None,
-                        q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
-                        k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
-                        o_w=a.o_proj.weight,
-                        o_b=a.o_proj.bias,
-                        gate_up_w=torch.cat([m.gate_proj.weight, m.up_proj.weight]) * post_w,
-                        down_w=m.down_proj.weight,
-                    )
-                )
+            self.layers: list[_Layer] = [_fused_layer(layer) for layer in inner.layers]
             # RoPE table from the model's own rotary module (covers every rope_type HF implements).
             pos = torch.arange(cache_len, device=self.device)[None]
             cos, sin = inner.rotary_emb(self.embed[:1][None], pos)

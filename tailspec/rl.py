@@ -145,10 +145,7 @@ def grpo_step(
         n = resp.sum().clamp(min=1)
         loss = -(obj * resp).sum() / n
         if kl_coef > 0:
-            with torch.no_grad():
-                ref = token_logprobs(ref_model, ids, attn, temperature)
-            log_r = torch.where(resp, ref - new, torch.zeros_like(new))
-            kl = ((torch.exp(log_r) - log_r - 1) * resp).sum() / n
+            kl = _k3_kl(ref_model, ids, attn, resp, new, temperature, n)
             loss = loss + kl_coef * kl
             kl_sum += kl.item() * int(resp.sum())
         optimizer.zero_grad(set_to_none=True)
@@ -167,6 +164,16 @@ def grpo_step(
         tokens=ntok,
         kl=kl_sum / max(ntok, 1),
     )
+
+
+def _k3_kl(ref_model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor,
+           new: torch.Tensor, temperature: float, n: torch.Tensor) -> torch.Tensor:
+    """The token mean over response tokens of the k3 estimate of KL(policy || reference): r - log r - 1 with
+    r = p_ref / p_new per sampled token (unbiased, always >= 0); the reference without gradient."""
+    with torch.no_grad():
+        ref = token_logprobs(ref_model, ids, attn, temperature)
+    log_r = torch.where(resp, ref - new, torch.zeros_like(new))
+    return ((torch.exp(log_r) - log_r - 1) * resp).sum() / n
 
 
 def save_policy_weights(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Path:
