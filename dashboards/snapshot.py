@@ -368,6 +368,19 @@ def read_timeline(r: Any, cluster: str, window_s: float = 300.0, max_points: int
         status_rows: list[StatusRow] = cache.status.read(rd, lookback_ms)
     else:
         status_rows = [_status_row(p, t) for t, p in rd._stream("status_history", GpuStatus, start_ms=lookback_ms)]
+    lanes = _lanes(gpus, status_rows, start, now)
+    start_ms = int(start * 1000)
+    if cache is not None:
+        tel_rows: list[TelemetryRow] = cache.telemetry.read(rd, start_ms)
+    else:
+        tel_rows = [_telemetry_row(p, t) for t, p in rd._stream("telemetry_history", GpuTelemetry,
+                                                                start_ms=start_ms)]
+    return TimelineView(cluster=cluster, now=now, start=start, window_s=window_s, gpus=lanes,
+                        telemetry=_series(tel_rows, start, max_points), bad_payloads=rd.bad)
+
+
+def _lanes(gpus: list, status_rows: list[StatusRow], start: float, now: float) -> list[GpuLane]:
+    """Each GPU's state segments in [start, now] from its transitions."""
     transitions: dict[tuple[str, int], list[StatusRow]] = {}
     for row in status_rows:
         transitions.setdefault((row[1], row[2]), []).append(row)
@@ -390,13 +403,11 @@ def read_timeline(r: Any, cluster: str, window_s: float = 300.0, max_points: int
         if prev_state is not None:
             segs.append(Segment(state=prev_state, start=prev_t, end=now, open=True))
         lanes.append(GpuLane(id=g.id, node=g.node, gpu=g.gpu, segments=_merge_segments(segs)))
+    return lanes
 
-    start_ms = int(start * 1000)
-    if cache is not None:
-        tel_rows: list[TelemetryRow] = cache.telemetry.read(rd, start_ms)
-    else:
-        tel_rows = [_telemetry_row(p, t) for t, p in rd._stream("telemetry_history", GpuTelemetry,
-                                                                start_ms=start_ms)]
+
+def _series(tel_rows: list[TelemetryRow], start: float, max_points: int) -> list[TelemetrySeries]:
+    """Utilization and memory series per GPU since `start`, at most `max_points` each."""
     cols: dict[tuple[str, int], tuple[list[float], list[float], list[int], list[bool]]] = {}
     for ts, node, gpu, util, mem, sim in tel_rows:
         if ts < start:
@@ -414,5 +425,4 @@ def read_timeline(r: Any, cluster: str, window_s: float = 300.0, max_points: int
             ts, util, mem = [ts[i] for i in idx], [util[i] for i in idx], [mem[i] for i in idx]
         telemetry.append(TelemetrySeries(id=f"{node}:{gpu}", node=node, gpu=gpu, simulated=any(sim),
                                          ts=ts, util=util, mem_used=mem))
-    return TimelineView(cluster=cluster, now=now, start=start, window_s=window_s, gpus=lanes,
-                        telemetry=telemetry, bad_payloads=rd.bad)
+    return telemetry
