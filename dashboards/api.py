@@ -53,6 +53,8 @@ class Counters(_View):
     sessions_started: int = 0
     sessions_stopped: int = 0
     sessions_preempted: int = 0
+    sessions_declined: int = Field(0, description="sessions that declined a lent GPU (teacher, drafter and optimizer "
+                                   "would not fit its free memory): the GPU went back untouched")
 
 
 class RolloutPoint(_View):

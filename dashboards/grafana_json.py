@@ -121,10 +121,11 @@ def _reclaim_panels(L: Layout) -> None:
 
 def _session_panels(L: Layout) -> None:
     L.row("Training sessions")
-    L.panel("timeseries", "Sessions started / stopped / preempted (per 5 min)",
+    L.panel("timeseries", "Sessions started / stopped / preempted / declined (per 5 min)",
             [("increase(tailspec_sessions_started_total[5m])", "started"),
              ("increase(tailspec_sessions_stopped_total[5m])", "stopped"),
-             ("increase(tailspec_sessions_preempted_total[5m])", "preempted")])
+             ("increase(tailspec_sessions_preempted_total[5m])", "preempted"),
+             ("increase(tailspec_sessions_declined_total[5m])", "declined (did not fit the GPU's free memory)")])
     bucket = "sum by (le) (rate(tailspec_session_stop_latency_seconds_bucket[5m]))"
     L.panel("timeseries", "Session stop latency",
             [(f"histogram_quantile(0.5, {bucket})", "p50"), (f"histogram_quantile(0.99, {bucket})", "p99"),

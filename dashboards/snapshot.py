@@ -42,7 +42,7 @@ from .api import (
 )
 
 COUNTER_FIELDS = ("idle_gpu_seconds", "lent_gpu_seconds", "sessions_started", "sessions_stopped",
-                  "sessions_preempted")
+                  "sessions_preempted", "sessions_declined")
 MAX_WINDOW_S = 86_400.0
 
 
@@ -144,7 +144,7 @@ class Reader:
         return Counters(
             idle_gpu_seconds=idle, lent_gpu_seconds=lent, reclaimed_share=reclaimed_share(idle, lent),
             sessions_started=int(vals["sessions_started"]), sessions_stopped=int(vals["sessions_stopped"]),
-            sessions_preempted=int(vals["sessions_preempted"]),
+            sessions_preempted=int(vals["sessions_preempted"]), sessions_declined=int(vals["sessions_declined"]),
         )
 
     def sessions(self) -> list[SessionInfo]:

@@ -80,7 +80,10 @@ def test_values_move_through_a_lending_cycle(redis_client, exporter):
     assert m[("tailspec_sessions_started_total", ())] == 1.0
     assert m[("tailspec_sessions_stopped_total", ())] == 1.0
     assert m[("tailspec_sessions_preempted_total", ())] == 1.0
+    assert m[("tailspec_sessions_declined_total", ())] == 0.0
     assert m[("tailspec_session_stop_latency_seconds_count", ())] == 1.0
+    w.add("sessions_declined", 1)  # what the scheduler counts when a session's footprint did not fit
+    assert scrape(exporter.url)[("tailspec_sessions_declined_total", ())] == 1.0
 
 
 def test_stop_latency_histogram_matches_an_independent_count(redis_client, exporter):

@@ -261,7 +261,7 @@
     $("idle-seconds").textContent = fmtGpuSeconds(c.idle_gpu_seconds);
     $("lent-seconds").textContent = fmtGpuSeconds(c.lent_gpu_seconds);
     $("reclaimed-share").textContent = c.reclaimed_share == null ? "–" : (100 * c.reclaimed_share).toFixed(1) + " %";
-    $("session-counts").textContent = `${c.sessions_started} / ${c.sessions_stopped} / ${c.sessions_preempted}`;
+    $("session-counts").textContent = `${c.sessions_started} / ${c.sessions_stopped} / ${c.sessions_preempted} / ${c.sessions_declined}`;
     const cur = st.drafter_current;
     $("drafter-current").textContent = cur ? `v${cur.version} (${fmtNum(cur.acceptance_length)})` : "none";
     $("lineage-head").textContent = st.lineage ? `${st.lineage.steps} / ${st.lineage.merges}` : "–";
