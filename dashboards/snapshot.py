@@ -25,6 +25,7 @@ from tailspec.core.state import (
     PhaseInfo,
     RolloutStats,
     Sample,
+    SchedulerLeader,
     SessionInfo,
     StateError,
 )
@@ -203,6 +204,18 @@ class Reader:
             s = self._decode(Sample, (raw[0][1].get(b"data") if raw else None), k) if raw else None
             ends.append(s.policy_version if s is not None else None)
         return SampleStreamView(length=int(self.r.xlen(k)), oldest_policy_version=ends[0], newest_policy_version=ends[1])
+
+    def sessions_by_id(self, ids: list[str]) -> dict[str, SessionInfo]:
+        """The records of these sessions (one MGET), by id; missing or malformed ones left out."""
+        if not ids:
+            return {}
+        keys = [self.key("session", session_id=i) for i in ids]
+        return {i: s for i, k, raw in zip(ids, keys, self.r.mget(keys)) if (s := self._decode(SessionInfo, raw, k))}
+
+    def leader(self) -> SchedulerLeader | None:
+        """The leading scheduler's record (others stand by); None when no scheduler leads."""
+        k = self.key("leader")
+        return self._decode(SchedulerLeader, self.r.get(k), k)
 
     def phase(self) -> PhaseInfo | None:
         k = self.key("phase")

@@ -154,9 +154,9 @@ def test_a_session_that_does_not_fit_declines_and_the_gpu_is_free_at_the_next_ti
     from tailspec.scheduler.monitor import TelemetryMonitor
     from tailspec.scheduler.service import Scheduler
     from tailspec.scheduler.telemetry import SimulatedTelemetry
-    from tailspec.scheduler.top import gather, render_text
 
     from tailspec.tasks.policy import get_policy
+    from tailspec.top import gather, render_text
 
     cl = "decline"
     policy = get_policy("micro", progress=False)

@@ -96,7 +96,8 @@ def lease_on(r, cluster: str, gpu: int) -> Lease | None:
 
 def test_exactly_one_leads_and_the_standby_writes_nothing(redis_url, redis_client):
     from tailspec.scheduler.service import Scheduler
-    from tailspec.scheduler.top import gather, render_text
+
+    from tailspec.top import gather, render_text
 
     cl = "lead-one"
     cfg = make_cfg(redis_url, cl, leader_ttl=5.0)

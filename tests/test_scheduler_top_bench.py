@@ -10,9 +10,9 @@ import time
 
 import pytest
 from tailspec.scheduler.client import TailspecClient
-from tailspec.scheduler.top import gather, render_rich, render_text
 
 from tailspec.core.config import TailspecConfig
+from tailspec.top import gather, render_rich, render_text
 
 
 def test_top_shows_states_leases_and_sessions_labelled_simulated(redis_url, redis_client):

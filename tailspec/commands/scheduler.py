@@ -117,7 +117,7 @@ def _detach(args: argparse.Namespace) -> int:
 def _top(args: argparse.Namespace) -> int:
     import redis
 
-    from tailspec.scheduler.top import run_top
+    from tailspec.top import run_top
 
     cfg = _cfg(args)
     r = redis.Redis.from_url(cfg.cluster.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)

@@ -1,4 +1,5 @@
-"""`tailspec top`: a live terminal table of every GPU (like nvtop / gpustat), read from the cluster state.
+"""`tailspec top`: a live terminal table of every GPU (like nvtop / gpustat), read from the cluster state
+through the dashboards' reader (dashboards.snapshot.Reader), so the table and the web views agree.
 
 One row per GPU: state, utilization, memory, power, the worker that owns it, the lease holder (token,
 session) and the session's step and loss. Simulated telemetry is marked "sim" in the row and
@@ -11,16 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tailspec.core import state
-from tailspec.core.state import (
-    GpuStatus,
-    GpuTelemetry,
-    Lease,
-    PhaseInfo,
-    SchedulerLeader,
-    SessionInfo,
-    StateError,
-)
+from tailspec.core.state import PhaseInfo, SchedulerLeader
+from tailspec.dashboards.snapshot import Reader
 
 
 @dataclass
@@ -56,89 +49,32 @@ class Snapshot:
         return any(r.simulated for r in self.rows)
 
 
-def _safe(model: Any, raw: Any) -> Any:
-    if raw is None:
-        return None
-    try:
-        return state.decode(model, raw)
-    except StateError:
-        return None
-
-
 def gather(r: Any, cluster: str) -> Snapshot:
-    gpus = []
-    for g in r.smembers(state.key(cluster, "gpus")):
-        node, _, idx = (g.decode() if isinstance(g, bytes) else g).rpartition(":")
-        if idx.isdigit():
-            gpus.append((node, int(idx)))
-    gpus.sort()
-    pipe = r.pipeline(transaction=False)
-    pipe.get(state.key(cluster, "phase"))
-    pipe.hgetall(state.key(cluster, "counters"))
-    pipe.get(state.key(cluster, "scheduler_heartbeat"))
-    pipe.get(state.key(cluster, "leader"))
-    for node, g in gpus:
-        pipe.get(state.key(cluster, "telemetry", node=node, gpu=g))
-        pipe.get(state.key(cluster, "gpu_status", node=node, gpu=g))
-        pipe.get(state.key(cluster, "lease", node=node, gpu=g))
-    raw = pipe.execute()
-    phase = _safe(PhaseInfo, raw[0])
-    counters = {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in (raw[1] or {}).items()}
-    hb_age = None
-    if raw[2] is not None:
-        try:
-            hb_age = max(0.0, time.time() - float(raw[2]))
-        except ValueError:
-            pass
-    leader: SchedulerLeader | None = _safe(SchedulerLeader, raw[3])
-    partial = []
-    sids = []
-    for i, (node, g) in enumerate(gpus):
-        t: GpuTelemetry | None = _safe(GpuTelemetry, raw[4 + 3 * i])
-        st: GpuStatus | None = _safe(GpuStatus, raw[5 + 3 * i])
-        lease: Lease | None = _safe(Lease, raw[6 + 3 * i])
-        sid = st.session_id if st and st.session_id else None
-        partial.append((node, g, t, st, lease, sid))
-        sids.append(sid)
-    sessions: dict[str, SessionInfo] = {}
-    wanted = [s for s in sids if s]
-    if wanted:
-        vals = r.mget([state.key(cluster, "session", session_id=s) for s in wanted])
-        for s, v in zip(wanted, vals):
-            info = _safe(SessionInfo, v)
-            if info is not None:
-                sessions[s] = info
+    """One read of the cluster state for the table, through the dashboards' reader (one reader of the
+    cluster state for every view: a malformed entry is skipped and counted the same way everywhere)."""
+    rd = Reader(r, cluster)
+    views = rd.gpus()
+    counters = rd.counters().model_dump()
+    sessions = rd.sessions_by_id([g.session_id for g in views if g.session_id])
     rows = []
-    for node, g, t, st, lease, sid in partial:
-        info = sessions.get(sid) if sid else None
-        rows.append(
-            Row(
-                node=node,
-                gpu=g,
-                state=st.state.value if st else "unknown",
-                util=t.util if t else None,
-                mem_used=t.mem_used if t else None,
-                mem_total=t.mem_total if t else None,
-                power_w=t.power_w if t else None,
-                simulated=bool(t and t.simulated),
-                error=t.error if t else None,
-                worker=st.worker if st else None,
-                lease_token=lease.token if lease else None,
-                session_id=sid,
-                session_status=info.status if info else None,
-                session_step=info.step if info else None,
-                session_loss=info.loss if info else None,
-            )
-        )
-    decline = _last_decline(r, cluster) if counters.get("sessions_declined") else None
-    return Snapshot(phase, rows, counters, hb_age, decline, leader)
+    for g in views:
+        info = sessions.get(g.session_id) if g.session_id else None
+        rows.append(Row(
+            node=g.node, gpu=g.gpu, state=g.state.value, util=g.util, mem_used=g.mem_used, mem_total=g.mem_total,
+            power_w=g.power_w, simulated=bool(g.simulated), error=g.error, worker=g.worker,
+            lease_token=g.lease_token, session_id=g.session_id,
+            session_status=info.status if info else None,
+            session_step=info.step if info else None,
+            session_loss=info.loss if info else None,
+        ))
+    decline = _last_decline(rd) if counters.get("sessions_declined") else None
+    return Snapshot(rd.phase(), rows, counters, rd.heartbeat_age(time.time()), decline, rd.leader())
 
 
-def _last_decline(r: Any, cluster: str, look_back: int = 500) -> str | None:
+def _last_decline(rd: Reader, look_back: int = 500) -> str | None:
     """The newest session_declined event among the last `look_back` events, as one line."""
-    for _, fields in r.xrevrange(state.key(cluster, "events"), count=look_back):
-        ev = _safe(state.Event, fields.get(b"data") or fields.get("data"))
-        if ev is not None and ev.kind == "session_declined":
+    for ev in rd.events(limit=look_back):
+        if ev.kind == "session_declined":
             return f"{ev.node}:gpu{ev.gpu} {ev.detail.get('session_id')}: {ev.detail.get('reason')}"
     return None
 
