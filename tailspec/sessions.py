@@ -42,9 +42,10 @@ def device_and_dtype() -> tuple[str, torch.dtype]:
     return "cpu", torch.float32
 
 
-class Trainer:
-    """A session plus what it needs around it (reader, lineage, version store); shared by run_session and the
-    CLI. Every Trainer on the cluster contributes to one lineage under `trainer.checkpoint_dir/lineage`."""
+class Contributor:
+    """A TrainingSession (drafter_trainer.session: the optimizer steps) with what it needs to contribute to the
+    cluster's one drafter lineage: the sample reader, the lineage under `trainer.checkpoint_dir/lineage` and
+    the version store it proposes heads to. Used by run_session (a lent GPU) and `tailspec train` (the CLI)."""
 
     def __init__(self, cfg: TailspecConfig, teacher: Teacher, buffer: SampleBuffer, *, redis: Any = None,
                  should_continue: Callable[[], bool] | None = None,
@@ -190,7 +191,7 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
     teacher = Teacher.from_dir(phase.policy_path, device=device, dtype=dtype, policy_version=phase.policy_version)
     if not ctx.should_continue():
         return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": "should_continue", "stop_latency_s": 0.0}
-    trainer = Trainer(cfg, teacher, make_buffer(cfg), redis=r, should_continue=ctx.should_continue,
+    trainer = Contributor(cfg, teacher, make_buffer(cfg), redis=r, should_continue=ctx.should_continue,
                       on_step=lambda step, loss, tokens: ctx.report(step, loss, tokens),
                       session_id=ctx.session_id, fence=Fence(ctx.node, ctx.gpu, ctx.lease_token))
     try:

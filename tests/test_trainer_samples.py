@@ -102,7 +102,7 @@ def test_a_sessions_first_batch_comes_from_the_newest_policy_versions(redis_clie
     """30 policy versions in the stream, oldest first: a new session reads from the newest end, so its first
     batch is of the newest versions (only the newest at weight 0), and it follows new entries afterwards."""
     from tailspec.core.config import TailspecConfig
-    from tailspec.sessions import Trainer, make_buffer
+    from tailspec.sessions import Contributor, make_buffer
     from tests.test_trainer_session import frozen_teacher, synthetic_samples
 
     for v in range(30):
@@ -112,7 +112,7 @@ def test_a_sessions_first_batch_comes_from_the_newest_policy_versions(redis_clie
         "checkpoint_dir": str(tmp_path), "batch_size": 16, "draft_vocab_size": 16, "buffer_size": 64,
         "stale_version_weight": stale_weight}})
     teacher = frozen_teacher()
-    trainer = Trainer(cfg, teacher, make_buffer(cfg), redis=redis_client)
+    trainer = Contributor(cfg, teacher, make_buffer(cfg), redis=redis_client)
     drawn: list[list[int]] = []
     real_batch = trainer.buffer.batch
 

@@ -9,6 +9,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +51,28 @@ def load_samples_file(path: Path):
     return out, bad
 
 
+def _sample_source(args: argparse.Namespace, cfg, buffer, vocab: int) -> tuple[Any, dict]:
+    """Where the samples come from (`--samples`): the cluster's stream (a Redis client for the session's
+    reader; nothing loaded here), the task (`task:N` rollouts of the policy) or a JSONL file. Returns the Redis
+    client or None, and the drop counts of what was loaded."""
+    from tailspec.drafter_trainer.samples import fill_buffer
+
+    if args.samples == "redis":
+        import redis as redis_lib
+
+        return redis_lib.Redis.from_url(cfg.cluster.redis_url), {}
+    if args.samples.startswith("task:"):
+        from tailspec.bench.trainer import generate_task_samples
+
+        n = int(args.samples.split(":", 1)[1])
+        return None, fill_buffer(buffer, generate_task_samples(args.policy, n), vocab, cfg.trainer.max_seq_len)
+    samples, bad = load_samples_file(Path(args.samples))
+    dropped = fill_buffer(buffer, samples, vocab, cfg.trainer.max_seq_len)
+    if bad:
+        dropped["malformed"] += bad
+    return None, dropped
+
+
 def _run(args: argparse.Namespace) -> int:
     import signal
 
@@ -57,10 +80,9 @@ def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from tailspec.cli import config_from_args
-    from tailspec.drafter_trainer.samples import fill_buffer
     from tailspec.drafter_trainer.teacher import Teacher
     from tailspec.drafter_trainer.versions import validate
-    from tailspec.sessions import Trainer, device_and_dtype, make_buffer
+    from tailspec.sessions import Contributor, device_and_dtype, make_buffer
 
     cfg = config_from_args(args)
     if args.out:
@@ -69,24 +91,9 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     device, dtype = device_and_dtype()
     teacher = Teacher.from_dir(args.policy, device=device, dtype=dtype)
-    vocab = teacher.config.vocab_size
     buffer = make_buffer(cfg)
-    redis = None
-    if args.samples == "redis":
-        import redis as redis_lib
-
-        redis = redis_lib.Redis.from_url(cfg.cluster.redis_url)
-    elif args.samples.startswith("task:"):
-        from tailspec.bench.trainer import generate_task_samples
-
-        n = int(args.samples.split(":", 1)[1])
-        dropped = fill_buffer(buffer, generate_task_samples(args.policy, n), vocab, cfg.trainer.max_seq_len)
-    else:
-        samples, bad = load_samples_file(Path(args.samples))
-        dropped = fill_buffer(buffer, samples, vocab, cfg.trainer.max_seq_len)
-        if bad:
-            dropped["malformed"] += bad
-    trainer = Trainer(cfg, teacher, buffer, redis=redis)
+    redis, dropped = _sample_source(args, cfg, buffer, teacher.config.vocab_size)
+    trainer = Contributor(cfg, teacher, buffer, redis=redis)
     if redis is None and dropped:
         print(f"dropped samples: {dict(dropped)}", file=sys.stderr)
     sess = trainer.session
