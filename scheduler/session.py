@@ -174,6 +174,7 @@ class SessionContext:
             tokens=tokens,
             started_at=self.started_at,
             drafter_version=drafter_version,
+            pid=os.getpid(),
         )
         try:
             return self.leases.fenced_set(
@@ -210,6 +211,7 @@ class SessionContext:
             mem_needed=self.mem_needed,
             mem_free=self.mem_free,
             declined=self.declined,
+            pid=os.getpid(),
         )
         try:
             # The session's own record, written after the lease is gone: not fenced on purpose.

@@ -15,4 +15,5 @@ BENCHES: dict[str, str] = {
     "isolation": "tailspec.bench.isolation",
     "simulate": "tailspec.bench.simulate",
     "attach": "tailspec.bench.attach",
+    "faults": "tailspec.bench.faults",
 }

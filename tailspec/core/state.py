@@ -137,6 +137,7 @@ class SessionInfo(_Payload):
     started_at: float
     stopped_at: float | None = None
     stop_reason: str | None = None
+    pid: int | None = Field(None, ge=1, description="the session process on its node (set by the session)")
     stop_latency_s: float | None = None
     drafter_version: int | None = None
     mem_needed: int | None = Field(None, ge=0, description="bytes the session computed it needs: teacher + drafter + "

@@ -41,6 +41,9 @@ class DemoOptions:
     measure_every: int = 2
     run_dir: Path | None = None
     redis_url: str | None = None
+    redis_aof: bool = False  # the private redis-server persists to an AOF (fsync every second): restartable
+    schedulers: int = 0  # 0: the scheduler is a thread of the demo; n: n scheduler processes, one leads
+    max_worker_restarts: int = 3  # a rollout worker that dies is replaced and its share redone, this often
     dashboard: bool = True
     live: bool = True
     export: bool = True

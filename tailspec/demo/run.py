@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -88,7 +89,8 @@ class Demo:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cluster = f"demo-{opts.mode}-{ts}-{os.getpid()}"
         self.base_cfg = cfg
-        self.services = Services(self.run_dir, self.placement.cpus, opts.redis_url, opts.dashboard)
+        self.services = Services(self.run_dir, self.placement.cpus, opts.redis_url, opts.dashboard,
+                                 schedulers=opts.schedulers, redis_aof=opts.redis_aof)
         self.redis_url: str | None = opts.redis_url
         self.r = None  # redis.Redis, once the services are up
         self.client = None  # TailspecClient, once the services are up
@@ -107,6 +109,9 @@ class Demo:
         self.timeline: list[dict] = []
         self.rows: list[StepRow] = []
         self.promotions = 0
+        self.worker_restarts = 0
+        self.should_stop: Callable[[], bool] | None = None  # checked after each step: end the run early
+        self._items: dict[int, bytes] = {}  # each worker's current work item (redone if the worker dies)
 
     # -- set-up --------------------------------------------------------------------------------------------
     def config(self) -> TailspecConfig:
@@ -225,29 +230,48 @@ class Demo:
                             selector=rc.selector, k=rc.k, rollout=rc.model_dump(mode="json"),
                             temperature=self.o.temperature,
                             max_tokens=self.o.max_tokens, requests=share, warmup=warmup)
-            self.r.rpush(work_key(self.cluster, f"w{w}"), state.encode(item))
+            self._items[w] = state.encode(item)
+            self.r.rpush(work_key(self.cluster, f"w{w}"), self._items[w])
 
     def collect(self, step: int, on_progress=None) -> list[WorkResult]:
         key = results_key(self.cluster)
-        results: list[WorkResult] = []
+        results: dict[str, WorkResult] = {}  # by worker, in order of arrival
         while len(results) < self.o.workers:
             got = self.r.blpop([key], timeout=1)
             if on_progress is not None:
-                on_progress(step, results)
+                on_progress(step, list(results.values()))
             if got is None:
-                dead = self.services.dead_workers()
-                if dead:
-                    raise RuntimeError(f"rollout worker(s) {dead} died; see {self.run_dir}/worker-*.log")
+                self.replace_dead_workers(step, results)
                 continue
             res = state.decode(WorkResult, got[1], where=key)
+            if res.worker in results:  # the second answer to a redone share
+                continue
             if res.error:
                 raise RuntimeError(f"worker {res.worker} failed at step {step}: {res.error}")
             for v in res.guard:
                 if v.get("tripped"):
                     log.warning("step %d, %s: drafter v%s broken after %s (%s): speculation off until another "
                                 "version loads", step, res.worker, v.get("version"), v.get("event"), v.get("reason"))
-            results.append(res)
-        return results
+            results[res.worker] = res
+        return list(results.values())
+
+    def replace_dead_workers(self, step: int | str, results: dict[str, WorkResult]) -> None:
+        """Replace every rollout worker whose process died and send its share of the step again (the share it
+        was decoding is lost with it); past `max_worker_restarts` in a run, fail the step, naming them."""
+        dead = self.services.dead_workers()
+        if not dead:
+            return
+        if self.worker_restarts + len(dead) > self.o.max_worker_restarts:
+            raise RuntimeError(f"rollout worker(s) {dead} died at step {step} after {self.worker_restarts} "
+                               f"restarts in this run; see {self.run_dir}/worker-*.log")
+        for name in dead:
+            w = int(name[1:])
+            log.warning("step %s: rollout worker %s died; replaced%s", step, name,
+                        "" if name in results else ", its share is redone")
+            self.services.restart_worker(w, self.cluster, self.cfg.cluster.node)
+            self.worker_restarts += 1
+            if name not in results and w in self._items:
+                self.r.rpush(work_key(self.cluster, name), self._items[w])
 
     def wait_warm_sessions(self, timeout_s: float = 120.0) -> None:
         """Let the pre-started session processes finish importing before the workers time their cost model:
@@ -376,6 +400,8 @@ class Demo:
                     metrics.flush()
                     if on_row is not None:
                         on_row(row)
+                    if self.should_stop is not None and self.should_stop():
+                        break
             if self.o.export and self.o.mode != "nospec":
                 self.export()
             from tailspec.demo.report import read_timeline

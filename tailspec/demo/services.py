@@ -56,26 +56,37 @@ class Services:
     cpus: list[list[int]] | None  # each worker's own cores (None: not pinned)
     redis_url: str | None = None  # None: start a private redis-server
     dashboard: bool = True
+    # 0: the scheduler runs as a thread of this process. n >= 1: n `tailspec scheduler run` processes (one
+    # leads, the others stand by), which a fault drill can SIGKILL one by one.
+    schedulers: int = 0
+    redis_aof: bool = False  # the private redis-server appends to an AOF (fsync every second): restartable
     dashboard_url: str | None = None
     r: object | None = None  # redis.Redis
     client: object | None = None  # TailspecClient
     procs: list[subprocess.Popen] = field(default_factory=list)
     _redis_server: object | None = None
+    sched_procs: list[subprocess.Popen] = field(default_factory=list)
+    _cfg_file: Path | None = None
     _sched_stop: threading.Event = field(default_factory=threading.Event)
     _sched_thread: threading.Thread | None = None
     _dash: object | None = None
 
     def start_redis(self) -> str:
         """Connect to the given Redis, or start a private redis-server; returns its URL."""
-        import redis
+        from tailspec.core.redis_conn import connect
 
         if self.redis_url is None:
             from tailspec.redis_server import start_redis
 
-            self._redis_server = start_redis()
+            self._redis_server = start_redis(aof=self.redis_aof)
             self.redis_url = self._redis_server.url
-        self.r = redis.Redis.from_url(self.redis_url)
+        self.r = connect(self.redis_url)  # rides out a Redis restart
         return self.redis_url
+
+    @property
+    def redis_server(self):
+        """The private redis-server (tailspec.redis_server.RedisServer), or None for a given Redis."""
+        return self._redis_server
 
     def start(self, cfg: TailspecConfig, workers: int) -> None:
         """The scheduler (a thread running the single-node service), the dashboard and the workers; Redis must
@@ -85,10 +96,18 @@ class Services:
 
         cluster = cfg.cluster.name
         self.client = TailspecClient(self.redis_url, cluster=cluster, node=cfg.cluster.node)
-        self._sched_thread = threading.Thread(
-            target=run_local, args=(cfg, self._sched_stop, self.redis_url, str(self.run_dir / "sessions")),
-            name="tailspec-scheduler", daemon=True)
-        self._sched_thread.start()
+        if self.schedulers:
+            import yaml
+
+            self._cfg_file = self.run_dir / "scheduler-config.yaml"
+            self._cfg_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+            for i in range(self.schedulers):
+                self.sched_procs.append(self.start_scheduler(i))
+        else:
+            self._sched_thread = threading.Thread(
+                target=run_local, args=(cfg, self._sched_stop, self.redis_url, str(self.run_dir / "sessions")),
+                name="tailspec-scheduler", daemon=True)
+            self._sched_thread.start()
         if self.dashboard:
             self._start_dashboard(cluster)
         for w in range(workers):
@@ -103,6 +122,21 @@ class Services:
         except Exception as e:  # the dashboard is a view; the run goes on without it
             log.warning("dashboard not started: %s", e)
 
+    def start_scheduler(self, i: int) -> subprocess.Popen:
+        """A `tailspec scheduler run` process on the run's config (it leads or stands by)."""
+        cmd = [sys.executable, "-m", "tailspec.cli", "scheduler", "run", "--config", str(self._cfg_file),
+               "--redis", self.redis_url, "--session-logs", str(self.run_dir / "sessions")]
+        with open(self.run_dir / f"scheduler-{i}.log", "a") as logf:
+            return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+
+    def restart_worker(self, w: int, cluster: str, node: str) -> None:
+        """Replace worker `w`'s process (after it died): same name, GPU and cores."""
+        old = self.procs[w]
+        if old.poll() is None:
+            old.kill()
+            old.wait(10)
+        self.procs[w] = self._start_worker(w, cluster, node)
+
     def _start_worker(self, w: int, cluster: str, node: str) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         cmd = [sys.executable, "-m", "tailspec.demo.worker", "--name", f"w{w}", "--gpu", str(w),
@@ -111,7 +145,7 @@ class Services:
             from tailspec.scheduler.placement import format_cpus
 
             cmd += ["--cpus", format_cpus(self.cpus[w])]
-        with open(self.run_dir / f"worker-w{w}.log", "w") as logf:  # the child keeps its own descriptor
+        with open(self.run_dir / f"worker-w{w}.log", "a") as logf:  # the child keeps its own descriptor
             return subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
 
     def dead_workers(self) -> list[str]:
@@ -132,6 +166,14 @@ class Services:
         self._sched_stop.set()
         if self._sched_thread is not None:
             self._sched_thread.join(timeout=10)
+        for p in self.sched_procs:  # SIGTERM: each revokes its leases and stops its sessions
+            if p.poll() is None:
+                p.terminate()
+        for p in self.sched_procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
         if self.client is not None:
             try:
                 self.client.close()

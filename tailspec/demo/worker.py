@@ -102,14 +102,13 @@ def worker_device(gpu: int) -> torch.device:
 class Worker:
     def __init__(self, name: str, gpu: int, redis_url: str, cluster: str, node: str,
                  progress_period_s: float = 0.1):
-        import redis
-
+        from tailspec.core.redis_conn import connect
         from tailspec.scheduler.client import TailspecClient
 
         self.name, self.gpu, self.cluster = name, gpu, cluster
         self.device = worker_device(gpu)
         self.progress_period_s = progress_period_s
-        self.r = redis.Redis.from_url(redis_url)
+        self.r = connect(redis_url)  # rides out a Redis restart (fault drills: tailspec bench faults)
         self.client = TailspecClient(redis_url, cluster=cluster, node=node)
         self.policy_key: tuple | None = None
         self.drafter_key: tuple | None = None
