@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test install install-test redis browser clean bench vllm-env test-vllm test-deepspeed
+.PHONY: demo test install install-test redis browser clean bench vllm-env test-vllm test-deepspeed test-faults
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,11 @@ demo: install redis
 
 test: install-test redis browser
 	$(BIN)/python -m pytest -q
+
+# The fault drill of the whole RL loop (tests/test_bench_faults.py: ~3 min on 2 cores) runs apart, as
+# `tailspec bench faults` does: `make test` keeps within its 15-minute budget.
+test-faults: install-test redis
+	$(BIN)/python -m pytest -q -m drill tests/test_bench_faults.py
 
 bench: install redis
 	bash benchmarks/run_all.sh

@@ -9,7 +9,7 @@ import pytest
 from tailspec.bench import faults
 
 
-@pytest.mark.slow
+@pytest.mark.drill
 def test_one_drill_of_each_kind_costs_nothing_but_time(tmp_path):
     p = argparse.ArgumentParser()
     faults.add_arguments(p)

@@ -51,6 +51,9 @@ class WorkItem(_Payload):
     requests: list[WorkRequest] = Field(default_factory=list)
     warmup: bool = Field(False, description="load the policy and drafter and time the cost model on these "
                          "requests, then answer with no outputs (an engine's start-up, before the first rollout)")
+    cost_model: dict[str, Any] | None = Field(None, description="a cost table t(b, k) (CostModel.to_dict) to start "
+                                              "from instead of timing one: a replacement worker takes the one its "
+                                              "predecessor reported")
     stop: bool = False
 
 

@@ -168,6 +168,11 @@ class Worker:
         key = (engine.k_max, type(engine.drafter).__name__, rc.dtype, str(self.device))
         if self.cost is not None and self.cost_key == key and engine.max_batch <= max(self.cost.buckets):
             return
+        if self.cost is None and item.cost_model is not None:  # a replacement: its predecessor's table
+            given = cost_model.CostModel.from_dict(item.cost_model)
+            if engine.max_batch <= max(given.buckets) and set(given.ks) == set(cost_model.default_ks(engine.k_max)):
+                self.cost, self.cost_key = given, key
+                return
         prompts = [r.prompt_ids for r in item.requests[:8]]
         self.cost = cost_model.measure(engine, prompts, buckets=cost_model.default_buckets(engine.max_batch),
                                        ks=cost_model.default_ks(engine.k_max), steps=3,
