@@ -9,15 +9,16 @@ tails), so contributors never talk to each other: they meet only at the lineage 
   optimizer state, trainer counters). Without Redis the record is `ROOT/HEAD`, guarded by a file lock.
 - **pull**: a session starts from the head (weights and optimizer state) and keeps a copy of the
   weights it started from, the *base*.
-- **merge** (the outer step): delta = local − base; the new head is head + outer_lr · delta, where
-  head is the head *now*. If nobody merged since the base, the new head is the local weights exactly
-  (one contributor is plain sequential training, bit for bit). The new directory is written whole
-  (temp dir, fsync, rename) and then published by one compare-and-swap (Lua) that checks, atomically:
-  the head is still the one the delta was applied to (else: re-read, re-apply, retry); the session
-  still holds its GPU's lease, or it was revoked and is within its stop (fencing: a session whose lease
-  expired unnoticed cannot publish); and this merge's sequence number is new for the session (a retry
-  whose answer was lost is not applied twice). The same script adds the merged steps to the session's
-  entry of `lineage:contributions`, so the head's step count is always the sum of what sessions merged.
+- **merge** (the outer step): delta = local − base; the new head is head + outer_lr · delta, where head is
+  the head *now*. If nobody merged since the base, the new head is the local weights exactly (one
+  contributor is plain sequential training, bit for bit); otherwise the delta was delayed (below). The new
+  directory is written whole (temp dir, fsync, rename) and then published by one compare-and-swap (Lua)
+  that checks, atomically: the head is still the one the delta was applied to (else: re-read, re-apply,
+  retry); the session still holds its GPU's lease, or it was revoked and is within its stop (fencing: a
+  session whose lease expired unnoticed cannot publish); and this merge's sequence number is new for the
+  session (a retry whose answer was lost is not applied twice). The same script adds the merged steps to
+  the session's entry of `lineage:contributions`, so the head's step count is always the sum of what
+  sessions merged.
   A session killed at any moment has either merged a chunk (all of it) or not (none of it).
 - After a merge the session continues from the new head (pull after push), so contributors stay close.
 
@@ -26,8 +27,23 @@ carries the moments of the session that merged last, and a new session starts fr
 running estimates of the gradient's mean and scale for the same loss at nearby weights, so they are
 valid starting estimates for any contributor (β1 = 0.9 and β2 = 0.95 forget a foreign trajectory in
 tens of steps), and starting from them avoids Adam's first steps of full-size sign updates that a reset
-would cause at every session start. The outer step has no state of its own (outer_lr · delta is plain
-asynchronous local SGD); with one contributor it reduces to ordinary training.
+would cause at every session start.
+
+The outer step is delay-aware and has no state of its own. A merge that finds other merges since its base
+applies a *delayed* delta: one computed on weights that miss the others' latest work (asynchronous local
+SGD). That delay, not the merge arithmetic (exact), is what two contributors lose against one session at
+the same total steps. Two things depend on it, and neither on anything else:
+- outer_lr (trainer.merge_outer_lr) scales the delayed delta only; an undelayed merge publishes the local
+  weights as they are;
+- the session (session.py) runs its next chunk with AdamW's β1 = trainer.merge_delayed_beta1 (default 0)
+  after a delayed merge, and with trainer.beta1 after an undelayed one. Contributors taking turns already
+  carry each other's recent updates into every step (asynchrony acts as momentum: a delta lands a chunk
+  late, on top of the update that followed it), and each session's own moment sees only every n-th chunk
+  of the head, so in head time it lags n times as far; adding β1 = 0.9 on top overshoots. Dropping the
+  first moment changes nothing else: the second moment (the step's scale) is kept, and the moments a merge
+  writes load into the next session with that session's configured β1.
+With one contributor no merge is delayed, so both rules are inert and the lineage is plain sequential
+training, bit for bit. What the rules recover is measured in BENCHMARKS.md ("Co-training into one lineage").
 
 The merge is built here on Redis + safetensors rather than on torchft: torchft's LocalSGD/DiLoCo
 synchronise a fixed replica group through a lighthouse and collective all-reduce at every outer step,

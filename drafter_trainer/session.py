@@ -56,6 +56,11 @@ class TorchBackend:
         torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.optimizer.step()
 
+    def set_beta1(self, beta1: float) -> None:
+        """AdamW's first-moment decay from the next step on (the delayed-merge momentum, see TrainingSession.merge)."""
+        for g in self.optimizer.param_groups:
+            g["betas"] = (beta1, g["betas"][1])
+
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
@@ -274,7 +279,12 @@ class TrainingSession:
         elif res.merged:
             self.merged_steps += res.steps
             self.merges += 1
-            if res.head.number != self.base.number + 1:  # others merged meanwhile: continue from their sum
+            delayed = res.head.number != self.base.number + 1  # others merged meanwhile: our delta was delayed
+            if hasattr(self.backend, "set_beta1"):
+                # Delay-aware momentum: the next chunk runs with trainer.merge_delayed_beta1 while others merge
+                # between our merges, with trainer.beta1 otherwise (one contributor: never changed).
+                self.backend.set_beta1(self.cfg.merge_delayed_beta1 if delayed else self.cfg.beta1)
+            if delayed:  # continue from the sum of everyone's work
                 if self.backend.name != "torch":
                     # DeepSpeed keeps its own fp32 master weights: restart from the head instead of
                     # copying into the module under it.
