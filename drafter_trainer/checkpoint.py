@@ -11,6 +11,8 @@ points at a pruned one. Optimizer tensors go to safetensors and the rest to JSON
 from __future__ import annotations
 
 import json
+import logging
+import math
 import re
 import shutil
 from dataclasses import dataclass
@@ -18,12 +20,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+from tailspec.drafter_trainer.files import (
+    DrafterFileError,
+    file_crc32,
+    finite_number,
+    read_json_object,
+    read_tensors,
+)
 from tailspec.drafter_trainer.model import Eagle3Drafter
 
 from tailspec.core.atomic import write_dir_atomic, write_text_atomic
 
 LATEST = "LATEST"
+OPTIMIZER_NAME = "optimizer.safetensors"
+TRAINER_STATE_NAME = "trainer_state.json"
+_OPT_KEY = re.compile(r"^state\.(\d{1,9})\.[A-Za-z_][A-Za-z0-9_]{0,63}$")
+log = logging.getLogger(__name__)
 _CKPT = re.compile(r"^ckpt-(\d{8})$")
 
 
@@ -76,10 +89,13 @@ def write_checkpoint_dir(path: str | Path, drafter: Eagle3Drafter, optimizer_sta
         from tailspec.drafter_trainer.model import CONFIG_NAME, WEIGHTS_NAME
 
         save_file(tensors, str(tmp / WEIGHTS_NAME))
+        meta["weights_crc32"] = file_crc32(tmp / WEIGHTS_NAME)
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2))
         if opt_meta is not None:
-            save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-        (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "optimizer": opt_meta}, indent=2))
+            save_file(opt_tensors, str(tmp / OPTIMIZER_NAME))
+            opt_meta["crc32"] = file_crc32(tmp / OPTIMIZER_NAME)
+        (tmp / TRAINER_STATE_NAME).write_text(json.dumps({**trainer_state, "optimizer": opt_meta}, indent=2,
+                                                         allow_nan=False))
 
     return write_dir_atomic(Path(path), write)
 
@@ -104,32 +120,100 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 
 
 def load_checkpoint(path: str | Path, target_embedding: Any = None, map_location: str = "cpu") -> Checkpoint:
+    """One checkpoint directory. Missing: FileNotFoundError; damaged (any file missing, truncated, altered, or
+    not what the format says): DrafterFileError naming the file."""
     path = Path(path)
     drafter = Eagle3Drafter.load(path, target_embedding, map_location)
-    ts = json.loads((path / "trainer_state.json").read_text())
+    ts = read_json_object(path / TRAINER_STATE_NAME)
+    check_trainer_state(path / TRAINER_STATE_NAME, ts)
     opt_meta = ts.pop("optimizer", None)
     opt = None
     if opt_meta is not None:
-        opt = unflatten_optimizer_state(load_file(str(path / "optimizer.safetensors"), device=map_location), opt_meta)
+        f = path / OPTIMIZER_NAME
+        tensors = read_tensors(f, map_location, crc=opt_meta.get("crc32") if isinstance(opt_meta, dict) else None)
+        # torch's AdamW holds the drafter's trainable parameters in order; DeepSpeed's inner optimizer flat ones
+        params = [p for p in drafter.parameters() if p.requires_grad] if ts.get("backend", "torch") == "torch" else None
+        opt = check_optimizer_state(f, tensors, opt_meta, params)
     return Checkpoint(path, drafter, opt, ts)
 
 
+def check_trainer_state(f: Path, ts: dict) -> None:
+    """The counters a session resumes from: `step` (always written) and the others where present, non-negative
+    integers."""
+    if "step" not in ts:
+        raise DrafterFileError(f"{f}: field step is missing (a session would resume at step 0)")
+    for name in ("step", "tokens", "samples_seen", "policy_version"):
+        if name in ts:
+            finite_number(f, name, ts[name], 0, 2**62, integer=True)
+    if not isinstance(ts.get("backend", "torch"), str):
+        raise DrafterFileError(f"{f}: field backend must be a string")
+    if "lineage" in ts and not isinstance(ts["lineage"], dict):
+        raise DrafterFileError(f"{f}: field lineage must be an object")
+
+
+def check_optimizer_state(f: Path, tensors: dict[str, torch.Tensor], meta: Any,
+                          params: list[torch.Tensor] | None) -> dict:
+    """The optimizer state as torch's load_state_dict takes it, checked: integer parameter ids, finite
+    hyperparameters, tensors named state.<id>.<name>; with `params` (the optimizer's parameters in order)
+    also groups covering them once and every moment tensor of parameter i shaped like parameter i."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("param_groups"), list) \
+            or not isinstance(meta.get("scalars", {}), dict):
+        raise DrafterFileError(f"{f.parent / TRAINER_STATE_NAME}: optimizer must be an object with a param_groups "
+                               "list and a scalars object")
+    seen: list[int] = []
+    for g in meta["param_groups"]:
+        ids = g.get("params") if isinstance(g, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise DrafterFileError(f"{f.parent / TRAINER_STATE_NAME}: optimizer param_groups entries need a params "
+                                   "list of integers")
+        for k, v in g.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                raise DrafterFileError(f"{f.parent / TRAINER_STATE_NAME}: optimizer param_groups.{k} is {v}")
+        seen += ids
+    n = len(params) if params is not None else (max(seen) + 1 if seen else 0)
+    if len(seen) != len(set(seen)) or (params is not None and sorted(seen) != list(range(n))):
+        raise DrafterFileError(f"{f.parent / TRAINER_STATE_NAME}: optimizer param_groups name parameters "
+                               f"{sorted(seen)[:10]}..., the drafter has {n} trainable ones")
+    for sc in meta.get("scalars", {}).values():
+        if not isinstance(sc, dict):
+            raise DrafterFileError(f"{f.parent / TRAINER_STATE_NAME}: optimizer scalars must be objects")
+    for key, t in tensors.items():
+        m = _OPT_KEY.match(key)
+        if m is None or int(m.group(1)) not in seen:
+            raise DrafterFileError(f"{f}: tensor {key[:80]!r} is not state.<parameter>.<name> of a trainable parameter")
+        if params is not None and t.dim() > 0 and tuple(t.shape) != tuple(params[int(m.group(1))].shape):
+            p = params[int(m.group(1))]
+            raise DrafterFileError(f"{f}: tensor {key} has shape {list(t.shape)}, its parameter {list(p.shape)}")
+    for idx in meta.get("scalars", {}):
+        if not (str(idx).isascii() and str(idx).isdigit()) or int(idx) not in seen:
+            raise DrafterFileError(f"{f.parent / TRAINER_STATE_NAME}: optimizer scalars name parameter {str(idx)[:20]!r}")
+    clean = {k: v for k, v in meta.items() if k != "crc32"}
+    return unflatten_optimizer_state(tensors, clean)
+
+
 def load_latest(root: str | Path, target_embedding: Any = None, map_location: str = "cpu") -> Checkpoint | None:
-    """The checkpoint LATEST names, else the newest whole one; None when there is none."""
+    """The checkpoint LATEST names, else the newest whole one; a damaged one is skipped (logged, naming it) for
+    the one before. None when there is none; DrafterFileError naming each when none loads."""
     root = Path(root)
     candidates = list(reversed(list_checkpoints(root)))
     latest = root / LATEST
     if latest.is_file():
-        named = root / latest.read_text().strip()
+        try:
+            named = root / latest.read_text().strip()
+        except (OSError, UnicodeDecodeError, ValueError):
+            named = None  # a damaged pointer: the newest directory that loads
         if named in candidates:
             candidates.remove(named)
             candidates.insert(0, named)
     errors = []
     for c in candidates:
         try:
-            return load_checkpoint(c, target_embedding, map_location)
-        except Exception as e:  # a damaged directory (disk error): try the previous one, say so if none load
+            ck = load_checkpoint(c, target_embedding, map_location)
+        except (DrafterFileError, OSError) as e:  # damaged (or removed meanwhile): the previous one
             errors.append(f"{c.name}: {e}")
+            log.warning("checkpoint %s not loaded, trying the previous one: %s", c, e)
+            continue
+        return ck
     if errors:
-        raise RuntimeError(f"no checkpoint in {root} loads: " + "; ".join(errors))
+        raise DrafterFileError(f"no checkpoint in {root} loads: " + "; ".join(errors))
     return None

@@ -28,8 +28,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import load_file, save_file
-from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter
+from safetensors.torch import save_file
+from tailspec.drafter_trainer.files import (
+    DrafterFileError,
+    check_crc,
+    file_crc32,
+    read_json_object,
+    read_tensors,
+)
+from tailspec.drafter_trainer.model import FORMAT_VERSION, Eagle3Config, Eagle3Drafter, check_vocab_maps
 from torch import nn
 
 from tailspec.core.atomic import write_dir_atomic
@@ -123,24 +130,38 @@ def export(drafter: Eagle3Drafter, out_dir: str | Path, fmt: Format = "eagle3", 
 
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config["tailspec"]["weights_crc32"] = file_crc32(tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
 
     return write_dir_atomic(Path(out_dir), write)
 
 
 def load_export(path: str | Path, target_embedding: nn.Module | None = None) -> Eagle3Drafter:
-    """Read an exported directory back into an Eagle3Drafter (round trip; the hf format brings its embedding)."""
+    """Read an exported directory back into an Eagle3Drafter (round trip; the hf format brings its embedding).
+    Missing: FileNotFoundError; damaged (truncated, altered, not what its config says): DrafterFileError
+    (an ExportError is a ValueError too) naming the file."""
     path = Path(path)
     cfg_file, w_file = path / "config.json", path / "model.safetensors"
     if not cfg_file.is_file() or not w_file.is_file():
         raise FileNotFoundError(f"{path} is not an exported drafter (needs config.json and model.safetensors)")
-    config = json.loads(cfg_file.read_text())
-    if ARCHITECTURE not in config.get("architectures", []):
-        raise ValueError(f"{cfg_file}: architectures {config.get('architectures')} lack {ARCHITECTURE}")
-    dcfg = Eagle3Config.from_dict(config["tailspec"]["drafter_config"])
-    tensors = load_file(str(w_file))
+    config = read_json_object(cfg_file)
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or ARCHITECTURE not in archs:
+        raise DrafterFileError(f"{cfg_file}: architectures {str(archs)[:80]} lack {ARCHITECTURE}")
+    ours = config.get("tailspec")
+    if not isinstance(ours, dict):
+        raise DrafterFileError(f"{cfg_file}: no tailspec section (not exported by tailspec)")
+    cfg, expect = Eagle3Drafter.from_meta(cfg_file, {"format_version": FORMAT_VERSION,
+                                                         "config": ours.get("drafter_config")})
+    dtype = _DTYPES.get(config.get("torch_dtype"), torch.float32)
+    if cfg.draft_vocab_size == cfg.vocab_size:  # full vocabulary: identity maps, not shipped
+        expect = {k: v for k, v in expect.items() if k not in ("d2t", "t2d")}
+    check_crc(w_file, ours.get("weights_crc32"))
+    if "embed_tokens.weight" in _tensor_names(w_file):
+        expect["embed_tokens.weight"] = ((cfg.vocab_size, cfg.hidden_size), dtype)
+    tensors = read_tensors(w_file, expect=expect)
     emb = tensors.pop("embed_tokens.weight", None)
-    drafter = Eagle3Drafter(dcfg).to(tensors["fc.weight"].dtype)
+    drafter = Eagle3Drafter(cfg).to(tensors["fc.weight"].dtype)
     if emb is not None:
         e = nn.Embedding(emb.shape[0], emb.shape[1], _weight=emb)
         e.requires_grad_(False)
@@ -150,9 +171,19 @@ def load_export(path: str | Path, target_embedding: nn.Module | None = None) -> 
     state = drafter.state_dict()
     if "d2t" not in tensors:  # full vocabulary: identity maps
         tensors["d2t"], tensors["t2d"] = state["d2t"], state["t2d"]
-    missing = sorted(set(state) - set(tensors))
-    unexpected = sorted(set(tensors) - set(state))
-    if missing or unexpected:
-        raise ValueError(f"{w_file}: missing tensors {missing}, unexpected {unexpected}")
-    drafter.load_state_dict(tensors)
+    try:
+        drafter.load_state_dict(tensors)
+        check_vocab_maps(drafter.d2t, drafter.t2d, drafter.config.vocab_size, drafter.config.draft_vocab_size)
+    except (ValueError, RuntimeError) as e:
+        raise DrafterFileError(f"{w_file}: {str(e)[:300]}") from None
     return drafter
+
+
+def _tensor_names(f: Path) -> list[str]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(f), framework="pt") as h:
+            return list(h.keys())
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise DrafterFileError(f"{f}: not a readable safetensors file: {str(e)[:200]}") from None

@@ -64,10 +64,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from pydantic import ValidationError
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 from tailspec.drafter_trainer.checkpoint import Checkpoint, load_checkpoint, write_checkpoint_dir
-from tailspec.drafter_trainer.model import WEIGHTS_NAME, Eagle3Drafter
+from tailspec.drafter_trainer.files import DrafterFileError, read_json_object, read_tensors
+from tailspec.drafter_trainer.model import CONFIG_NAME, WEIGHTS_NAME, Eagle3Drafter
 
 from tailspec.core import state
 from tailspec.core.atomic import file_lock, write_text_atomic
@@ -143,6 +144,14 @@ SEED = "seed"  # the contributor id of the merge that creates the first head
 FAULT_HOOK: Callable[[str, Path], None] | None = None
 
 
+def _read_weights(d: Path) -> dict[str, torch.Tensor]:
+    """A head directory's weights, checked against the CRC-32 its config records and the shapes its config says
+    (a delta added to a tensor of another shape would broadcast into garbage)."""
+    meta = read_json_object(d / CONFIG_NAME)
+    _, expect = Eagle3Drafter.from_meta(d / CONFIG_NAME, meta)
+    return read_tensors(d / WEIGHTS_NAME, crc=meta.get("weights_crc32"), expect=expect)
+
+
 def snapshot(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
     """A copy of the trainable weights: the base a later delta is taken against."""
     return {n: p.detach().clone() for n, p in drafter.named_parameters() if p.requires_grad}
@@ -165,7 +174,23 @@ class Lineage:
         if self.redis is not None:
             return state.get(self.redis, state.key(self.cluster, "lineage_head"), LineageHead)
         f = self.root / "HEAD"
-        return LineageHead.model_validate_json(f.read_text()) if f.is_file() else None
+        if not f.is_file():
+            with file_lock(self.root / ".lock"):  # a merge writes contributions, then HEAD, under this lock
+                return self._head_file()
+        return self._head_file()
+
+    def _head_file(self) -> LineageHead | None:
+        """The HEAD file's record (the caller holds the lock where HEAD is missing)."""
+        f = self.root / "HEAD"
+        if not f.is_file():
+            if (self.root / "contributions.json").is_file():  # merged into before: HEAD was lost
+                raise LineageError(f"lineage head record {f} is missing, but {self.root} has been merged "
+                                   "into (contributions.json): refusing to start a new lineage over it")
+            return None
+        try:
+            return LineageHead.model_validate(read_json_object(f))
+        except (DrafterFileError, ValidationError) as e:  # refused, never overwritten: a merge needs the real head
+            raise LineageError(f"lineage head record {f} is damaged: {str(e)[:300]}") from None
 
     def contributions(self) -> dict[str, int]:
         """Optimizer steps each session merged (written in the same atomic step as the merge)."""
@@ -173,9 +198,21 @@ class Lineage:
             raw = self.redis.hgetall(state.key(self.cluster, "lineage_contributions"))
             items = {k.decode(): int(v) for k, v in raw.items()}
         else:
-            f = self.root / "contributions.json"
-            items = json.loads(f.read_text()) if f.is_file() else {}
+            items = self._read_contributions()
         return {k[: -len(":steps")]: int(v) for k, v in items.items() if k.endswith(":steps")}
+
+    def _read_contributions(self) -> dict[str, int]:
+        f = self.root / "contributions.json"
+        if not f.is_file():
+            return {}
+        try:
+            items = read_json_object(f)
+        except DrafterFileError as e:
+            raise LineageError(f"lineage contributions {f} are damaged: {e}") from None
+        bad = [k for k, v in items.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+        if bad:
+            raise LineageError(f"lineage contributions {f} are damaged: {str(bad[:3])[:200]} are not counts")
+        return items
 
     def pull(self, target_embedding: Any = None, map_location: str = "cpu") -> tuple[LineageHead, Checkpoint] | None:
         """The head and its checkpoint; None when the lineage has no head yet. Retries when a merge
@@ -187,13 +224,61 @@ class Lineage:
                 return None
             try:
                 return h, load_checkpoint(h.path, target_embedding, map_location)
-            except (OSError, RuntimeError, SafetensorError) as e:
+            except (OSError, RuntimeError, SafetensorError, ValueError) as e:
                 # A merge can collect the head's directory while it is read: open() fails, or safetensors
                 # fails mid-read (RuntimeError / SafetensorError, "No such file"). Retry against the new head.
                 err = e
-                if self.head() == h:  # not a race: the head's directory is really gone or broken
+                if self.head() == h:  # not a race: the head's directory is really gone or damaged
+                    older = self._pull_older(h, e, target_embedding, map_location)
+                    if older is not None:
+                        return older
                     break
-        raise LineageError(f"lineage head cannot be loaded from {self.root}: {err}")
+        raise LineageError(f"lineage head {h.path if h else self.root} cannot be loaded, nor any earlier head "
+                           f"directory in {self.root}: {str(err)[:500]}")
+
+    def _older_heads(self, number: int) -> list[tuple[int, Path]]:
+        """Head directories numbered below `number`, newest first (after a merge, the head it replaced)."""
+        found = []
+        for p in self.root.iterdir():
+            m = _HEAD_DIR.match(p.name)
+            if m is not None and not p.name.startswith(".") and int(m.group(1)) < number and p.is_dir():
+                found.append((int(m.group(1)), p))
+        return sorted(found, reverse=True)
+
+    def _pull_older(self, h: LineageHead, err: Exception, target_embedding: Any,
+                    map_location: str) -> tuple[LineageHead, Checkpoint] | None:
+        """The head's directory is damaged: the newest earlier head directory that loads whole (its own record as
+        the base, so the session's next merge applies its delta to that, not to the damaged weights)."""
+        for _, d in self._older_heads(h.number):
+            try:
+                ck = load_checkpoint(d, target_embedding, map_location)
+                rec = LineageHead.model_validate(ck.trainer_state.get("lineage"))
+            except (OSError, ValueError) as e:
+                log.warning("earlier lineage head %s does not load either: %s", d, e)
+                continue
+            log.warning("lineage head %s is damaged (%s); continuing from the earlier head %s", h.path,
+                        str(err)[:300], d)
+            return rec, ck
+        return None
+
+    def _head_weights(self, h: LineageHead) -> tuple[int, dict[str, torch.Tensor]]:
+        """(number, weights) of the head a delta is applied to: the head's, or where its directory is damaged
+        (and no merge replaced it meanwhile) the newest earlier head directory's."""
+        try:
+            return h.number, _read_weights(Path(h.path))
+        except (DrafterFileError, OSError) as e:
+            if self.head() != h:
+                raise  # collected by a newer merge: the caller re-reads
+            for number, d in self._older_heads(h.number):
+                try:
+                    w = _read_weights(d)
+                except (DrafterFileError, OSError):
+                    continue
+                log.warning("lineage head %s is damaged (%s); merging onto the earlier head %s", h.path,
+                            str(e)[:300], d)
+                return number, w
+            raise LineageError(f"lineage head {h.path} is damaged ({str(e)[:300]}) and no earlier head directory "
+                               "loads") from None
 
     # -- writing -------------------------------------------------------------------------------------
     def seed(self, drafter: Eagle3Drafter, trainer_state: dict | None = None, session_id: str = "seed",
@@ -227,11 +312,11 @@ class Lineage:
             writer = f"{session_id}.{note_session}" if note_session else session_id
             path = self.root / f"head-{number:08d}-{writer}-{seq}"
             try:
-                if h is None or h.number == base.number:
+                src, head_w = (0, None) if h is None or h.number == base.number else self._head_weights(h)
+                if head_w is None or src == base.number:
                     weights = full  # nobody merged since our base: the new head is exactly our weights
                 else:
                     weights = dict(full)
-                    head_w = load_file(str(Path(h.path) / WEIGHTS_NAME))
                     for n, w in local.items():
                         b = base_weights[n].to(w.device)
                         weights[n] = head_w[n].to(w.device, w.dtype) + self.outer_lr * (w - b)
@@ -242,7 +327,7 @@ class Lineage:
                     session_id=note_session or session_id,
                     updated_at=time.time())
                 write_checkpoint_dir(path, drafter, optimizer_state,
-                                     {**trainer_state, "lineage": record.model_dump(mode="json")}, tensors=weights)
+                                     {"step": record.steps, **trainer_state, "lineage": record.model_dump(mode="json")}, tensors=weights)
             except Exception as e:  # OSError, or safetensors' own error for a vanished temp dir
                 # Another merge landed and collected the head we read (or our temp dir, now stale): re-read.
                 if self.head() != h:
@@ -253,7 +338,7 @@ class Lineage:
                 FAULT_HOOK("written", path)
             code = self._cas(h.number if h else 0, record, session_id, seq, steps, fenced)
             if code == MERGED:
-                self._after_merge(record, steps)
+                self._after_merge(record, steps, Path(h.path) if h is not None else None)
                 return MergeResult(MERGED, record, attempt, steps, {n: weights[n] for n in local})
             shutil.rmtree(path, ignore_errors=True)
             if code != MOVED:
@@ -270,11 +355,11 @@ class Lineage:
                                                           f.token if f else 0])
             return int(code)
         with file_lock(self.root / ".lock"):
-            h = self.head()
+            h = self._head_file()
             if (h.number if h else 0) != expected:
                 return MOVED
             cf = self.root / "contributions.json"
-            contrib = json.loads(cf.read_text()) if cf.is_file() else {}
+            contrib = self._read_contributions()
             if seq <= int(contrib.get(f"{session_id}:seq", 0)):
                 return DUPLICATE
             contrib[f"{session_id}:seq"] = seq
@@ -285,20 +370,21 @@ class Lineage:
             write_text_atomic(self.root / "HEAD", record.model_dump_json())
             return MERGED
 
-    def _after_merge(self, record: LineageHead, steps: int) -> None:
+    def _after_merge(self, record: LineageHead, steps: int, replaced: Path | None) -> None:
         if self.redis is not None and steps:
             try:
                 state.append(self.redis, state.key(self.cluster, "events"), Event(kind="lineage_merged", detail={
                     "head": record.number, "steps": record.steps, "session_id": record.session_id, "merged": steps}))
             except Exception as e:  # the event log is a view; the merge itself is done
                 log.debug("lineage event not written: %s", e)
-        self.collect(record.number)
+        self.collect(record.number, keep=replaced)
 
-    def collect(self, current: int | None = None) -> int:
-        """Delete head directories other than the head's, numbered up to the head's, and temp directories
-        of killed writers numbered so. A writer of such a number expected an older head, so its
-        compare-and-swap fails whatever happens to its files (and it re-reads); a merge in flight towards
-        current + 1 is never touched. Returns how many were removed."""
+    def collect(self, current: int | None = None, keep: Path | None = None) -> int:
+        """Delete head directories other than the head's and `keep` (a merge keeps the head it replaced: where
+        the new head's directory is found damaged, sessions continue from that one), numbered up to the
+        head's, and temp directories of killed writers numbered so. A writer of such a number expected an
+        older head, so its compare-and-swap fails whatever happens to its files (and it re-reads); a merge in
+        flight towards current + 1 is never touched. Returns how many were removed."""
         h = self.head()
         if h is None:
             return 0
@@ -306,7 +392,7 @@ class Lineage:
         removed = 0
         for p in self.root.iterdir():
             m = _HEAD_DIR.match(p.name)
-            if m is None or p.resolve() == Path(h.path).resolve():
+            if m is None or p.resolve() == Path(h.path).resolve() or (keep is not None and p.resolve() == keep.resolve()):
                 continue
             if int(m.group(1)) <= current:
                 shutil.rmtree(p, ignore_errors=True)

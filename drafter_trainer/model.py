@@ -37,15 +37,17 @@ mask (`ttt_step`), with the real continuation as input ids (teacher forcing = th
 from __future__ import annotations
 
 import json
+import math
 import os
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+from tailspec.drafter_trainer.files import DrafterFileError, file_crc32, read_json_object, read_tensors
 from torch import nn
 
 from tailspec.core.atomic import write_dir_atomic
@@ -86,6 +88,13 @@ def _rope_from_target(tc: Any) -> tuple[float, dict | None]:
     if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
         return theta, dict(scaling)
     return theta, None
+
+
+# Integer fields of a saved Eagle3Config and their allowed ranges (generous: any real model fits).
+_CONFIG_INTS = {"target_hidden_size": (1, 1 << 17), "hidden_size": (1, 1 << 17), "vocab_size": (2, 1 << 24),
+                "draft_vocab_size": (2, 1 << 24), "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024),
+                "head_dim": (1, 4096), "intermediate_size": (1, 1 << 19), "max_position_embeddings": (1, 1 << 24),
+                "target_num_layers": (1, 4096)}
 
 
 @dataclass
@@ -146,10 +155,43 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Eagle3Config":
+        """From a saved config, every field checked for type and range (a damaged or hand-edited file names
+        the field instead of failing later in a constructor, or allocating a huge model)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"Eagle3Config must be a JSON object, got {type(d).__name__}")
         known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(d) - known)
+        unknown = sorted(str(k)[:40] for k in set(d) - known)
         if unknown:
             raise ValueError(f"unknown Eagle3Config keys: {unknown}")
+        required = {n for n, f in cls.__dataclass_fields__.items() if f.default is MISSING
+                    and f.default_factory is MISSING}
+        missing = sorted(required - set(d))
+        if missing:
+            raise ValueError(f"Eagle3Config lacks {missing}")
+        for name, (lo, hi) in _CONFIG_INTS.items():
+            v = d.get(name)
+            if v is None and name not in required:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"Eagle3Config.{name} must be an integer in [{lo}, {hi}], got {str(v)[:40]!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = d[name]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
+                raise ValueError(f"Eagle3Config.{name} must be a finite number > 0, got {str(v)[:40]!r}")
+        ids = d["aux_layer_ids"]
+        if (not isinstance(ids, (list, tuple)) or len(ids) != 3
+                or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= d["target_num_layers"]
+                           for i in ids)):
+            raise ValueError(f"Eagle3Config.aux_layer_ids must be 3 integers in [0, target_num_layers], "
+                             f"got {str(ids)[:60]!r}")
+        for name, types in (("rope_scaling", (dict, type(None))), ("hidden_act", (str,)),
+                            ("target_model_type", (str,)), ("tie_word_embeddings", (bool,)), ("extra", (dict,))):
+            if name in d and not isinstance(d[name], types):
+                raise ValueError(f"Eagle3Config.{name} has type {type(d[name]).__name__}")
+        if d["head_dim"] % 2:
+            raise ValueError(f"Eagle3Config.head_dim must be even, got {d['head_dim']}")
+        if d["num_attention_heads"] % d["num_key_value_heads"]:
+            raise ValueError("Eagle3Config.num_attention_heads must be a multiple of num_key_value_heads")
         return cls(**d)
 
 
@@ -421,6 +463,7 @@ class Eagle3Drafter(nn.Module):
 
         def write(tmp: Path) -> None:
             save_file(tensors, str(tmp / WEIGHTS_NAME))
+            meta["weights_crc32"] = file_crc32(tmp / WEIGHTS_NAME)
             (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2))
 
         return write_dir_atomic(Path(path), write)
@@ -428,20 +471,37 @@ class Eagle3Drafter(nn.Module):
     @classmethod
     def load(cls, path: str | os.PathLike, target_embedding: nn.Module | None = None,
              map_location: str | torch.device = "cpu") -> "Eagle3Drafter":
+        """A saved drafter. A missing directory is FileNotFoundError; a damaged one (any file missing, truncated,
+        altered, or disagreeing with the config) is DrafterFileError naming the file."""
         path = Path(path)
-        cfg_file, w_file = path / CONFIG_NAME, path / WEIGHTS_NAME
-        if not cfg_file.is_file() or not w_file.is_file():
-            raise FileNotFoundError(f"{path} is not a drafter checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
-        meta = json.loads(cfg_file.read_text())
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{cfg_file}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-        model = cls(Eagle3Config.from_dict(meta["config"]), target_embedding)
-        state = load_file(str(w_file), device=str(map_location))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{w_file}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
-        check_vocab_maps(model.d2t, model.t2d, model.config.vocab_size, model.config.draft_vocab_size)
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path} is not a drafter checkpoint (no such directory)")
+        meta = read_json_object(path / CONFIG_NAME)
+        cfg, expect = cls.from_meta(path / CONFIG_NAME, meta)
+        state = read_tensors(path / WEIGHTS_NAME, map_location, crc=meta.get("weights_crc32"), expect=expect)
+        model = cls(cfg, target_embedding)
+        try:
+            model.load_state_dict(state, strict=True)
+            check_vocab_maps(model.d2t, model.t2d, model.config.vocab_size, model.config.draft_vocab_size)
+        except (ValueError, RuntimeError) as e:
+            raise DrafterFileError(f"{path / WEIGHTS_NAME}: {str(e)[:300]}") from None
         return model.to(map_location)
+
+    @classmethod
+    def from_meta(cls, cfg_file: Path, meta: dict) -> tuple[Eagle3Config, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+        """The config a saved meta holds (checked field by field) and the tensors its weights file must hold
+        (name → (shape, dtype), from a module built on the meta device: no memory), so a damaged config or
+        header is refused before anything is allocated or read."""
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise DrafterFileError(f"{cfg_file}: format_version {str(meta.get('format_version'))[:40]!r}, "
+                                   f"expected {FORMAT_VERSION}")
+        try:
+            cfg = Eagle3Config.from_dict(meta.get("config"))
+            with torch.device("meta"):
+                shapes = {n: (tuple(t.shape), t.dtype) for n, t in cls(cfg).state_dict().items()}
+        except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, ZeroDivisionError, OverflowError) as e:
+            raise DrafterFileError(f"{cfg_file}: bad drafter config: {str(e)[:300]}") from None
+        return cfg, shapes
 
 
 def fits(cfg: Eagle3Config, target_config: Any) -> list[str]:

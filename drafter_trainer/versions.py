@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from pydantic import ValidationError
+from tailspec.drafter_trainer.files import DrafterFileError, read_json_object
 from tailspec.drafter_trainer.loss import acceptance_rates, expected_length
 from tailspec.drafter_trainer.model import Eagle3Drafter
 from tailspec.drafter_trainer.teacher import Teacher, collate
@@ -222,6 +224,15 @@ def validate(drafter: Eagle3Drafter, teacher: Teacher, samples: Sequence[Sample]
     return Validation(total_e / n, (total_a / n).tolist(), n, k)
 
 
+def _read_version(f: Path) -> DrafterVersion:
+    try:
+        return DrafterVersion.model_validate(read_json_object(f))
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(record)"
+        raise DrafterFileError(f"{f}: bad version record at {where}: {first['msg']}") from None
+
+
 class VersionStore:
     def __init__(self, root: str | Path, redis: Any = None, cluster: str = "default"):
         self.root = Path(root)
@@ -249,29 +260,63 @@ class VersionStore:
             if cur is not None:
                 return cur
         f = self.root / "CURRENT"
-        return DrafterVersion.model_validate_json(f.read_text()) if f.is_file() else None
+        return _read_version(f) if f.is_file() else None
 
     def history(self) -> list[DrafterVersion]:
+        """Every recorded version, oldest first; a damaged entry is skipped (logged, naming it): the history
+        is a log of decisions, and one bad line must not hide the others."""
+        out = []
         if self.redis is not None:
-            raw = self.redis.lrange(self._key("drafter_versions"), 0, -1)
-            return [state.decode(DrafterVersion, r, where="drafter:versions") for r in raw]
+            for i, r in enumerate(self.redis.lrange(self._key("drafter_versions"), 0, -1)):
+                try:
+                    out.append(state.decode(DrafterVersion, r, where=f"drafter:versions[{i}]"))
+                except ValueError as e:
+                    log.warning("skipped a damaged version record: %s", e)
+            return out
         f = self.root / "history.jsonl"
         if not f.is_file():
             return []
-        return [DrafterVersion.model_validate_json(line) for line in f.read_text().splitlines() if line.strip()]
+        for i, line in enumerate(f.read_bytes().decode("utf-8", "replace").splitlines(), 1):
+            if line.strip():
+                try:
+                    out.append(DrafterVersion.model_validate_json(line))
+                except ValueError as e:
+                    log.warning("%s line %d: skipped a damaged version record: %s", f, i, str(e)[:200])
+        return out
 
     def get(self, version: int) -> DrafterVersion:
         f = self.path(version) / "version.json"
         if not f.is_file():
             known = sorted(int(p.name[1:]) for p in self.root.glob("v[0-9]*") if (p / "version.json").is_file())
             raise FileNotFoundError(f"drafter version {version} not found under {self.root}; known: {known}")
-        return DrafterVersion.model_validate_json(f.read_text())
+        info = _read_version(f)
+        if info.version != version:
+            raise DrafterFileError(f"{f}: records version {info.version}, expected {version}")
+        return info
 
     def load(self, version: int | None = None, target_embedding: Any = None) -> tuple[Eagle3Drafter, DrafterVersion]:
+        """A version's drafter (the current one by default). A damaged version is refused (DrafterFileError
+        naming the file); for the current one the newest earlier promoted version that loads is used instead,
+        with a warning, so rollouts keep a good drafter."""
         info = self.current() if version is None else self.get(version)
         if info is None:
             raise FileNotFoundError(f"no promoted drafter version under {self.root}")
-        return Eagle3Drafter.load(info.path, target_embedding), info
+        try:
+            return Eagle3Drafter.load(info.path, target_embedding), info
+        except (DrafterFileError, FileNotFoundError) as e:
+            if version is not None:
+                raise
+            for older in reversed(self.history()):
+                if not older.promoted or older.version >= info.version:
+                    continue
+                try:
+                    drafter = Eagle3Drafter.load(older.path, target_embedding)
+                except (DrafterFileError, FileNotFoundError):
+                    continue
+                log.warning("current drafter version %d does not load (%s); using the earlier promoted version %d",
+                            info.version, str(e)[:300], older.version)
+                return drafter, older
+            raise
 
     def propose(self, candidate: Eagle3Drafter, teacher: Teacher, holdout: Sequence[Sample], k: int = 4,
                 session_id: str | None = None, note: str | None = None,
@@ -286,7 +331,7 @@ class VersionStore:
             try:
                 cur, _ = self.load(cur_info.version, teacher.embedding())
                 cur = cur.to(teacher.device)
-            except (FileNotFoundError, ValueError) as e:  # current version unreadable: the candidate may replace it
+            except (FileNotFoundError, ValueError) as e:  # current version damaged: the candidate may replace it
                 note = f"{note or ''} current version {cur_info.version} unreadable: {e}".strip()
                 cur = None
         if cur is not None:
