@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Literal, Mapping
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "TAILSPEC_"
 
@@ -22,27 +23,62 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NaN / inf refused everywhere (no setting means either); a number given for a text setting is its text
+    # (`--set trainer.checkpoint_dir=2024` is the directory "2024").
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
+                              coerce_numbers_to_str=True)
+
+
+def _check_redis_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"must start with redis://, rediss:// (TLS) or unix://, got {url[:80]!r}")
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError("a unix:// URL needs a socket path")
+        return url
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"bad port in {url[:80]!r}") from None
+    if not parts.hostname or (port is not None and not 1 <= port <= 65535):
+        raise ValueError(f"needs a host (and a port in 1..65535), got {url[:80]!r}")
+    db = parts.path.strip("/")
+    if db and not (db.isascii() and db.isdigit()):
+        raise ValueError(f"the path must be a database number, got {db[:20]!r}")
+    return url
+
+
+def _check_path(v: str) -> str:
+    if not v.strip() or "\x00" in v:
+        raise ValueError("must be a non-empty path without NUL characters")
+    return v
 
 
 class ClusterConfig(_Section):
     name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="namespace of Redis keys")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL (password/TLS ok)")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL (password/TLS ok: "
+                           "rediss://:PASSWORD@host:6380/0?ssl_ca_certs=/path/ca.pem; see docs/integrations.md)")
     node: str = Field("node0", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="this node's name in single-node mode")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str) -> str:
+        return _check_redis_url(v)
 
 
 class SchedulerConfig(_Section):
     telemetry: Literal["auto", "nvml", "simulated"] = "auto"
     sample_period_s: float = Field(0.2, gt=0, le=10)
-    history_maxlen: int = Field(20_000, ge=100, description="capped length of the telemetry history stream")
+    history_maxlen: int = Field(20_000, ge=100, le=100_000_000, description="capped length of the telemetry history stream")
     idle_util_threshold: float = Field(10.0, ge=0, le=100, description="percent utilization below which a GPU looks idle")
-    idle_window_s: float = Field(0.2, ge=0, description="how long utilization must stay low before a drained GPU is lendable")
+    idle_window_s: float = Field(0.2, ge=0, le=3600, description="how long utilization must stay low before a drained GPU is lendable")
     lease_ttl_s: float = Field(2.0, gt=0, le=60)
     leader_ttl_s: float = Field(3.0, gt=0, le=60, description="lifetime of the leader key among a cluster's "
                                 "schedulers: the leader renews it every tick (keep it several tick_s); a standby "
                                 "takes over within this (plus a tick) of the leader's death or partition")
     stop_deadline_s: float = Field(1.0, gt=0, le=60, description="after this a revoked GPU counts as reclaimed")
-    session_startup_s: float = Field(0.5, ge=0, description="expected session start-up cost; lend only if the tail is longer")
+    session_startup_s: float = Field(0.5, ge=0, le=3600, description="expected session start-up cost; lend only if the tail is longer")
     mode: Literal["local", "ray"] = "local"
     warm_sessions: int = Field(0, ge=0, le=64, description="session processes kept pre-started (imports done) "
                                "in single-node mode, so a lent GPU starts training at once")
@@ -61,14 +97,14 @@ class SchedulerConfig(_Section):
         "split", description="split: each simulated GPU owns an equal share of the host's cores, used by its rollout "
         "worker and any session lent on it (the demo runs at most one simulated GPU per core); shared: all cores "
         "shared by everything")
-    progress_ttl_s: float = Field(5.0, gt=0, description="a worker's progress expires unless re-reported within this")
+    progress_ttl_s: float = Field(5.0, gt=0, le=3600, description="a worker's progress expires unless re-reported within this")
     require_release: bool = Field(False, description="lend a drained GPU only after its worker reported its memory "
                                   "released (report_progress(mem_released=True)); a worker that reports "
                                   "mem_released=False is never lent before it reports True, whatever this says")
-    min_free_mem_gib: float = Field(0.0, ge=0, description="lend only when at least this much GPU memory is free "
+    min_free_mem_gib: float = Field(0.0, ge=0, le=1e6, description="lend only when at least this much GPU memory is free "
                                     "(telemetry, and the worker's own report); sessions that declined raise the bar "
                                     "to what they computed they need")
-    simulated_gpu_mem_gib: float = Field(80.0, gt=0, description="memory of each simulated GPU (what simulated "
+    simulated_gpu_mem_gib: float = Field(80.0, gt=0, le=1e6, description="memory of each simulated GPU (what simulated "
                                          "telemetry shows and what a session on one checks its footprint against)")
 
 
@@ -76,28 +112,28 @@ class TrainerConfig(_Section):
     backend: Literal["torch", "deepspeed"] = "torch"
     lr: float = Field(3e-4, gt=0, le=1)
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay (momentum) of the drafter's optimizer")
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0, le=10)
+    grad_clip: float = Field(1.0, gt=0, le=1e6)
     batch_size: int = Field(16, ge=1, le=4096)
     ttt_length: int = Field(3, ge=1, le=7, description="test-time-training unroll length L")
     step_decay: float = Field(0.8, gt=0, le=1, description="loss weight 0.8^i of unroll step i")
     weighting: Literal["reward", "advantage", "uniform"] = "reward"
-    weight_min: float = Field(0.1, ge=0)
-    weight_max: float = Field(5.0, gt=0)
-    draft_vocab_size: int | None = Field(None, ge=2, description="None = the target's vocabulary")
-    max_seq_len: int = Field(1024, ge=8)
-    buffer_size: int = Field(4096, ge=1, description="samples kept in the replay buffer")
-    keep_policy_versions: int = Field(2, ge=1, description="keep samples of the most recent N policy versions")
+    weight_min: float = Field(0.1, ge=0, le=1e6)
+    weight_max: float = Field(5.0, gt=0, le=1e6)
+    draft_vocab_size: int | None = Field(None, ge=2, le=1 << 24, description="None = the target's vocabulary")
+    max_seq_len: int = Field(1024, ge=8, le=1 << 20)
+    buffer_size: int = Field(4096, ge=1, le=10_000_000, description="samples kept in the replay buffer")
+    keep_policy_versions: int = Field(2, ge=1, le=1_000_000, description="keep samples of the most recent N policy versions")
     stale_version_weight: float = Field(
         0.5, ge=0, le=1, description="a sample n policy versions older than the newest is drawn with weight w^n "
         "(0 = train on the newest version's samples only)")
     checkpoint_dir: str = "runs/drafter"
     validation_k: int = Field(4, ge=1, le=16)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32, description="random seed (numpy takes 0..2^32-1)")
     holdout_fraction: float = Field(0.1, ge=0, lt=1, description="share of samples held out for validation")
-    validation_samples: int = Field(64, ge=1, description="held-out samples a candidate is validated on")
-    validate_every_s: float = Field(30.0, gt=0, description="a long session proposes a candidate this often")
-    merge_every_steps: int = Field(10, ge=0, description="a session merges its work into the lineage head this "
+    validation_samples: int = Field(64, ge=1, le=1_000_000, description="held-out samples a candidate is validated on")
+    validate_every_s: float = Field(30.0, gt=0, le=1e7, description="a long session proposes a candidate this often")
+    merge_every_steps: int = Field(10, ge=0, le=1_000_000_000, description="a session merges its work into the lineage head this "
                                    "often (and when it stops); 0 = only when it stops")
     merge_outer_lr: float = Field(1.0, gt=0, le=2, description="outer step: head += merge_outer_lr * (local - base)")
     merge_delayed_beta1: float = Field(
@@ -106,13 +142,18 @@ class TrainerConfig(_Section):
         "is plain training. Set it to beta1 to turn the rule off")
     promotion_level: float = Field(0.05, gt=0, lt=0.5, description="a candidate is promoted when the one-sided "
                                    "(1 - level) lower confidence bound of its paired gain is above zero")
-    promotion_min_pairs: int = Field(16, ge=2, description="held-out samples a promotion test needs at least")
+    promotion_min_pairs: int = Field(16, ge=2, le=1_000_000, description="held-out samples a promotion test needs at least")
 
     @model_validator(mode="after")
     def _weights_ordered(self) -> "TrainerConfig":
         if self.weight_min > self.weight_max:
             raise ValueError(f"weight_min ({self.weight_min}) must not exceed weight_max ({self.weight_max})")
         return self
+
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return _check_path(v)
 
 
 class RolloutConfig(_Section):
@@ -124,10 +165,11 @@ class RolloutConfig(_Section):
     k: int = Field(4, ge=0, le=16, description="draft length for the fixed and threshold selectors")
     k_max: int = Field(8, ge=1, le=16, description="longest draft any selector may pick")
     max_batch: int = Field(64, ge=1, le=4096, description="running requests per engine (more wait their turn)")
-    max_seq_len: int = Field(1024, ge=8, description="prompt + response tokens per request (the KV cache's length)")
+    max_seq_len: int = Field(1024, ge=8, le=1 << 20, description="prompt + response tokens per request (the KV "
+                             "cache's length)")
     epsilon: float = Field(0.05, ge=0, le=1, description="exploration rate of the adaptive selector")
     cuda_graphs: bool = Field(True, description="capture the verify forward's CUDA graphs (on CUDA only)")
-    graph_memory_budget_mb: int = Field(2048, ge=0, description="memory the CUDA graph pool may take")
+    graph_memory_budget_mb: int = Field(2048, ge=0, le=1 << 24, description="memory the CUDA graph pool may take")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the policy's dtype in the engine")
     guard: bool = Field(True, description="drafter health guard: after each drafter load/reload and policy sync, "
                         "turn speculation off when live acceptance shows the drafter broken (rollout.health_guard)")
@@ -139,7 +181,7 @@ class RolloutConfig(_Section):
 
 
 class DashboardConfig(_Section):
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", pattern=r"^[A-Za-z0-9_.:\[\]%-]{1,255}$", description="address to bind")
     port: int = Field(8300, ge=1, le=65535)
     metrics_port: int = Field(9300, ge=1, le=65535)
     allow_remote: bool = Field(False, description="must be true to bind a non-loopback host")
@@ -148,11 +190,17 @@ class DashboardConfig(_Section):
 class TaskConfig(_Section):
     name: Literal["runsum"] = "runsum"
     modulus: int = Field(10, ge=2, le=1000)
-    steps_median: float = Field(5.0, gt=1)
-    steps_sigma: float = Field(0.8, ge=0)
-    steps_min: int = Field(2, ge=1)
-    steps_max: int = Field(48, ge=2)
+    steps_median: float = Field(5.0, gt=1, le=1e6)
+    steps_sigma: float = Field(0.8, ge=0, le=100)
+    steps_min: int = Field(2, ge=1, le=1_000_000)
+    steps_max: int = Field(48, ge=2, le=1_000_000)
     format_score: float = Field(0.0, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _steps_ordered(self) -> "TaskConfig":
+        if self.steps_min > self.steps_max:
+            raise ValueError(f"steps_min ({self.steps_min}) must not exceed steps_max ({self.steps_max})")
+        return self
 
 
 class TailspecConfig(_Section):
@@ -163,6 +211,11 @@ class TailspecConfig(_Section):
     dashboards: DashboardConfig = DashboardConfig()
     task: TaskConfig = TaskConfig()
     cache_dir: str = Field(default_factory=lambda: os.environ.get("TAILSPEC_CACHE", str(Path.home() / ".cache" / "tailspec")))
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return _check_path(v)
 
 
 def _set_path(tree: dict[str, Any], path: str, value: Any) -> None:
@@ -182,7 +235,7 @@ def _parse_scalar(raw: str) -> Any:
     # YAML's scalar rules: "3" → 3, "true" → True, "null" → None, "[1, 2]" → list.
     try:
         value = yaml.safe_load(raw)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an integer too long to convert
         return raw
     if isinstance(value, str):  # YAML 1.1 leaves "1e-3" a string
         try:
@@ -220,7 +273,12 @@ def _format_errors(err: ValidationError, source: str) -> str:
             continue
         got = e.get("input")
         allowed = e.get("ctx", {}).get("expected")
-        msg = f"{path}: {e['msg']} (got {got!r})"
+        try:
+            shown = repr(got)
+        except ValueError:  # an integer too long to print
+            shown = f"an integer of {got.bit_length()} bits"
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        msg = f"{path}: {e['msg']} (got {shown})"
         if allowed:
             msg += f"; allowed: {allowed}"
         lines.append(msg)
