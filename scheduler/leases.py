@@ -72,6 +72,45 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
+# Many renewals in one call (the scheduler renews every lease it granted). KEYS: heartbeat, leader, then each
+# lease's key and revoke flag. ARGV: ttl_ms, require_heartbeat (1/0), then each lease's token. Returns one
+# _RENEW code per lease, in order.
+_RENEW_MANY = """
+local l = redis.call('GET', KEYS[2])
+local leader = nil
+if l then
+  local ok, rec = pcall(cjson.decode, l)
+  if ok and type(rec) == 'table' then leader = tonumber(rec['epoch']) end
+end
+local hb = ARGV[2] ~= '1' or redis.call('EXISTS', KEYS[1]) == 1
+local out = {}
+for j = 1, #ARGV - 2 do
+  local lk, rk, token = KEYS[1 + 2 * j], KEYS[2 + 2 * j], ARGV[2 + j]
+  local code = 1
+  if redis.call('GET', rk) == token then
+    code = -3
+  else
+    local v = redis.call('GET', lk)
+    if not v then
+      code = -1
+    else
+      local ok, lease = pcall(cjson.decode, v)
+      if not ok or tonumber(lease['token']) ~= tonumber(token) then
+        code = -2
+      elseif type(lease['epoch']) == 'number' and leader ~= lease['epoch'] then
+        code = -5
+      elseif not hb then
+        code = -4
+      else
+        redis.call('PEXPIRE', lk, ARGV[1])
+      end
+    end
+  end
+  out[j] = code
+end
+return out
+"""
+
 # KEYS: lease, fence counter, leader. ARGV: lease JSON without token, px_ms, epoch ('' = unfenced).
 # Returns the granted lease's JSON, 0 when the GPU is leased, -1 when `epoch` does not lead.
 _ACQUIRE = _LEADS + """
@@ -131,6 +170,7 @@ class Leases:
 
     def __post_init__(self) -> None:
         self._renew = self.r.register_script(_RENEW)
+        self._renew_many = self.r.register_script(_RENEW_MANY)
         self._acquire = self.r.register_script(_ACQUIRE)
         self._revoke = self.r.register_script(_REVOKE)
         self._release = self.r.register_script(_RELEASE)
@@ -146,21 +186,30 @@ class Leases:
     def _leader_key(self) -> str:
         return state.key(self.cluster, "leader")
 
-    def acquire(self, node: str, gpu: int, holder: str, ttl_s: float, epoch: int | None = None) -> Lease | None:
+    def acquire(self, node: str, gpu: int, holder: str, ttl_s: float, epoch: int | None = None,
+                client: Any = None) -> Any:
         """Grant a new lease with a fresh fencing token, or None if the GPU is already leased. With `epoch`
         (the scheduler always passes its own) the grant happens only while that leader epoch leads, else
-        LeaderLost; the lease records the epoch."""
+        LeaderLost; the lease records the epoch. `client`: a pipeline to queue the call on; its result then
+        comes with the pipeline's and `granted` reads it."""
         lease_key, _ = self._keys(node, gpu)
         template = {"node": node, "gpu": gpu, "holder": holder, "granted_at": time.time(), "ttl_s": ttl_s}
         out = self._acquire(
             keys=[lease_key, state.key(self.cluster, "fence"), self._leader_key],
             args=[state.encode_dict(template), _ms(ttl_s), _epoch_arg(epoch)],
+            client=client,
         )
+        return out if client is not None else self.granted(out, node, gpu, epoch)
+
+    def granted(self, out: Any, node: str, gpu: int, epoch: int | None = None) -> Lease | None:
+        """The lease an acquire call answered with `out` granted, None when the GPU was leased already."""
+        if isinstance(out, Exception):
+            raise out
         if out == -1:
             raise LeaderLost(f"epoch {epoch} does not lead cluster {self.cluster}: lend of {node}:{gpu} refused")
         if out == 0:
             return None
-        return state.decode(Lease, out, where=lease_key)
+        return state.decode(Lease, out, where=self._keys(node, gpu)[0])
 
     def renew(self, node: str, gpu: int, token: int, ttl_s: float, require_heartbeat: bool = True,
               client: Any = None) -> Any:
@@ -176,20 +225,39 @@ class Leases:
         )
         return out if client is not None else int(out)
 
-    def revoke(self, node: str, gpu: int, token: int, flag_ttl_s: float = 60.0, epoch: int | None = None) -> bool:
-        """Flag `token` as revoked and delete its lease; True if the lease was still there. With `epoch`,
-        only while that leader epoch leads, else LeaderLost and nothing is written."""
-        lease_key, revoke_key = self._keys(node, gpu)
-        out = int(self._revoke(keys=[lease_key, revoke_key, self._leader_key],
-                               args=[token, _ms(flag_ttl_s), _epoch_arg(epoch)]))
-        if out == -1:
-            raise LeaderLost(f"epoch {epoch} does not lead cluster {self.cluster}: revoke of {node}:{gpu} refused")
-        return bool(out)
+    def renew_many(self, leases: list[tuple[str, int, int]], ttl_s: float, require_heartbeat: bool = True,
+                   client: Any = None) -> Any:
+        """renew() of many (node, gpu, token) leases in one command: one code each, in order. `client`: a pipeline
+        to queue the call on."""
+        keys = [state.key(self.cluster, "scheduler_heartbeat"), self._leader_key]
+        for node, gpu, _ in leases:
+            keys.extend(self._keys(node, gpu))
+        out = self._renew_many(keys=keys, args=[_ms(ttl_s), "1" if require_heartbeat else "0",
+                                                *(t for _, _, t in leases)], client=client)
+        return out if client is not None else [int(x) for x in out]
 
-    def release(self, node: str, gpu: int, token: int) -> bool:
-        """Delete the lease if `token` holds it (a holder giving the GPU back)."""
+    def revoke(self, node: str, gpu: int, token: int, flag_ttl_s: float = 60.0, epoch: int | None = None,
+               client: Any = None) -> Any:
+        """Flag `token` as revoked and delete its lease; True if the lease was still there. With `epoch`,
+        only while that leader epoch leads, else LeaderLost and nothing is written. `client`: a pipeline to
+        queue the call on; `revoked` reads its result."""
+        lease_key, revoke_key = self._keys(node, gpu)
+        out = self._revoke(keys=[lease_key, revoke_key, self._leader_key],
+                           args=[token, _ms(flag_ttl_s), _epoch_arg(epoch)], client=client)
+        return out if client is not None else self.revoked(out, node, gpu, epoch)
+
+    def revoked(self, out: Any, node: str, gpu: int, epoch: int | None = None) -> bool:
+        if isinstance(out, Exception):
+            raise out
+        if int(out) == -1:
+            raise LeaderLost(f"epoch {epoch} does not lead cluster {self.cluster}: revoke of {node}:{gpu} refused")
+        return bool(int(out))
+
+    def release(self, node: str, gpu: int, token: int, client: Any = None) -> Any:
+        """Delete the lease if `token` holds it (a holder giving the GPU back). `client`: a pipeline to queue on."""
         lease_key, _ = self._keys(node, gpu)
-        return bool(self._release(keys=[lease_key], args=[token]))
+        out = self._release(keys=[lease_key], args=[token], client=client)
+        return out if client is not None else bool(out)
 
     def current(self, node: str, gpu: int) -> Lease | None:
         lease_key, _ = self._keys(node, gpu)

@@ -35,9 +35,11 @@ class StepRecord:
     drained_at: dict[str, float] = field(default_factory=dict)  # worker → time its last request finished
     lengths: dict[str, list[int]] = field(default_factory=dict)
 
+    gpus_per_worker: int = 1  # a drained worker leaves all its GPUs idle
+
     @property
     def idle_gpu_seconds(self) -> float:
-        return sum(max(0.0, self.ended_at - t) for t in self.drained_at.values())
+        return self.gpus_per_worker * sum(max(0.0, self.ended_at - t) for t in self.drained_at.values())
 
 
 @dataclass
@@ -52,7 +54,7 @@ class SimResult:
 
     @property
     def idle_gpu_seconds(self) -> float:
-        return sum(s.idle_gpu_seconds for s in self.steps)
+        return sum(s.idle_gpu_seconds for s in self.steps)  # GPU-seconds: × gpus_per_worker
 
     @property
     def rollout_seconds(self) -> float:
@@ -143,7 +145,7 @@ def run_simulated_rollout(
             lens = {w: draw(requests_per_worker) for w in names}
             c.set_phase("rollout", step=step, policy_version=policy_version, policy_path=policy_path)
             t0 = time.time()
-            rec = StepRecord(step=step, started_at=t0, lengths=lens)
+            rec = StepRecord(step=step, started_at=t0, lengths=lens, gpus_per_worker=gpus_per_worker)
             last_active: dict[str, int] = {}
             while True:
                 now = time.time()
