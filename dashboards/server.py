@@ -5,6 +5,12 @@ table, and static files come from an in-memory table of the package's own files,
 names a path on disk. Binds loopback unless remote access is asked for explicitly; on loopback the
 Host header must be a loopback name too (a DNS-rebinding page cannot read the API).
 
+Request framing on a kept-alive connection: a GET's body (Content-Length up to MAX_GET_BODY) is read and
+discarded before the answer, so it is never parsed as the next request; a larger one gets 413, a malformed
+or repeated Content-Length or any Transfer-Encoding 400, and those connections are closed. Other limits:
+a request line over 64 KiB gets 414 (the standard library's), more than 100 header lines or one over
+64 KiB 431 (the standard library's), headers over MAX_HEADER_BYTES in all 431.
+
 Endpoints: `/` (the page), `/static/<name>`, `/api/state`, `/api/timeline?window=S`, `/api/schema`,
 `/metrics`. Response schemas: dashboards/api.py, served at /api/schema.
 """
@@ -14,7 +20,9 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import re
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +53,9 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
+MAX_GET_BODY = 64 * 1024  # bytes of a GET body read and discarded; more is refused (413)
+MAX_HEADER_BYTES = 64 * 1024  # all header lines of one request together; more is refused (431)
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,18}")
 
 
 class BindRefused(ConfigError):
@@ -118,6 +129,7 @@ class App:
             routes["/"] = lambda q: Response(200, b"tailspec exporter: see /metrics\n", "text/plain; charset=utf-8")
         self.routes = routes
         self.metrics_only = metrics_only
+        self._schema: Response | None = None
 
     def handle(self, target: str) -> Response:
         parts = urlsplit(target)
@@ -139,7 +151,9 @@ class App:
         return Response(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
 
     def schema(self, query) -> Response:
-        return _json(200, json_schema())
+        if self._schema is None:  # constant; building it takes pydantic ~50 ms
+            self._schema = _json(200, json_schema())
+        return self._schema
 
     def state(self, query) -> Response:
         if query:
@@ -177,12 +191,20 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = 30  # seconds a client may idle on a connection (a stalled client frees its thread)
 
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body go out as two writes: without this, Nagle's algorithm holds the body until the
+        # client's delayed ACK of the headers (about 40 ms on every response).
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def _send(self, resp: Response, head_only: bool = False) -> None:
         self.send_response(resp.status)
         self.send_header("Content-Type", resp.content_type)
         self.send_header("Content-Length", str(len(resp.body)))
         for k, v in {**SECURITY_HEADERS, **(resp.headers or {})}.items():
             self.send_header(k, v)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         if not head_only:
             self.wfile.write(resp.body)
@@ -197,7 +219,54 @@ class _Handler(BaseHTTPRequestHandler):
             name = host.rsplit(":", 1)[0] if ":" in host else host
         return name in LOOPBACK_NAMES
 
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            return False
+        size = sum(len(k) + len(v) + 4 for k, v in self.headers.items())
+        if size > MAX_HEADER_BYTES:
+            self.close_connection = True
+            self.send_error(431, "Request Header Fields Too Large",
+                            f"{size} bytes of headers; at most {MAX_HEADER_BYTES}")
+            return False
+        return True
+
+    def _body_length(self) -> int | None:
+        """The declared body length: 0 without one, None when the framing is not one valid Content-Length
+        (Transfer-Encoding, a malformed value, or several that differ)."""
+        if self.headers.get("Transfer-Encoding") is not None:
+            return None
+        values = {v.strip(" \t") for v in self.headers.get_all("Content-Length") or []}
+        if not values:
+            return 0
+        if len(values) > 1 or not _CONTENT_LENGTH.fullmatch(next(iter(values))):
+            return None
+        return int(next(iter(values)))
+
+    def _discard_body(self, length: int) -> bool:
+        """Read and drop `length` body bytes; False (connection closed) when the client sent fewer."""
+        while length > 0:
+            chunk = self.rfile.read(min(length, 16384))
+            if not chunk:
+                self.close_connection = True
+                return False
+            length -= len(chunk)
+        return True
+
     def do_GET(self) -> None:
+        # The body first: left unread, it would be parsed as the next request on this connection.
+        length = self._body_length()
+        if length is None:
+            self.close_connection = True
+            self._send(_json(400, {"error": "a GET body must be framed by one Content-Length "
+                                            "(no Transfer-Encoding)"}))
+            return
+        if length > MAX_GET_BODY:
+            self.close_connection = True
+            self._send(_json(413, {"error": f"GET body of {length} bytes; the API reads none "
+                                            f"(at most {MAX_GET_BODY} are skipped)"}))
+            return
+        if length and not self._discard_body(length):
+            return
         if not self._host_ok():
             self._send(_json(403, {"error": "Host header is not a loopback name; the dashboard serves "
                                             "loopback clients only (see --allow-remote)"}))
@@ -210,15 +279,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(resp)
 
     def _method_not_allowed(self) -> None:
-        # Drain a request body so the connection stays usable, then refuse.
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            length = -1
-        if 0 < length <= 1 << 20:
-            self.rfile.read(length)
-        else:
+        # Drain a request body so the connection stays usable, then refuse; a body that is not framed by
+        # one Content-Length (chunked, malformed) or is over 1 MiB is left unread and the connection closed.
+        length = self._body_length()
+        if length is None or length > 1 << 20:
             self.close_connection = True
+        elif length and not self._discard_body(length):
+            return
         self._send(Response(405, json.dumps({"error": f"method {self.command} not allowed; the API is "
                                                       f"read-only (GET)"}).encode(), headers={"Allow": "GET"}),
                    head_only=self.command == "HEAD")
@@ -236,6 +303,13 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that resets or times out its connection is not the server's error: no traceback on stderr.
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            log.debug("connection from %s dropped: %s", client_address, sys.exc_info()[1])
+            return
+        super().handle_error(request, client_address)
 
 
 @dataclass

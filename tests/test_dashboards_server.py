@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import urllib.error
 import urllib.request
 
 import jsonschema
 import pytest
-from tailspec.dashboards.server import BindRefused, check_bind, is_loopback, start_dashboard
+from tailspec.dashboards.server import MAX_GET_BODY, BindRefused, check_bind, is_loopback, start_dashboard
 from test_dashboards_writer import StateWriter
 
 from tailspec.core.config import ConfigError
@@ -181,5 +182,39 @@ def test_malformed_requests_do_not_hurt_the_server(dash):
             reply = s.recv(400)
         # an error status (a request line without a version gets the stdlib's HTTP/0.9-style error page)
         assert reply.startswith((b"HTTP/1.1 4", b"HTTP/1.0 4")) or b"Error code: 400" in reply, reply[:80]
+    status, _ = get_json(dash, "/api/schema")
+    assert status == 200
+
+
+def _responses(s: socket.socket) -> list[bytes]:
+    """Status lines of everything the server sends until it closes or goes quiet for 0.5 s."""
+    s.settimeout(0.5)
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return re.findall(rb"HTTP/1\.1 \d{3}", data)
+
+
+def test_a_get_body_is_never_parsed_as_the_next_request(dash):
+    # A GET with a body on a kept-alive connection: the body is read and dropped, so the request inside it is
+    # not served; the request after it is. Before the fix the server answered 200 then 404 for the body.
+    inner = b"GET /static/../server.py HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    nxt = b"GET /static/uPlot.LICENSE HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", dash.port), timeout=10) as s:
+        s.sendall(b"GET /api/schema HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % len(inner)
+                  + inner + nxt)
+        assert _responses(s) == [b"HTTP/1.1 200", b"HTTP/1.1 200"]
+    # a body framed otherwise (chunked) or too large to skip is refused and the connection closed
+    for head, body, status in [
+        (b"Transfer-Encoding: chunked\r\n", b"%x\r\n" % len(inner) + inner + b"\r\n0\r\n\r\n", b"400"),
+        (b"Content-Length: 5\r\nContent-Length: 6\r\n", b"hello", b"400"),
+        (b"Content-Length: %d\r\n" % (MAX_GET_BODY + 1), inner, b"413"),
+    ]:
+        with socket.create_connection(("127.0.0.1", dash.port), timeout=10) as s:
+            s.sendall(b"GET /api/state HTTP/1.1\r\nHost: localhost\r\n" + head + b"\r\n" + body + nxt)
+            assert _responses(s) == [b"HTTP/1.1 " + status], head
     status, _ = get_json(dash, "/api/schema")
     assert status == 200
