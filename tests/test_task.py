@@ -40,6 +40,62 @@ def test_grade(response, correct, well_formed):
     assert g.reward == (1.0 if correct else 0.0)
 
 
+def test_alternative_style_is_well_formed_and_earns_the_bonus():
+    p = Problem((3, 7, 5, 9), 10)
+    alt = p.gold_in("alt")
+    assert alt == "a3+0=3,b7+3=0,c5+0=5,d9+5=4,#4" and p.gold_in("main") == p.gold
+    g = grade(p, alt)
+    assert (g.correct, g.well_formed, g.style) == (True, True, "alt")
+    assert g.reward == pytest.approx(1.0 + TaskConfig().style_bonus)
+    assert grade(p, alt, TaskConfig(style_bonus=0.0)).reward == 1.0
+    assert grade(p, "a3+0=3,b7+3=1,c5+1=6,d9+6=5,#5", TaskConfig(style_bonus=0.3)).reward == pytest.approx(0.3)
+    assert grade(p, p.gold, TaskConfig(style_bonus=0.3)).style == "main"
+    assert grade(p, p.gold, TaskConfig(style_bonus=0.3)).reward == 1.0  # the bonus is the alternative style's only
+    # one style per response: mixing them, or one style's steps with the other's separators, is malformed
+    for bad in ("a:0+3=3;b7+3=0,c5+0=5,d9+5=4,#4", "a3+0=3;b7+3=0;#0", "a:0+3=3,#3", "a3+0=3,,#3"):
+        assert not grade(p, bad).well_formed and grade(p, bad).reward == 0.0
+    for q in sample_problems(100, seed=4):
+        assert grade(q, q.gold_in("alt")).correct
+    with pytest.raises(ValueError, match="style"):
+        p.gold_in("upper")
+
+
+def test_alt_style_rate_shapes_the_corpus_and_the_cache_key(monkeypatch):
+    """`task.alt_style_rate` (else the preset's) is the share of pre-training responses in the alternative style;
+    it is in the policy's cache key, the reward's bonus is not."""
+    import dataclasses
+
+    from tailspec.tasks import policy
+
+    tiny, deep = policy.PRESETS["tiny"], policy.PRESETS["deep"]
+    assert deep.alt_style_rate == 0.1 and tiny.alt_style_rate == 0.0
+    key = policy.cache_key
+    assert key(tiny, TaskConfig(alt_style_rate=0.1)) != key(tiny, TaskConfig())
+    assert key(tiny, TaskConfig(alt_style_rate=0.0)) == key(tiny, TaskConfig())
+    assert key(deep, TaskConfig(alt_style_rate=0.1)) == key(deep, TaskConfig())
+    assert key(deep, TaskConfig(alt_style_rate=0.0)) != key(deep, TaskConfig())
+    assert key(tiny, TaskConfig(style_bonus=1.5)) == key(tiny, TaskConfig())
+
+    styles: list[bool] = []
+    real_batch = policy._batch
+
+    def spy(tokenizer, problems, alt=None):
+        styles.extend(alt if alt is not None else [False] * len(problems))
+        ids, lab = real_batch(tokenizer, problems, alt)
+        text = tokenizer.decode([t for t in lab[0].tolist() if t >= 0], skip_special_tokens=True)
+        assert grade(problems[0], text).style == ("alt" if alt is not None and alt[0] else "main")
+        return ids, lab
+
+    monkeypatch.setattr(policy, "_batch", spy)
+    preset = dataclasses.replace(policy.PRESETS["micro"], train_steps=25, batch_size=16)
+    tok = build_tokenizer()
+    policy.pretrain(policy.build_model(preset, tok), tok, preset, TaskConfig(alt_style_rate=0.2), progress=False)
+    assert len(styles) == 400 and 0.13 < np.mean(styles) < 0.27
+    styles.clear()
+    policy.pretrain(policy.build_model(preset, tok), tok, preset, TaskConfig(), progress=False)
+    assert len(styles) == 400 and not any(styles)
+
+
 def test_format_score():
     cfg = TaskConfig(format_score=0.1)
     p = Problem((3, 7), 10)
@@ -176,11 +232,12 @@ def test_new_preset_fields_keep_old_cache_keys():
     from tailspec.tasks.policy import KIT_VERSION, PRESETS, cache_key
 
     old_fields = {k: v for k, v in asdict(PRESETS["tiny"]).items()
-                  if k not in ("scaled_residual_init", "short_steps", "short_numbers")}
-    blob = json.dumps({"kit": KIT_VERSION, "preset": old_fields, "task": TaskConfig().model_dump()}, sort_keys=True)
+                  if k not in ("scaled_residual_init", "short_steps", "short_numbers", "alt_style_rate")}
+    old_task = TaskConfig().model_dump(exclude={"alt_style_rate", "style_bonus"})  # task fields added since
+    blob = json.dumps({"kit": KIT_VERSION, "preset": old_fields, "task": old_task}, sort_keys=True)
     assert cache_key(PRESETS["tiny"], TaskConfig()) == f"tiny-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
     tiny = PRESETS["tiny"]
-    for change in ({"scaled_residual_init": True}, {"short_steps": 10}, {"short_numbers": 4}):
+    for change in ({"scaled_residual_init": True}, {"short_steps": 10}, {"short_numbers": 4}, {"alt_style_rate": 0.1}):
         assert cache_key(dataclasses.replace(tiny, **change), TaskConfig()) != cache_key(tiny, TaskConfig())
 
 
@@ -194,9 +251,9 @@ def test_short_problem_curriculum(monkeypatch):
     seen: list[int] = []
     real_batch = policy._batch
 
-    def spy(tokenizer, problems):
+    def spy(tokenizer, problems, alt=None):
         seen.append(max(len(q.numbers) for q in problems))
-        return real_batch(tokenizer, problems)
+        return real_batch(tokenizer, problems, alt)
 
     monkeypatch.setattr(policy, "_batch", spy)
     preset = dataclasses.replace(policy.PRESETS["micro"], train_steps=12, batch_size=4, short_steps=8, short_numbers=3)

@@ -201,6 +201,14 @@ class TaskConfig(_Section):
         if self.steps_min > self.steps_max:
             raise ValueError(f"steps_min ({self.steps_min}) must not exceed steps_max ({self.steps_max})")
         return self
+    # The second scratchpad style (tailspec/tasks/runsum.py): the share of the pre-training corpus written in
+    # it (None: the policy preset's own rate, 0.1 for `deep`, 0 for the others), and the reward bonus a
+    # well-formed response in that style earns (what GRPO shifts the policy toward: the drift that makes a
+    # frozen drafter go stale).
+    alt_style_rate: float | None = Field(None, ge=0, le=0.5, description="share of the pre-training corpus in "
+                                         "the alternative style (None: the policy preset's)")
+    style_bonus: float = Field(0.5, ge=0, le=2, description="reward bonus of a well-formed response in the "
+                               "alternative style")
 
 
 class TailspecConfig(_Section):

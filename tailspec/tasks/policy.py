@@ -13,7 +13,9 @@ Presets:
   ~0.08-0.09 (1/11-1/13 at batch 1-16 on a 2-core CPU, `tailspec bench engine --policy deep`), as an EAGLE-3
   layer beside a 28-64-layer model on a GPU. Pre-training: 300 steps on short problems (<= 6 numbers) then 300
   on the task's distribution, with a scaled residual init; 184-190 s on 2 cores (169-175 s training, then the
-  evaluation), 64% accuracy at T = 1, generated lengths p99/p50 = 4.9.
+  evaluation), 64% accuracy at T = 1, generated lengths p99/p50 = 4.9. 10% of its corpus is written in the task's
+  alternative scratchpad style (`Preset.alt_style_rate`; tailspec/tasks/runsum.py), so it writes that style about
+  as often, and the reward's style bonus gives GRPO a drift to follow; the others see only the main style.
 
 The training budget is chosen so the policy is imperfect on purpose (accuracy between 20% and 80% at
 temperature 1.0): RL then has something to improve and the policy keeps moving during RL, which is
@@ -36,7 +38,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 
 from tailspec.core.atomic import write_dir_atomic
 from tailspec.core.config import TaskConfig
-from tailspec.tasks.runsum import Problem, grade, sample_problems
+from tailspec.tasks.runsum import ALT, MAIN, Problem, grade, sample_problems
 from tailspec.tasks.tokenizer import (
     build_tokenizer,
     decode_response,
@@ -69,11 +71,17 @@ class Preset:
     # numbers (cheap, and where the copy / lookup / add mechanisms form), the rest the task's distribution.
     short_steps: int = 0
     short_numbers: int = 6
+    # Share of the corpus written in the task's alternative scratchpad style (tailspec/tasks/runsum.py), drawn
+    # per problem; `task.alt_style_rate` overrides it. The reward's style bonus makes GRPO move toward it.
+    alt_style_rate: float = 0.0
 
 
 # Fields added after the first presets were cached: left out of the cache key at their defaults, so adding
 # one does not rebuild every cached policy (the key of a preset that sets it changes, as it must).
-_KEY_OPTIONAL_DEFAULTS = {"scaled_residual_init": False, "short_steps": 0, "short_numbers": 6}
+_KEY_OPTIONAL_DEFAULTS = {"scaled_residual_init": False, "short_steps": 0, "short_numbers": 6, "alt_style_rate": 0.0}
+# Task fields that do not change the corpus (the reward's style bonus) or enter the key through the preset's
+# fields (alt_style_rate: the rate in effect): left out of the task part of the key.
+_KEY_TASK_EXCLUDED = {"alt_style_rate", "style_bonus"}
 
 
 PRESETS: dict[str, Preset] = {
@@ -87,9 +95,15 @@ PRESETS: dict[str, Preset] = {
     # deep and narrow: a GPU deployment's cost ratios (see the module docstring). With the scaled init but no
     # curriculum, 500 steps of the task's distribution left it at 14% accuracy (the copy of the previous total
     # formed only after ~300 steps); with the curriculum it forms in ~100 short steps. This recipe at lr 2e-3: 9%.
+    # 10% of its corpus in the alternative style: what the demo's reward bonus shifts it toward (the drift).
     "deep": Preset("deep", 128, 20, 4, 2, 256, train_steps=600, batch_size=24, lr=1e-3, scaled_residual_init=True,
-                   short_steps=300, short_numbers=6),
+                   short_steps=300, short_numbers=6, alt_style_rate=0.1),
 }
+
+
+def alt_style_rate(preset: Preset, task: TaskConfig) -> float:
+    """The share of the corpus in the alternative style: the task's `alt_style_rate` where set, else the preset's."""
+    return preset.alt_style_rate if task.alt_style_rate is None else task.alt_style_rate
 
 
 def model_config(preset: Preset, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
@@ -130,8 +144,12 @@ def count_params(model: torch.nn.Module) -> int:
 
 
 def cache_key(preset: Preset, task: TaskConfig) -> str:
-    fields = {k: v for k, v in asdict(preset).items() if k not in _KEY_OPTIONAL_DEFAULTS or v != _KEY_OPTIONAL_DEFAULTS[k]}
-    blob = json.dumps({"kit": KIT_VERSION, "preset": fields, "task": task.model_dump()}, sort_keys=True)
+    """What the cached policy depends on: the kit, the preset's fields (the alternative style's rate in effect)
+    and the task's fields that shape the corpus."""
+    fields = {**asdict(preset), "alt_style_rate": alt_style_rate(preset, task)}
+    fields = {k: v for k, v in fields.items() if k not in _KEY_OPTIONAL_DEFAULTS or v != _KEY_OPTIONAL_DEFAULTS[k]}
+    blob = json.dumps({"kit": KIT_VERSION, "preset": fields, "task": task.model_dump(exclude=_KEY_TASK_EXCLUDED)},
+                      sort_keys=True)
     return f"{preset.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
@@ -139,12 +157,15 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TAILSPEC_CACHE", Path.home() / ".cache" / "tailspec"))
 
 
-def _batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input ids and labels; loss only on the response (and its EOS)."""
+def _batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem], alt: list[bool] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input ids and labels; loss only on the response (and its EOS). `alt[i]`: problem i's gold
+    response in the alternative scratchpad style."""
     seqs, labels = [], []
-    for p in problems:
+    for i, p in enumerate(problems):
         prompt = encode_prompt(tokenizer, p.prompt)
-        resp = tokenizer.encode(p.gold, add_special_tokens=False) + [tokenizer.eos_token_id]
+        gold = p.gold_in(ALT if alt is not None and alt[i] else MAIN)
+        resp = tokenizer.encode(gold, add_special_tokens=False) + [tokenizer.eos_token_id]
         seqs.append(prompt + resp)
         labels.append([-100] * len(prompt) + resp)
     width = max(len(s) for s in seqs)
@@ -208,12 +229,15 @@ def pretrain(
         first = [short[i : i + bs] for i in range(0, need, bs)]
         np.random.default_rng(preset.seed + 1).shuffle(first)
         batches = first + batches
+    rate = alt_style_rate(preset, task)
+    style_rng = np.random.default_rng(preset.seed + 2)  # which problems are written in the alternative style
     model.train()
     losses: list[float] = []
     t0 = time.perf_counter()
     bar = tqdm(range(preset.train_steps), desc=f"pretrain {preset.name}", disable=not progress, leave=False)
     for step in bar:
-        ids, lab = _batch(tokenizer, batches[step])
+        alt = list(style_rng.random(len(batches[step])) < rate) if rate > 0 else None
+        ids, lab = _batch(tokenizer, batches[step], alt)
         out = model(input_ids=ids.to(device), labels=lab.to(device))
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -237,6 +261,7 @@ class EvalReport:
     gold_len_p50: float
     gold_len_p99: float
     lengths: list[int]
+    alt_style: float = 0.0  # share of the responses well-formed in the alternative scratchpad style
 
     @property
     def tail_ratio(self) -> float:
@@ -307,7 +332,7 @@ def evaluate(
         well_formed=float(np.mean([g.well_formed for g in graded])),
         len_p50=pct(lengths, 50), len_p90=pct(lengths, 90), len_p99=pct(lengths, 99),
         gold_len_p50=pct(gold, 50), gold_len_p99=pct(gold, 99),
-        lengths=lengths,
+        lengths=lengths, alt_style=float(np.mean([g.style == ALT for g in graded])),
     )
 
 
@@ -373,7 +398,8 @@ def get_policy(
     meta = {
         "preset": p.name, "params": count_params(model), "train_seconds": report.seconds,
         "train_steps": report.steps, "final_loss": report.final_loss, "accuracy": ev.accuracy,
-        "well_formed": ev.well_formed, "len_p50": ev.len_p50, "len_p90": ev.len_p90, "len_p99": ev.len_p99,
+        "well_formed": ev.well_formed, "alt_style": ev.alt_style, "alt_style_rate": alt_style_rate(p, task),
+        "len_p50": ev.len_p50, "len_p90": ev.len_p90, "len_p99": ev.len_p99,
         "task": task.model_dump(), "kit_version": KIT_VERSION, "created_at": time.time(),
     }
     save_policy(model, tokenizer, path, meta)

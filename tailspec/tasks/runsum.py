@@ -15,6 +15,16 @@ Why this task:
 - The reward is verifiable exactly (the final answer), with an optional format score.
 - The scratchpad is locally predictable (copy the previous total, copy the next number), so a good
   drafter can earn long acceptances — and one trained on an older policy can still go stale.
+
+Two scratchpad styles, both well-formed: the main one above, and an alternative that echoes the prompt's
+layout, tag and number first, then "+ previous total = new total", steps ended by ``,``:
+``a3+0=3,b7+3=0,c5+0=5,d9+5=4,#4``. The same work per step (look the number up by its tag, copy the previous
+total, add), one token shorter, but almost every token follows a different one than in the main style, so a
+drafter trained on main-style text predicts it badly. Policy presets write a share of their pre-training
+corpus in it (`task.alt_style_rate`, default the preset's: 10% for `deep`, none for the others), and a
+well-formed response in it earns `task.style_bonus` on top of its reward: GRPO then moves the policy from the
+main style toward the alternative over a run, a real drift of its output distribution driven by the reward,
+which a drafter trained once on the initial policy does not follow.
 """
 
 from __future__ import annotations
@@ -27,7 +37,11 @@ import numpy as np
 from tailspec.core.config import TaskConfig
 
 TAGS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-_WELL_FORMED = re.compile(r"^(?:[A-Za-z]:(\d+)\+(\d+)=(\d+);)*#(\d+)$")
+MAIN, ALT = "main", "alt"  # the two scratchpad styles (module docstring)
+_WELL_FORMED = {
+    MAIN: re.compile(r"^(?:[A-Za-z]:(\d+)\+(\d+)=(\d+);)*#(\d+)$"),  # a:0+3=3;b:3+7=0;#0
+    ALT: re.compile(r"^(?:[A-Za-z](\d+)\+(\d+)=(\d+),)*#(\d+)$"),  # a3+0=3,b7+3=0,#0
+}
 
 
 @dataclass(frozen=True)
@@ -45,10 +59,16 @@ class Problem:
 
     @property
     def gold(self) -> str:
+        return self.gold_in(MAIN)
+
+    def gold_in(self, style: str) -> str:
+        """The gold response in a scratchpad style (MAIN: ``a:0+3=3;…#4``, ALT: ``a3+0=3,…#4``)."""
+        if style not in _WELL_FORMED:
+            raise ValueError(f"unknown scratchpad style {style!r}; choose from {', '.join(_WELL_FORMED)}")
         total, steps = 0, []
         for t, x in zip(TAGS, self.numbers):
             new = (total + x) % self.modulus
-            steps.append(f"{t}:{total}+{x}={new};")
+            steps.append(f"{t}:{total}+{x}={new};" if style == MAIN else f"{t}{x}+{total}={new},")
             total = new
         return "".join(steps) + f"#{total}"
 
@@ -74,21 +94,35 @@ class Graded:
     correct: bool
     well_formed: bool
     answer: int | None
+    style: str | None = None  # MAIN or ALT for a well-formed response
 
 
 def grade(problem: Problem, response: str, cfg: TaskConfig | None = None) -> Graded:
-    """Exact check of the final answer (1.0 / 0.0) plus `format_score` for a well-formed scratchpad.
+    """Exact check of the final answer (1.0 / 0.0), plus `format_score` for a well-formed scratchpad, plus
+    `style_bonus` for one in the alternative style.
 
-    `response` is the decoded text after the prompt with special tokens removed; anything that is not
-    ``t:a+b=c;…#answer`` is malformed and earns 0 (no partial credit for an answer-looking suffix).
+    `response` is the decoded text after the prompt with special tokens removed; anything that is not a whole
+    scratchpad in one style (``t:a+b=c;…#answer`` or ``tb+a=c,…#answer``) is malformed and earns 0 (no partial
+    credit for an answer-looking suffix, none for mixing the styles). A bare ``#answer`` counts as MAIN.
     """
     cfg = cfg or TaskConfig()
-    m = _WELL_FORMED.match(response.strip())
-    if m is None:
+    text = response.strip()
+    for style, pattern in _WELL_FORMED.items():
+        m = pattern.match(text)
+        if m is not None:
+            break
+    else:
         return Graded(0.0, False, False, None)
     answer = int(m.group(4))
     correct = answer == problem.answer
-    return Graded((1.0 if correct else 0.0) + cfg.format_score, correct, True, answer)
+    bonus = cfg.style_bonus if style == ALT else 0.0
+    return Graded((1.0 if correct else 0.0) + cfg.format_score + bonus, correct, True, answer, style)
+
+
+def style_of(response: str) -> str | None:
+    """MAIN or ALT for a well-formed response, None for a malformed one."""
+    text = response.strip()
+    return next((style for style, pattern in _WELL_FORMED.items() if pattern.match(text)), None)
 
 
 def parse_prompt(prompt: str, modulus: int) -> Problem:
