@@ -33,7 +33,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
-from tailspec.core import state
+from tailspec.core import redis_conn, state
 from tailspec.core.state import DrafterVersion, Event, PhaseInfo, Progress, Sample
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,12 @@ class TailspecClient:
             self.r = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         except ValueError as e:
             raise ValueError(f"redis_url: {e}") from None
+        try:  # a wrong password or TLS setting fails here, plainly; Redis down is the writer's to ride out
+            redis_conn.check(self.r, redis_url)
+        except redis_conn.RedisSetupError as e:
+            self.r.close()
+            raise redis_conn.RedisSetupError(f"redis_url: {e}") from None
+        self._redis_url = redis_url
         self.cluster, self.node = cluster, node
         self.progress_ttl_s, self.refresh_s, self.queue_size = progress_ttl_s, refresh_s, queue_size
         self.samples_maxlen = samples_maxlen
@@ -306,7 +312,7 @@ class TailspecClient:
                 if self.errors in (1, 10) or self.errors % 100 == 0:
                     log.warning(
                         "tailspec client: Redis write failed (%s); %d errors, dropped %s",
-                        e,
+                        redis_conn.explain(e, self._redis_url) or e,
                         self.errors,
                         dict(self.dropped),
                     )

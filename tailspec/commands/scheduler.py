@@ -57,6 +57,23 @@ def _cfg(args: argparse.Namespace):
     return cfg
 
 
+def _redis_refused(url: str) -> str | None:
+    """Why Redis refuses `url` for good (password, permission, TLS), or None (reachable, or only down: the
+    scheduler rides out an outage)."""
+    import redis
+
+    from tailspec.core.redis_conn import RedisSetupError, check
+
+    r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    try:
+        check(r, url)
+    except RedisSetupError as e:
+        return str(e)
+    finally:
+        r.close()
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
     from tailspec.scheduler.service import run_local
     from tailspec.scheduler.telemetry import TelemetryError
@@ -67,6 +84,10 @@ def _run(args: argparse.Namespace) -> int:
             "tailspec: scheduler.mode is 'ray': start it inside the Ray cluster with `tailspec attach`",
             file=sys.stderr,
         )
+        return 2
+    why = _redis_refused(cfg.cluster.redis_url)
+    if why is not None:
+        print(f"tailspec: {why}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -124,6 +145,9 @@ def _top(args: argparse.Namespace) -> int:
     try:
         run_top(r, cfg.cluster.name, interval_s=args.interval, once=args.once)
     except redis.exceptions.ConnectionError as e:
-        print(f"tailspec top: cannot reach Redis at {cfg.cluster.redis_url}: {e}", file=sys.stderr)
+        from tailspec.core.redis_conn import explain, redact
+
+        url = cfg.cluster.redis_url
+        print(f"tailspec top: {explain(e, url) or f'cannot reach Redis at {redact(url)}: {e}'}", file=sys.stderr)
         return 1
     return 0
