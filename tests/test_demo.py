@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 FIELDS = {"step", "mode", "step_time_s", "rollout_time_s", "train_time_s", "idle_gpu_seconds", "lent_gpu_seconds",
           "drafter_version", "acceptance_length", "acceptance_frozen", "acceptance_cotrained", "tokens",
           "rollout_tokens_per_s", "mean_reward", "accuracy", "policy_version", "logprob_max_abs_diff", "sessions",
-          "measure_s", "wait_sessions_s"}
+          "measure_s", "wait_sessions_s", "alt_style_share"}
 
 
 @pytest.fixture(scope="module")

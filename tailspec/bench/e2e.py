@@ -52,7 +52,9 @@ def run(args: argparse.Namespace) -> dict:
         print(f"== {mode}: {args.steps} steps; {demo.placement.note}", file=out)
         rows = demo.run(on_row=lambda r: print(
             f"  step {r.step}: {r.step_time_s:.1f}s (rollout {r.rollout_time_s:.1f}s) acc.len {r.acceptance_length:.2f}"
-            f" idle {r.idle_gpu_seconds:.1f} lent {r.lent_gpu_seconds:.1f} reward {r.mean_reward:.2f}", file=print_to))
+            f" idle {r.idle_gpu_seconds:.1f} lent {r.lent_gpu_seconds:.1f} reward {r.mean_reward:.2f}"
+            f" acc {r.accuracy:.2f} alt {r.alt_style_share:.2f}"
+            + (f" frozen {r.acceptance_frozen:.2f}" if r.acceptance_frozen is not None else ""), file=print_to))
         runs[mode] = rows
 
     def mean_of(rows, attr):
@@ -90,6 +92,9 @@ def run(args: argparse.Namespace) -> dict:
             "cotrained": [co[0].acceptance_cotrained, co[-1].acceptance_cotrained],
         },
         "frozen_on_cotrained_samples_first_last": [co[0].acceptance_frozen, co[-1].acceptance_frozen],
+        # the drift: the frozen drafter's acceptance on each step's own samples, last ÷ first − 1 (frozen run)
+        "frozen_acceptance_change": relative_change(runs["frozen"][0].acceptance_frozen,
+                                                    runs["frozen"][-1].acceptance_frozen),
         "acceptance_curves": {
             "frozen": {r.step: r.acceptance_frozen for r in runs["frozen"] if r.acceptance_frozen is not None},
             "cotrained": {r.step: r.acceptance_cotrained for r in co if r.acceptance_cotrained is not None},
@@ -106,6 +111,9 @@ def run(args: argparse.Namespace) -> dict:
         "lent_gpu_seconds": round(lent, 2),
         "reward_final": {m: rows[-1].mean_reward for m, rows in runs.items()},
         "reward_curves": {m: [r.mean_reward for r in rows] for m, rows in runs.items()},
+        "accuracy_curves": {m: [round(r.accuracy, 3) for r in rows] for m, rows in runs.items()},
+        # share of responses in the task's alternative style, which the reward's style bonus favours
+        "alt_style_curves": {m: [round(r.alt_style_share, 3) for r in rows] for m, rows in runs.items()},
         "reward_agreement": reward_agreement(runs, args.prompts * args.group),
         "logprob_max_abs_diff": max(r.logprob_max_abs_diff for rows in runs.values() for r in rows),
     }
@@ -117,9 +125,19 @@ def run(args: argparse.Namespace) -> dict:
           f"{result['speedup_vs_frozen_last_third']:.2f}x; reclaimed share {result['reclaimed_share']:.2f}; "
           f"{result['promotions']} promotions; tail idle share {result['tail_idle_share']:.2f}; "
           f"drafter step / target forward {result['drafter_cost_ratio']}", file=out)
+    first, last = result["acceptance_first_last"]["frozen"]
+    if first is not None and last is not None:
+        print(f"frozen drafter on each step's samples: {first:.2f} -> {last:.2f} "
+              f"({result['frozen_acceptance_change']:+.1%}); alternative style share "
+              f"{runs['frozen'][0].alt_style_share:.2f} -> {runs['frozen'][-1].alt_style_share:.2f}, accuracy "
+              f"{runs['frozen'][0].accuracy:.2f} -> {runs['frozen'][-1].accuracy:.2f}", file=out)
     if tmp is not None:
         tmp.cleanup()
     return result
+
+
+def relative_change(first: float | None, last: float | None) -> float | None:
+    return None if first is None or last is None or first == 0 else round(last / first - 1, 4)
 
 
 def drafter_cost_ratio(demo) -> dict:

@@ -35,8 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private redis-server")
     p.add_argument("--run-dir", metavar="DIR", help="default runs/<timestamp>")
     p.add_argument("--no-dashboard", action="store_true", help="do not serve the live web dashboard")
-    p.add_argument("--bootstrap-seconds", type=float, default=60.0,
-                   help="training budget of the first (offline) drafter, cached per policy (default 60)")
+    p.add_argument("--bootstrap-steps", type=int, default=DemoOptions.bootstrap_steps,
+                   help="optimizer steps of the first (offline) drafter, cached per policy "
+                        f"(default {DemoOptions.bootstrap_steps})")
+    p.add_argument("--bootstrap-seconds", type=float, default=DemoOptions.bootstrap_seconds,
+                   help=f"cap on its training time (default {DemoOptions.bootstrap_seconds:g})")
     add_config_args(p)
     p.set_defaults(func=_demo)
 
@@ -48,7 +51,7 @@ def options_from_args(args: argparse.Namespace):
     return DemoOptions(steps=args.steps, workers=args.workers, mode=mode, seed=args.seed, policy=args.policy,
                        prompts_per_step=args.prompts, group_size=args.group, redis_url=args.redis,
                        run_dir=Path(args.run_dir) if args.run_dir else None, dashboard=not args.no_dashboard,
-                       bootstrap_seconds=args.bootstrap_seconds)
+                       bootstrap_steps=args.bootstrap_steps, bootstrap_seconds=args.bootstrap_seconds)
 
 
 # The per-step table: two-line headers, no vertical rules and one space of padding, so that it fits an

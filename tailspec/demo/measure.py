@@ -14,6 +14,7 @@ from tailspec.core import state
 from tailspec.core.state import DrafterVersion, Sample
 from tailspec.demo.bootstrap import BOOTSTRAP_SESSION
 from tailspec.demo.protocol import WorkResult
+from tailspec.tasks.runsum import ALT
 
 log = logging.getLogger("tailspec.demo")
 
@@ -57,6 +58,9 @@ class StepRow:
     worker_decode_s: dict[str, float] = field(default_factory=dict)
     accepted_by_k: dict[str, list[int]] = field(default_factory=dict)
     worker_cost: dict[str, dict] = field(default_factory=dict)  # each engine's cost model after the step
+    # share of the step's responses written well-formed in the task's alternative scratchpad style: the drift
+    # the reward's style bonus drives (tailspec/tasks/runsum.py)
+    alt_style_share: float = 0.0
 
 
 def counters(r, cluster: str) -> dict[str, float]:
@@ -84,7 +88,7 @@ class StepTimes:
 def step_row(step: int, mode: str, t: StepTimes, results: list[WorkResult], before: dict[str, float],
              after: dict[str, float], *, drafter_version: int | None, acc_frozen: float | None,
              acc_co: float | None, mean_reward: float, correct: list[bool], policy_version: int,
-             lp_diff: float) -> StepRow:
+             lp_diff: float, styles: list[str | None] | None = None) -> StepRow:
     """One step's figures from the workers' results and the scheduler's counters before and after it."""
     outs = [o for res in results for o in res.outputs]
     last_done = max(r.finished_at for r in results)
@@ -117,6 +121,7 @@ def step_row(step: int, mode: str, t: StepTimes, results: list[WorkResult], befo
         worker_setup_s={r.worker: r.setup_s for r in results},
         worker_decode_s={r.worker: r.decode_s for r in results}, accepted_by_k=by_k,
         worker_cost={r.worker: r.cost_model for r in results if r.cost_model is not None},
+        alt_style_share=float(np.mean([s == ALT for s in styles])) if styles else 0.0,
     )
 
 

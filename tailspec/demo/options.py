@@ -12,14 +12,18 @@ Mode = Literal["cotrained", "frozen", "nospec"]
 
 @dataclass
 class DemoOptions:
-    steps: int = 6
+    # 10 steps at lr 1e-4: enough for GRPO to move the deep policy from its main scratchpad style toward the one
+    # the reward's style bonus favours (10% -> most of the responses), the drift a frozen drafter does not follow
+    # (BENCHMARKS.md, "Drift"). At 6 steps and lr 3e-5 the frozen drafter moved by under 1%.
+    steps: int = 10
     workers: int = 4
     mode: Mode = "cotrained"
     seed: int = 0
     prompts_per_step: int = 16
     group_size: int = 4
     policy: str = "deep"
-    lr: float = 3e-5
+    lr: float = 1e-4
+    kl_coef: float = 0.0  # GRPO's KL penalty against the initial policy (tailspec/rl.py: grpo_step)
     temperature: float = 1.0
     max_tokens: int = 512
     max_seq_len: int = 640
@@ -34,7 +38,11 @@ class DemoOptions:
     #   longest — a guaranteed tail, for tests on policies too small to have one of their own.
     deal: Literal["chunk", "round_robin", "by_length"] = "chunk"
     bootstrap_samples: int = 256
-    bootstrap_seconds: float = 60.0
+    # The first drafter's budget: optimizer steps (166: what 60 s gave on a quiet 2-core machine with `deep`), and
+    # seconds as a cap only, so a busy machine trains the same drafter as a quiet one (60 s of a machine shared
+    # five ways gave 38 steps and an acceptance length of 1.34, a drafter with nothing left to go stale).
+    bootstrap_steps: int | None = 166
+    bootstrap_seconds: float = 600.0
     validation_samples: int = 32  # held-out samples of a promotion's paired test (trainer.validation_samples)
     # Instrumentation: both drafters' acceptance on this many of a step's samples, every N steps and the last.
     measure_samples: int = 24

@@ -99,6 +99,7 @@ class Demo:
         # the policy being trained and its published versions
         self.policy_src: Path | None = None
         self.model = self.tokenizer = self.optimizer = None
+        self.ref_model = None  # the frozen initial policy of the GRPO KL term (DemoOptions.kl_coef > 0)
         self.policy_version = 0
         self.policy_path: str | None = None
         self.frozen_path: str | None = None  # the first (bootstrap) drafter; None in nospec
@@ -157,6 +158,10 @@ class Demo:
         self.model, self.tokenizer = load_policy(self.policy_src)
         torch.manual_seed(self.o.seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.o.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        if self.o.kl_coef > 0:
+            import copy
+
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.policy_version = 0
         self.policy_path = self.publish_policy()
 
@@ -173,7 +178,7 @@ class Demo:
         from tailspec.demo.bootstrap import bootstrap_drafter
 
         return bootstrap_drafter(self.policy_src, self.cfg, self.o.bootstrap_samples, self.o.bootstrap_seconds,
-                                 seed=self.o.seed)
+                                 seed=self.o.seed, steps=self.o.bootstrap_steps)
 
     def seed_version_store(self) -> None:
         """Version 1 = the bootstrap drafter, promoted; sessions continue from its weights."""
@@ -321,8 +326,9 @@ class Demo:
         return results, t1 - t0
 
     def grade(self, step: int, problems: list, reqs: list[WorkRequest], results: list[WorkResult]
-              ) -> tuple[list[Rollout], list[Sample], list[bool]]:
-        """The RL framework's part: reward every response, and the samples it submits to tailspec."""
+              ) -> tuple[list[Rollout], list[Sample], list[bool], list[str | None]]:
+        """The RL framework's part: reward every response, and the samples it submits to tailspec (with each
+        response's correctness and scratchpad style, for the step's figures)."""
         from tailspec.tasks.runsum import grade
         from tailspec.tasks.tokenizer import decode_response
 
@@ -331,14 +337,16 @@ class Demo:
         rollouts: list[Rollout] = []
         samples: list[Sample] = []
         correct: list[bool] = []
+        styles: list[str | None] = []
         for rid in sorted(by_rid):
             o, q, group = by_rid[rid], req_of[rid], rid // self.o.group_size
             g = grade(problems[group], decode_response(self.tokenizer, o.token_ids), self.cfg.task)
             correct.append(g.correct)
+            styles.append(g.style)
             rollouts.append(Rollout(q.prompt_ids, o.token_ids, o.logprobs, g.reward, group))
             samples.append(Sample(prompt_ids=q.prompt_ids, response_ids=o.token_ids, reward=g.reward,
                                   policy_version=self.policy_version, group_id=f"{step}:{group}"))
-        return rollouts, samples, correct
+        return rollouts, samples, correct, styles
 
     def instrument(self, step: int, rollouts: list[Rollout], samples: list[Sample]
                    ) -> tuple[float, float | None, float | None]:
@@ -363,14 +371,14 @@ class Demo:
         problems, reqs = self.requests(step)
         results, rollout_s = self.rollout(step, reqs, on_progress)
         t_train = time.time()
-        rollouts, samples, correct = self.grade(step, problems, reqs, results)
+        rollouts, samples, correct, styles = self.grade(step, problems, reqs, results)
         # The RL trainer needs every GPU back before its update (the wait a real trainer does for reclaim).
         wait_s = self.wait_sessions_stopped()
         t_measure = time.time()
         lp_diff, acc_frozen, acc_co = self.instrument(step, rollouts, samples)
         measure_s = time.time() - t_measure
         stats = grpo_step(self.model, self.optimizer, rollouts, self.tokenizer.pad_token_id,
-                          temperature=self.o.temperature)
+                          temperature=self.o.temperature, kl_coef=self.o.kl_coef, ref_model=self.ref_model)
         self.client.submit_samples(samples)
         self.policy_version += 1
         self.policy_path = self.publish_policy()
@@ -379,7 +387,7 @@ class Demo:
         row = step_row(step, self.o.mode, times, results, before, counters(self.r, self.cluster),
                        drafter_version=self.current_drafter_version, acc_frozen=acc_frozen, acc_co=acc_co,
                        mean_reward=stats.mean_reward, correct=correct, policy_version=self.policy_version,
-                       lp_diff=lp_diff)
+                       lp_diff=lp_diff, styles=styles)
         publish_rollout_stats(self.r, self.cluster, row)
         return row
 
