@@ -4,7 +4,8 @@ Best-effort and non-blocking. Every call validates its input (a bad argument rai
 TypeError for a wrong kind of argument, at once, naming the argument — that is the caller's bug), so
 what reaches the buffer always encodes and round-trips: no NaN/inf that JSON would turn into null, no
 text that is not UTF-8, no name that would break a Redis key. A refused call leaves nothing behind.
-Then the call only touches an in-memory buffer under a lock; a background thread writes to Redis.
+Then the call only touches an in-memory buffer under a lock; a background thread writes to Redis
+(scheduler/client_writer.py; the checks: scheduler/client_checks.py).
 A dead or slow Redis never stalls a rollout: progress and phase coalesce (latest wins, retried),
 samples go through a bounded queue and are dropped and counted when it is full or Redis refuses them.
 `current_drafter()` returns a cached value the thread refreshes.
@@ -21,26 +22,32 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import os
-import re
 import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from pydantic import ValidationError
-from pydantic_core import PydanticSerializationError
+from tailspec.scheduler.client_checks import (
+    check_count,
+    check_finite,
+    check_name,
+    check_seconds,
+    check_text,
+    checked_sample,
+    encodes,
+    first_error,
+)
+from tailspec.scheduler.client_writer import ClientWriter
 
 from tailspec.core import redis_conn, state
-from tailspec.core.state import DrafterVersion, Event, PhaseInfo, Progress, Sample
+from tailspec.core.config import load_config
+from tailspec.core.state import DrafterVersion, PhaseInfo, Progress, Sample
 
 log = logging.getLogger(__name__)
-
-MAX_SAMPLE_IDS = 1 << 20  # prompt + response ids of one sample: far above any RL context, far below Redis' limits
-MAX_TEXT = 4096  # characters of a worker name, group id or policy path
-_NAME = re.compile(state.NAME_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,9 @@ class ReclaimWait:
     error: str | None = None  # Redis unreachable: nothing could be checked
 
 
-class TailspecClient:
+class TailspecClient(ClientWriter):
+    """The calls (this module) and the background writer (scheduler/client_writer.py) over one buffer."""
+
     def __init__(
         self,
         redis_url: str,
@@ -67,15 +76,13 @@ class TailspecClient:
         samples_maxlen: int = 100_000,
         samples_keep_versions: int = 8,
     ):
-        import redis
-
-        _check_name("cluster", cluster)
-        _check_name("node", node)
+        check_name("cluster", cluster)
+        check_name("node", node)
         for name, v in (("queue_size", queue_size), ("samples_maxlen", samples_maxlen),
                         ("samples_keep_versions", samples_keep_versions)):
-            _check_count(name, v, minimum=1)
+            check_count(name, v, minimum=1)
         for name, v in (("progress_ttl_s", progress_ttl_s), ("timeout_s", timeout_s), ("refresh_s", refresh_s)):
-            _check_seconds(name, v, positive=True)
+            check_seconds(name, v, positive=True)
         if not isinstance(redis_url, str):
             raise TypeError(f"redis_url must be a str, got {type(redis_url).__name__}")
         try:  # before the writer thread starts: a refused client leaves nothing running
@@ -136,9 +143,9 @@ class TailspecClient:
         and released its GPU memory (vLLM `sleep`, KV cache freed, allocator cache emptied) says so with
         `mem_released=True` and, if it measured it, `free_mem` (bytes free on its GPU); a worker that reports
         `mem_released=False` is never lent before it reports True."""
-        _check_text("report_progress: worker", worker)
+        check_text("report_progress: worker", worker)
         if node is not None:
-            _check_name("report_progress: node", node)
+            check_name("report_progress: node", node)
         if isinstance(gpus, (str, bytes, Mapping)) or not isinstance(gpus, Iterable):
             raise TypeError(f"report_progress: gpus must be a list of GPU indices, got {type(gpus).__name__}")
         if step is None:
@@ -162,10 +169,10 @@ class TailspecClient:
                 ts=time.time(),
             )
         except ValidationError as e:
-            raise ValueError(f"report_progress: {_first_error(e)}") from None
+            raise ValueError(f"report_progress: {first_error(e)}") from None
         for name in ("tokens_per_s", "remaining_s"):
-            _check_finite(f"report_progress: {name}", getattr(p, name))
-        _encodes("report_progress", p)
+            check_finite(f"report_progress: {name}", getattr(p, name))
+        encodes("report_progress", p)
         with self._lock:
             self._progress[worker] = p
         self._wake.set()
@@ -174,7 +181,7 @@ class TailspecClient:
         self, phase: str, step: int, policy_version: int = 0, policy_path: str | None = None
     ) -> None:
         if policy_path is not None:
-            _check_text("set_phase: policy_path", policy_path)
+            check_text("set_phase: policy_path", policy_path)
         try:
             info = PhaseInfo(
                 phase=phase,
@@ -184,8 +191,8 @@ class TailspecClient:
                 policy_path=policy_path,
             )
         except ValidationError as e:
-            raise ValueError(f"set_phase: {_first_error(e)}") from None
-        _encodes("set_phase", info)
+            raise ValueError(f"set_phase: {first_error(e)}") from None
+        encodes("set_phase", info)
         with self._lock:
             self._phase = info
             self._phase_seen = info
@@ -196,7 +203,7 @@ class TailspecClient:
         one bad sample raises (naming its index and field) before any of the call's samples is queued."""
         if isinstance(samples, (str, bytes, Mapping, Sample)) or not isinstance(samples, Iterable):
             raise TypeError(f"submit_samples: samples must be a list of Sample or dict, got {type(samples).__name__}")
-        good = [_checked_sample(i, s) for i, s in enumerate(samples)]
+        good = [checked_sample(i, s) for i, s in enumerate(samples)]
         accepted = 0
         with self._lock:
             for s in good:
@@ -211,7 +218,7 @@ class TailspecClient:
     def current_drafter(self, wait_s: float = 0.2) -> DrafterVersion | None:
         """The promoted drafter version (cached, refreshed every refresh_s); waits at most wait_s for
         the very first read."""
-        _check_seconds("current_drafter: wait_s", wait_s)
+        check_seconds("current_drafter: wait_s", wait_s)
         if not self._refreshed.is_set():
             self._wake.set()
             self._refreshed.wait(wait_s)
@@ -226,8 +233,8 @@ class TailspecClient:
         which GPUs are still held and by whom (and logs a warning). Never raises: on a Redis error it
         returns with `error` set, after at most 2 s spent flushing this client's queue, so an outage never
         stalls training for longer."""
-        _check_seconds("wait_reclaimed: timeout_s", timeout_s)
-        _check_seconds("wait_reclaimed: poll_s", poll_s, positive=True)
+        check_seconds("wait_reclaimed: timeout_s", timeout_s)
+        check_seconds("wait_reclaimed: poll_s", poll_s, positive=True)
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         flushed = self.flush(min(timeout_s, 2.0))  # our own set_phase must be written before we look
@@ -270,7 +277,7 @@ class TailspecClient:
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything queued was written (or dropped); True if the buffers are empty."""
-        _check_seconds("flush: timeout_s", timeout_s)
+        check_seconds("flush: timeout_s", timeout_s)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
@@ -291,229 +298,6 @@ class TailspecClient:
         except Exception:
             pass
 
-    # -- background writer ---------------------------------------------------------------------
-    def _drop(self, reason: str, n: int = 1) -> None:
-        self.dropped[reason] += n
-        self._dropped_unsynced[reason] += n
-
-    def _run(self) -> None:
-        backoff = 0.0
-        while not self._closed.is_set():
-            self._wake.wait(timeout=max(backoff, min(self.refresh_s, self.progress_ttl_s / 3)))
-            self._wake.clear()
-            if backoff and self._closed.wait(backoff):  # Redis failing: space the retries
-                break
-            try:
-                self._write_once()
-                backoff = 0.0
-            except Exception as e:  # Redis down or slow: keep the latest progress/phase, retry later
-                self.errors += 1
-                backoff = min(1.0, max(0.05, backoff * 2))
-                if self.errors in (1, 10) or self.errors % 100 == 0:
-                    log.warning(
-                        "tailspec client: Redis write failed (%s); %d errors, dropped %s",
-                        redis_conn.explain(e, self._redis_url) or e,
-                        self.errors,
-                        dict(self.dropped),
-                    )
-
-    def _write_once(self) -> None:
-        try:
-            self._write_batch()
-        finally:
-            with self._lock:
-                self._writing = False
-
-    def _write_batch(self) -> None:
-        c = self.cluster
-        now = time.time()
-        with self._lock:
-            progress, self._progress = self._progress, {}
-            phase, self._phase = self._phase, None
-            n = min(len(self._samples), 1000)
-            samples = [self._samples.popleft() for _ in range(n)]
-            dropped, self._dropped_unsynced = self._dropped_unsynced, collections.Counter()
-            self._writing = True
-        # keep-alive: re-send each worker's last report before its key expires
-        for w, (p, sent_at) in self._last_sent.items():
-            if w not in progress and now - sent_at > self.progress_ttl_s / 3:
-                progress[w] = p
-        pipe = self.r.pipeline(transaction=False)
-        if phase is not None:
-            pipe.set(state.key(c, "phase"), state.encode(phase))
-            pipe.xadd(
-                state.key(c, "events"),
-                {
-                    "data": state.encode(
-                        Event(
-                            kind="phase",
-                            detail={
-                                "phase": phase.phase,
-                                "step": phase.step,
-                                "policy_version": phase.policy_version,
-                            },
-                        )
-                    )
-                },
-                maxlen=20_000,
-                approximate=True,
-            )
-        px = int(self.progress_ttl_s * 1000)
-        for w, p in progress.items():
-            pipe.set(state.key(c, "progress", worker=w), state.encode(p), px=px)
-            pipe.sadd(state.key(c, "workers"), w)
-        first_sample = len(pipe.command_stack)
-        for _, data in samples:
-            pipe.xadd(
-                state.key(c, "samples"),
-                {"data": data},
-                maxlen=self.samples_maxlen,
-                approximate=True,
-            )
-        for reason, k in dropped.items():
-            pipe.hincrby(state.key(c, "dropped"), reason, k)
-        refresh = now - self._last_refresh >= self.refresh_s or not self._refreshed.is_set()
-        if refresh:
-            pipe.get(state.key(c, "drafter_current"))
-            pipe.get(state.key(c, "phase"))
-        try:
-            res = pipe.execute()
-        except Exception:
-            with self._lock:  # progress and phase: newest wins, so put back only what was not replaced
-                for w, p in progress.items():
-                    self._progress.setdefault(w, p)
-                if phase is not None and self._phase is None:
-                    self._phase = phase
-                for reason, k in dropped.items():
-                    self._dropped_unsynced[reason] += k
-            if samples:
-                self._drop("redis_unavailable", len(samples))
-            raise
-        for w, p in progress.items():
-            self._last_sent[w] = (p, now)
-        self.sent["progress"] += len(progress)
-        self.sent["samples"] += len(samples)
-        if samples:
-            self._trim_versions(samples, res[first_sample : first_sample + len(samples)])
-        if refresh:
-            self._last_refresh = now
-            raw_drafter, raw_phase = res[-2], res[-1]
-            try:
-                self._drafter = None if raw_drafter is None else state.decode(DrafterVersion, raw_drafter)
-            except state.StateError:
-                self._drop("bad_drafter_record")
-            try:
-                if raw_phase is not None:
-                    self._phase_seen = state.decode(PhaseInfo, raw_phase)
-            except state.StateError:
-                pass
-            self._refreshed.set()
-
-
-    def _trim_versions(self, samples: list[tuple[Sample, bytes]], ids: list) -> None:
-        for (s, _), entry_id in zip(samples, ids):
-            self._version_first_id.setdefault(s.policy_version, entry_id)
-        versions = sorted(self._version_first_id)
-        if len(versions) <= self.samples_keep_versions:
-            return
-        keep_from = versions[-self.samples_keep_versions]
-        minid = self._version_first_id[keep_from]
-        try:
-            self.r.xtrim(state.key(self.cluster, "samples"), minid=minid, approximate=False)
-        except Exception as e:  # trimming is housekeeping: the next write tries again
-            log.debug("sample stream not trimmed: %s", e)
-            return
-        for v in versions:
-            if v < keep_from:
-                del self._version_first_id[v]
-
-
-def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or "(value)"
-    return f"{loc}: {err['msg']} (got {_short(err.get('input'))})"
-
-
-def _short(v: Any, limit: int = 120) -> str:
-    """repr cut to `limit` characters: an error about a million-id list must not be a megabyte long."""
-    r = repr(v)
-    return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
-
-
-def _check_name(what: str, v: Any) -> None:
-    """Cluster and node names go into Redis keys and '{node}:{gpu}' ids: state.NAME_PATTERN only."""
-    if not isinstance(v, str):
-        raise TypeError(f"{what} must be a str, got {type(v).__name__}")
-    if not _NAME.match(v):
-        raise ValueError(f"{what} must match {state.NAME_PATTERN} (letters, digits, _ . -), got {_short(v)}")
-
-
-def _check_text(what: str, v: Any) -> None:
-    """A free-form name (worker, policy path, group id): non-empty, printable, UTF-8, at most MAX_TEXT."""
-    if not isinstance(v, str):
-        raise TypeError(f"{what} must be a str, got {type(v).__name__}")
-    if not v.strip() or len(v) > MAX_TEXT or not v.isprintable():
-        raise ValueError(f"{what} must be 1 to {MAX_TEXT} printable characters, got {_short(v)}")
-    _check_utf8(what, v)
-
-
-def _check_utf8(what: str, v: str) -> None:
-    try:
-        v.encode()
-    except UnicodeEncodeError:
-        raise ValueError(f"{what} is not valid Unicode text (lone surrogate), got {_short(v)}") from None
-
-
-def _check_count(what: str, v: Any, minimum: int = 0) -> None:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{what} must be an int, got {type(v).__name__}")
-    if v < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {v}")
-
-
-def _check_finite(what: str, v: Any) -> None:
-    """NaN and infinity are not JSON: pydantic would write them as null, which the reader then refuses."""
-    if isinstance(v, float) and not math.isfinite(v):
-        raise ValueError(f"{what} must be a finite number, got {v}")
-
-
-def _check_seconds(what: str, v: Any, positive: bool = False) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{what} must be a number of seconds, got {type(v).__name__}")
-    if not math.isfinite(v) or v < 0 or (positive and v == 0):
-        raise ValueError(f"{what} must be a finite number of seconds {'> 0' if positive else '>= 0'}, got {v}")
-
-
-def _encodes(call: str, payload: Any) -> bytes:
-    """The JSON the writer thread will send; a payload that does not encode is refused here, not there."""
-    try:
-        return state.encode(payload)
-    except PydanticSerializationError as e:  # text that is not UTF-8
-        raise ValueError(f"{call}: payload does not encode as JSON: {e}") from None
-
-
-def _checked_sample(i: int, s: Any) -> tuple[Sample, bytes]:
-    """Validate (again, for a Sample built or changed without validation) and encode sample `i`."""
-    where = f"submit_samples: samples[{i}]"
-    if isinstance(s, Sample):
-        s = s.model_dump()
-    if not isinstance(s, Mapping):
-        raise TypeError(f"{where} must be a Sample or dict, got {type(s).__name__}")
-    try:
-        sample = Sample.model_validate(s)
-    except ValidationError as e:
-        raise ValueError(f"{where}.{_first_error(e)}") from None
-    for name in ("reward", "ts"):
-        _check_finite(f"{where}.{name}", getattr(sample, name))
-    n = len(sample.prompt_ids) + len(sample.response_ids)
-    if n > MAX_SAMPLE_IDS:
-        raise ValueError(f"{where}: prompt_ids + response_ids hold {n} ids, more than {MAX_SAMPLE_IDS}")
-    if sample.group_id is not None:
-        if len(sample.group_id) > MAX_TEXT:
-            raise ValueError(f"{where}.group_id: longer than {MAX_TEXT} characters ({len(sample.group_id)})")
-        _check_utf8(f"{where}.group_id", sample.group_id)
-    return sample, _encodes(where, sample)
-
 
 _default: TailspecClient | None = None
 _default_lock = threading.Lock()
@@ -526,8 +310,6 @@ def connect(
     (TAILSPEC_CONFIG / TAILSPEC_* environment)."""
     global _default
     if redis_url is None or cluster is None or node is None:
-        from tailspec.core.config import load_config
-
         cfg = load_config()
         redis_url = redis_url or cfg.cluster.redis_url
         cluster = cluster or cfg.cluster.name

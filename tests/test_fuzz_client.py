@@ -17,7 +17,8 @@ import pytest
 from fuzz_helpers import FUZZ, Tally, bad, draw_args, either, good, judge
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tailspec.scheduler.client import MAX_SAMPLE_IDS, TailspecClient
+from tailspec.scheduler.client import TailspecClient
+from tailspec.scheduler.client_checks import MAX_SAMPLE_IDS
 from tailspec.scheduler.service import Scheduler
 
 from tailspec.core import state
