@@ -28,10 +28,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import redis
+from tailspec.scheduler import placement
+from tailspec.scheduler.actions import execute_all, finalize_record
+from tailspec.scheduler.dispatch import LocalDispatcher
 from tailspec.scheduler.idle import Action, IdleDetector
 from tailspec.scheduler.leader import LeaderElection
 from tailspec.scheduler.leases import LeaderLost, Leases
-from tailspec.scheduler.session import SessionContext
+from tailspec.scheduler.monitor import TelemetryMonitor
+from tailspec.scheduler.observe import Observer
+from tailspec.scheduler.telemetry import make_telemetry
 
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
@@ -43,14 +49,12 @@ from tailspec.core.state import (
     Lease,
     PhaseInfo,
     Progress,
-    SessionInfo,
     StateError,
 )
 
 log = logging.getLogger(__name__)
 
 COUNTER_FLUSH_S = 0.25
-FAILED_BACKOFF_S = 5.0  # a GPU whose session failed is not lent again for this long
 
 
 def _s(v: bytes | str) -> str:
@@ -109,9 +113,7 @@ class Scheduler:
     def _reset_term_state(self) -> None:
         """What a term's decisions rest on, fresh: a leader starts from what it observes itself."""
         self._published: dict[tuple[str, int], tuple[GpuState, float]] = {}
-        self._decoded: dict[str, tuple[bytes, Any]] = {}  # key → (payload, decoded): undecoded while unchanged
-        self._gpu_members: set | None = None
-        self._gpu_keys: list[tuple[str, int]] = []
+        self._observer = Observer(self.r, self.c, self._bad)
         self._last_tick: float | None = None
         self._last_renew = float("-inf")
         self._last_flush = float("-inf")
@@ -143,65 +145,8 @@ class Scheduler:
             )
 
     def snapshot(self) -> tuple[PhaseInfo | None, dict[str, Progress], dict[tuple[str, int], GpuTelemetry]]:
-        """Two round trips: phase and the worker and GPU sets, then one MGET of every progress and telemetry
-        key (one command, not a GET each: at a thousand GPUs the client's per-command cost dominates). A payload
-        whose bytes did not change since the last tick is not decoded again."""
-        c = self.c
-        pipe = self.r.pipeline(transaction=False)
-        pipe.get(state.key(c, "phase"))
-        pipe.smembers(state.key(c, "workers"))
-        pipe.smembers(state.key(c, "gpus"))
-        raw_phase, workers, gpus = pipe.execute()
-        workers = sorted(_s(w) for w in workers)
-        if gpus != self._gpu_members:
-            self._gpu_members = gpus
-            self._gpu_keys = []
-            for g in gpus:
-                node, _, idx = _s(g).rpartition(":")
-                if node and idx.isdigit():
-                    self._gpu_keys.append((node, int(idx)))
-        gpu_keys = self._gpu_keys
-        keys = [state.key(c, "progress", worker=w) for w in workers]
-        keys += [state.key(c, "telemetry", node=node, gpu=g) for node, g in gpu_keys]
-        raw = self.r.mget(keys) if keys else []
-        cache, seen = self._decoded, {}
-        phase = None
-        if raw_phase is not None:
-            try:
-                phase = state.decode(PhaseInfo, raw_phase, where="phase")
-            except StateError as e:
-                self._bad("phase", e)
-        progress: dict[str, Progress] = {}
-        for k, w, v in zip(keys, workers, raw[: len(workers)]):
-            if v is None:
-                continue
-            hit = cache.get(k)
-            if hit is not None and hit[0] == v:
-                progress[w] = seen[k] = hit[1]
-                continue
-            try:
-                progress[w] = state.decode(Progress, v, where=f"progress:{w}")
-            except StateError as e:
-                self._bad(f"progress:{w}", e)
-                continue
-            seen[k] = progress[w]
-        telemetry: dict[tuple[str, int], GpuTelemetry] = {}
-        for k, gk, v in zip(keys[len(workers):], gpu_keys, raw[len(workers):]):
-            if v is None:
-                continue
-            hit = cache.get(k)
-            if hit is not None and hit[0] == v:
-                telemetry[gk] = seen[k] = hit[1]
-                continue
-            try:
-                telemetry[gk] = state.decode(GpuTelemetry, v, where=f"gpu:{gk[0]}:{gk[1]}")
-            except StateError as e:
-                self._bad(f"gpu:{gk[0]}:{gk[1]}", e)
-                continue
-            seen[k] = telemetry[gk]
-        raws = dict(zip(keys, raw))
-        self._decoded = {k: (raws[k], obj) for k, obj in seen.items()}
-        return phase, progress, telemetry
+        """Phase, progress and telemetry in two round trips (scheduler/observe.py)."""
+        return self._observer.snapshot()
 
     # -- leadership ----------------------------------------------------------------------------
     def recover(self) -> Inherited:
@@ -325,7 +270,7 @@ class Scheduler:
         actions = self.detector.tick(now, phase, progress, telemetry, ended)
         pipe = self.r.pipeline(transaction=False)
         if actions:
-            self._execute_all(actions, now, pipe)
+            execute_all(self, actions, now, pipe)
         # Leases of live sessions are renewed here too (every quarter TTL): a session whose process is
         # still starting (imports, model load) must not lose its GPU before its first own renewal.
         renew = now - self._last_renew >= sc.lease_ttl_s / 4
@@ -352,216 +297,6 @@ class Scheduler:
         if self._lent_acc:
             pipe.hincrbyfloat(ck, "lent_gpu_seconds", self._lent_acc)
         self._idle_acc = self._lent_acc = 0.0
-
-    def _execute_all(self, actions: list[Action], now: float, pipe: Any) -> None:
-        """Execute one tick's actions in a fixed number of round trips, however many GPUs they concern: the
-        lease scripts of every lend, revoke and release and the session records they need in one pipeline; the
-        new sessions' records in a second (before their processes start, so a session's own fenced writes come
-        after it); events, counters and final records queue on `pipe`, written at the tick's end. One failed
-        action does not stop the others (Redis blips, dispatch errors); a refused fenced write (LeaderLost)
-        ends the term."""
-        c, sc = self.c, self.cfg.scheduler
-        holder = f"scheduler@{c}"
-        pre = self.r.pipeline(transaction=False)
-        slots: list[int] = []  # per action: how many results of `pre` are its lease script's (0 or 1)
-        records: list[str | None] = []  # per action: the session record it reads (one MGET for all)
-        for a in actions:
-            n = len(pre.command_stack)
-            if a.kind == "lend":
-                self.leases.acquire(a.node, a.gpu, holder, sc.lease_ttl_s, epoch=self.epoch, client=pre)
-            elif a.kind == "revoke":
-                assert a.token is not None
-                self.leases.revoke(a.node, a.gpu, a.token, flag_ttl_s=max(60.0, 10 * sc.lease_ttl_s),
-                                   epoch=self.epoch, client=pre)
-            elif a.kind == "reclaimed" and a.token is not None:
-                self.leases.release(a.node, a.gpu, a.token, client=pre)
-            slots.append(len(pre.command_stack) - n)
-            records.append(state.key(c, "session", session_id=a.session_id)
-                           if a.kind in ("revoke", "reclaimed") and a.session_id is not None else None)
-        wanted = [k for k in records if k is not None]
-        if wanted:
-            pre.mget(wanted)
-        try:
-            results = pre.execute(raise_on_error=False) if pre.command_stack else []
-        except LeaderLost:
-            raise
-        except Exception as e:  # Redis down: no action can go on; the detector's state is kept as it decided
-            self.errors += 1
-            log.warning("scheduler: %d actions failed: %s", len(actions), e)
-            return
-        raw_records = iter(results[-1] if wanted and not isinstance(results[-1], Exception) else [None] * len(wanted))
-        ended = self.dispatcher.poll() if any(a.kind == "reclaimed" for a in actions) else set()
-        lends: list[tuple[Action, Lease]] = []
-        i = 0
-        for a, n, k in zip(actions, slots, records):
-            res, i = results[i : i + n], i + n
-            if k is not None:
-                res.append(next(raw_records))
-            try:
-                if a.kind == "lend":
-                    lease = self.leases.granted(res[0], a.node, a.gpu, self.epoch)
-                    if lease is not None:  # else someone else's lease is still live (expires within one TTL)
-                        lends.append((a, lease))
-                else:
-                    self._execute(a, now, res, ended, pipe)
-            except LeaderLost:
-                raise
-            except Exception as e:
-                self.errors += 1
-                log.warning("scheduler: %s on %s:%d failed: %s", a.kind, a.node, a.gpu, e)
-        if lends:
-            self._start_sessions(lends, now, pipe)
-        for name, v in self._counts.items():  # one HINCRBYFLOAT per counter per tick, not one per action
-            pipe.hincrbyfloat(state.key(c, "counters"), name, v)
-        self._counts.clear()
-
-    def _start_sessions(self, lends: list[tuple[Action, Lease]], now: float, pipe: Any) -> None:
-        c, sc = self.c, self.cfg.scheduler
-        started = []
-        rec = self.r.pipeline(transaction=False)
-        for a, lease in lends:
-            sid = f"{a.node}-g{a.gpu}-t{lease.token}"
-            info = SessionInfo(session_id=sid, node=a.node, gpu=a.gpu, lease_token=lease.token, status="starting",
-                               started_at=lease.granted_at)
-            rec.set(state.key(c, "session", session_id=sid), state.encode(info))
-            started.append((a, lease, sid, info))
-        try:
-            rec.execute()
-        except Exception as e:  # the records are not there: give the GPUs back, lend again at a later tick
-            self.errors += 1
-            log.warning("scheduler: %d session records not written: %s", len(lends), e)
-            for a, lease in lends:
-                try:
-                    self.leases.release(a.node, a.gpu, lease.token)
-                except Exception:
-                    pass  # expires within one TTL
-            return
-        config = self.cfg.model_dump(mode="json")
-        for a, lease, sid, info in started:
-            ctx = SessionContext(
-                session_id=sid,
-                node=a.node,
-                gpu=a.gpu,
-                lease_token=lease.token,
-                redis_url=self.redis_url or self.cfg.cluster.redis_url,
-                cluster=c,
-                config=config,
-                lease_ttl_s=sc.lease_ttl_s,
-                stop_deadline_s=sc.stop_deadline_s,
-                started_at=lease.granted_at,
-                require_heartbeat=self.require_heartbeat,
-            )
-            try:
-                self.dispatcher.start(ctx)
-            except Exception as e:
-                self.errors += 1
-                log.warning("scheduler: lend on %s:%d failed: %s", a.node, a.gpu, e)
-                try:
-                    self.leases.release(a.node, a.gpu, lease.token)
-                    self.r.set(state.key(c, "session", session_id=sid), state.encode(info.model_copy(update={
-                        "status": "failed", "stopped_at": time.time(), "stop_reason": f"start: {e}"})))
-                except Exception:
-                    pass  # the lease expires within one TTL
-                pipe.sadd(state.key(c, "sessions"), sid)
-                self._event("session_failed", a.node, a.gpu, pipe, session_id=sid, error=str(e))
-                self.detector.back_off(a.node, a.gpu, now + FAILED_BACKOFF_S)
-                continue
-            self.detector.lent(a.node, a.gpu, lease.token, sid, now)
-            self.live[sid] = (a.node, a.gpu, lease.token)
-            pipe.sadd(state.key(c, "sessions"), sid)
-            self._counts["sessions_started"] += 1
-            m = self.detector.machine(a.node, a.gpu)
-            self._event("lease_granted", a.node, a.gpu, pipe, token=lease.token, session_id=sid, reason=a.reason,
-                        idle_s=now - (m.drained_at or now))
-            self._event("session_started", a.node, a.gpu, pipe, session_id=sid, token=lease.token)
-
-    def _execute(self, a: Action, now: float, res: list[Any], ended: set[str], pipe: Any) -> None:
-        """One idle, revoke or reclaimed action; `res`: the results of what _execute_all queued for it (lease
-        script, then the session's record)."""
-        if a.kind == "idle":
-            self._event("gpu_idle", a.node, a.gpu, pipe, detect_latency_s=a.latency_s)
-        elif a.kind == "revoke":
-            self.leases.revoked(res[0], a.node, a.gpu, self.epoch)
-            if a.session_id is not None and self._still_starting(a.session_id, res[1]):
-                # Not training yet (still importing / loading): nothing to save, cancel it now
-                # instead of waiting for a lease check it has not reached (see LocalDispatcher.cancel).
-                self.dispatcher.cancel(a.session_id)
-            self._counts["sessions_preempted"] += 1
-            self._event(
-                "lease_revoked", a.node, a.gpu, pipe, token=a.token, session_id=a.session_id, reason=a.reason
-            )
-        elif a.kind == "reclaimed":
-            sid = a.session_id
-            if a.token is not None and isinstance(res[0], Exception):
-                log.warning("scheduler: release of %s:%d failed: %s (the lease expires within one TTL)",
-                            a.node, a.gpu, res[0])
-            if sid is None:
-                return
-            raw = res[-1]
-            exited = sid in ended
-            if not exited:
-                self.dispatcher.stop(sid)  # past the deadline: the backstop
-            exit_code = self.dispatcher.ended.get(sid)
-            if exit_code and a.reason == "session ended":
-                # It failed on its own while the GPU was still idle: do not restart it in a tight loop.
-                self.detector.back_off(a.node, a.gpu, now + FAILED_BACKOFF_S)
-                self._event("session_failed", a.node, a.gpu, pipe, session_id=sid, exit_code=exit_code)
-            self.dispatcher.forget(sid)
-            self.live.pop(sid, None)
-            self._counts["sessions_stopped"] += 1
-            info = self._record(sid, raw)
-            self._finalize_record(sid, a.reason, info, pipe)
-            self._note_memory(sid, a, info, pipe)
-            self._event(
-                "session_stopped",
-                a.node,
-                a.gpu,
-                pipe,
-                session_id=sid,
-                token=a.token,
-                reason=a.reason,
-                release_latency_s=a.latency_s,
-                exited=exited,
-            )
-
-    def _record(self, sid: str, raw: Any) -> SessionInfo | None:
-        if raw is None or isinstance(raw, Exception):
-            return None
-        try:
-            return state.decode(SessionInfo, raw, where=f"session:{sid}")
-        except StateError as e:
-            self._bad(f"session:{sid}", e)
-            return None
-
-    def _still_starting(self, sid: str, raw: Any) -> bool:
-        info = self._record(sid, raw)
-        return info is not None and info.status == "starting"
-
-    def _finalize_record(self, sid: str, reason: str, info: SessionInfo | None = None, pipe: Any = None) -> None:
-        """A session killed before writing its final record is marked stopped by us. `info`: its record as read
-        this tick (read here when not given); `pipe`: where to queue the write (written now when not given)."""
-        k = state.key(self.c, "session", session_id=sid)
-        if info is None and pipe is None:
-            try:
-                info = state.get(self.r, k, SessionInfo)
-            except StateError:
-                info = None
-        if info is not None and info.status not in ("stopped", "failed"):
-            data = state.encode(info.model_copy(update={"status": "stopped", "stopped_at": time.time(),
-                                                        "stop_reason": f"scheduler: {reason}"}))
-            (pipe or self.r).set(k, data)
-
-    def _note_memory(self, sid: str, a: Action, info: SessionInfo | None, pipe: Any) -> None:
-        """The memory handshake, scheduler side: a session's computed footprint raises the free memory a GPU
-        needs to be lent (IdleDetector.learn_need), and a session that declined is counted and logged."""
-        if info is None:
-            return
-        if info.mem_needed:
-            self.detector.learn_need(info.mem_needed)
-        if info.declined:
-            self._counts["sessions_declined"] += 1
-            self._event("session_declined", a.node, a.gpu, pipe, session_id=sid, reason=info.stop_reason,
-                        mem_needed=info.mem_needed, mem_free=info.mem_free)
 
     def _publish_status(self, now: float, pipe: Any) -> None:
         changed: dict[str, bytes] = {}
@@ -629,7 +364,7 @@ class Scheduler:
         self.dispatcher.shutdown()
         for sid in [*self.live, *self.orphans]:
             try:
-                self._finalize_record(sid, "scheduler shut down")
+                finalize_record(self, sid, "scheduler shut down")
             except Exception:
                 pass
         self.live.clear()
@@ -643,8 +378,6 @@ class Scheduler:
 def simulated_gpu_cpus(cfg: TailspecConfig) -> dict[int, list[int]] | None:
     """GPU → owned cores for simulated GPUs under `scheduler.simulated_gpu_cpus: split` (None when shared, or
     when this host has fewer cores than simulated GPUs: then nothing is pinned and the run says so)."""
-    from tailspec.scheduler import placement
-
     sc = cfg.scheduler
     if sc.simulated_gpu_cpus != "split":
         return None
@@ -662,11 +395,6 @@ def run_local(
     log_dir: str | None = None,
 ) -> None:
     """Single-node mode: one process with the telemetry monitor (thread) and the scheduler loop."""
-    import redis
-    from tailspec.scheduler.dispatch import LocalDispatcher
-    from tailspec.scheduler.monitor import TelemetryMonitor
-    from tailspec.scheduler.telemetry import make_telemetry
-
     url = redis_url or cfg.cluster.redis_url
     sc = cfg.scheduler
     r = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)

@@ -307,7 +307,8 @@ def test_bad_payloads_are_skipped_not_fatal(redis_url, redis_client):
 
 
 def test_failing_session_entry_is_recorded_and_not_restarted_in_a_loop(redis_url, redis_client):
-    from tailspec.scheduler.service import FAILED_BACKOFF_S, run_local
+    from tailspec.scheduler.actions import FAILED_BACKOFF_S
+    from tailspec.scheduler.service import run_local
 
     cfg = make_cfg(redis_url)
     cfg.scheduler.session_entry = "tailspec.scheduler.demo_session:no_such_session"
