@@ -28,7 +28,7 @@ from tailspec.drafter_trainer.files import (
     read_json_object,
     read_tensors,
 )
-from tailspec.drafter_trainer.model import Eagle3Drafter
+from tailspec.drafter_trainer.model import Eagle3Module
 
 from tailspec.core.atomic import write_dir_atomic, write_text_atomic
 
@@ -43,7 +43,7 @@ _CKPT = re.compile(r"^ckpt-(\d{8})$")
 @dataclass
 class Checkpoint:
     path: Path
-    drafter: Eagle3Drafter
+    drafter: Eagle3Module
     optimizer_state: dict | None
     trainer_state: dict
 
@@ -75,7 +75,7 @@ def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> d
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def write_checkpoint_dir(path: str | Path, drafter: Eagle3Drafter, optimizer_state: dict | None, trainer_state: dict,
+def write_checkpoint_dir(path: str | Path, drafter: Eagle3Module, optimizer_state: dict | None, trainer_state: dict,
                          tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write one checkpoint directory atomically (the lineage's heads use the same format). `tensors`
     replaces the drafter's own state_dict (a merged head's weights), same names."""
@@ -100,7 +100,7 @@ def write_checkpoint_dir(path: str | Path, drafter: Eagle3Drafter, optimizer_sta
     return write_dir_atomic(Path(path), write)
 
 
-def save_checkpoint(root: str | Path, drafter: Eagle3Drafter, optimizer_state: dict | None, trainer_state: dict,
+def save_checkpoint(root: str | Path, drafter: Eagle3Module, optimizer_state: dict | None, trainer_state: dict,
                     keep: int = 2) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -123,7 +123,7 @@ def load_checkpoint(path: str | Path, target_embedding: Any = None, map_location
     """One checkpoint directory. Missing: FileNotFoundError; damaged (any file missing, truncated, altered, or
     not what the format says): DrafterFileError naming the file."""
     path = Path(path)
-    drafter = Eagle3Drafter.load(path, target_embedding, map_location)
+    drafter = Eagle3Module.load(path, target_embedding, map_location)
     ts = read_json_object(path / TRAINER_STATE_NAME)
     check_trainer_state(path / TRAINER_STATE_NAME, ts)
     opt_meta = ts.pop("optimizer", None)

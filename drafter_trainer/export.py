@@ -36,7 +36,7 @@ from tailspec.drafter_trainer.files import (
     read_json_object,
     read_tensors,
 )
-from tailspec.drafter_trainer.model import FORMAT_VERSION, Eagle3Config, Eagle3Drafter, check_vocab_maps
+from tailspec.drafter_trainer.model import FORMAT_VERSION, Eagle3Config, Eagle3Module, check_vocab_maps
 from torch import nn
 
 from tailspec.core.atomic import write_dir_atomic
@@ -96,7 +96,7 @@ def export_config(cfg: Eagle3Config) -> dict[str, Any]:
     }
 
 
-def export_tensors(drafter: Eagle3Drafter, fmt: Format, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def export_tensors(drafter: Eagle3Module, fmt: Format, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     cfg = drafter.config
     out = {}
     for name, t in drafter.state_dict().items():
@@ -113,7 +113,7 @@ def export_tensors(drafter: Eagle3Drafter, fmt: Format, dtype: torch.dtype = tor
     return out
 
 
-def export(drafter: Eagle3Drafter, out_dir: str | Path, fmt: Format = "eagle3", dtype: str = "float32",
+def export(drafter: Eagle3Module, out_dir: str | Path, fmt: Format = "eagle3", dtype: str = "float32",
            meta: dict | None = None) -> Path:
     if fmt not in ("eagle3", "hf"):
         raise ExportError(f"unknown export format {fmt!r}; choose eagle3 or hf")
@@ -136,8 +136,8 @@ def export(drafter: Eagle3Drafter, out_dir: str | Path, fmt: Format = "eagle3", 
     return write_dir_atomic(Path(out_dir), write)
 
 
-def load_export(path: str | Path, target_embedding: nn.Module | None = None) -> Eagle3Drafter:
-    """Read an exported directory back into an Eagle3Drafter (round trip; the hf format brings its embedding).
+def load_export(path: str | Path, target_embedding: nn.Module | None = None) -> Eagle3Module:
+    """Read an exported directory back into an Eagle3Module (round trip; the hf format brings its embedding).
     Missing: FileNotFoundError; damaged (truncated, altered, not what its config says): DrafterFileError
     (an ExportError is a ValueError too) naming the file."""
     path = Path(path)
@@ -151,7 +151,7 @@ def load_export(path: str | Path, target_embedding: nn.Module | None = None) -> 
     ours = config.get("tailspec")
     if not isinstance(ours, dict):
         raise DrafterFileError(f"{cfg_file}: no tailspec section (not exported by tailspec)")
-    cfg, expect = Eagle3Drafter.from_meta(cfg_file, {"format_version": FORMAT_VERSION,
+    cfg, expect = Eagle3Module.from_meta(cfg_file, {"format_version": FORMAT_VERSION,
                                                          "config": ours.get("drafter_config")})
     dtype = _DTYPES.get(config.get("torch_dtype"), torch.float32)
     if cfg.draft_vocab_size == cfg.vocab_size:  # full vocabulary: identity maps, not shipped
@@ -161,7 +161,7 @@ def load_export(path: str | Path, target_embedding: nn.Module | None = None) -> 
         expect["embed_tokens.weight"] = ((cfg.vocab_size, cfg.hidden_size), dtype)
     tensors = read_tensors(w_file, expect=expect)
     emb = tensors.pop("embed_tokens.weight", None)
-    drafter = Eagle3Drafter(cfg).to(tensors["fc.weight"].dtype)
+    drafter = Eagle3Module(cfg).to(tensors["fc.weight"].dtype)
     if emb is not None:
         e = nn.Embedding(emb.shape[0], emb.shape[1], _weight=emb)
         e.requires_grad_(False)

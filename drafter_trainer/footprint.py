@@ -76,11 +76,11 @@ def checkpoint_params(policy_dir: str | Path) -> int:
 
 def drafter_trainable_params(target_config, cfg: TrainerConfig) -> int:
     """Trainable parameters of the EAGLE-3 drafter this config would build for the target (meta device)."""
-    from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter
+    from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
 
     dcfg = Eagle3Config.from_target(target_config, draft_vocab_size=cfg.draft_vocab_size)
     with torch.device("meta"):
-        d = Eagle3Drafter(dcfg)
+        d = Eagle3Module(dcfg)
     return sum(p.numel() for p in d.parameters() if p.requires_grad)
 
 

@@ -68,7 +68,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 from tailspec.drafter_trainer.checkpoint import Checkpoint, load_checkpoint, write_checkpoint_dir
 from tailspec.drafter_trainer.files import DrafterFileError, read_json_object, read_tensors
-from tailspec.drafter_trainer.model import CONFIG_NAME, WEIGHTS_NAME, Eagle3Drafter
+from tailspec.drafter_trainer.model import CONFIG_NAME, WEIGHTS_NAME, Eagle3Module
 
 from tailspec.core import state
 from tailspec.core.atomic import file_lock, write_text_atomic
@@ -148,11 +148,11 @@ def _read_weights(d: Path) -> dict[str, torch.Tensor]:
     """A head directory's weights, checked against the CRC-32 its config records and the shapes its config says
     (a delta added to a tensor of another shape would broadcast into garbage)."""
     meta = read_json_object(d / CONFIG_NAME)
-    _, expect = Eagle3Drafter.from_meta(d / CONFIG_NAME, meta)
+    _, expect = Eagle3Module.from_meta(d / CONFIG_NAME, meta)
     return read_tensors(d / WEIGHTS_NAME, crc=meta.get("weights_crc32"), expect=expect)
 
 
-def snapshot(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
+def snapshot(drafter: Eagle3Module) -> dict[str, torch.Tensor]:
     """A copy of the trainable weights: the base a later delta is taken against."""
     return {n: p.detach().clone() for n, p in drafter.named_parameters() if p.requires_grad}
 
@@ -281,7 +281,7 @@ class Lineage:
                                "loads") from None
 
     # -- writing -------------------------------------------------------------------------------------
-    def seed(self, drafter: Eagle3Drafter, trainer_state: dict | None = None, session_id: str = "seed",
+    def seed(self, drafter: Eagle3Module, trainer_state: dict | None = None, session_id: str = "seed",
              optimizer_state: dict | None = None) -> LineageHead | None:
         """Make `drafter` the first head if the lineage has none; returns the head now (the winner's, if
         another seeder was first)."""
@@ -293,7 +293,7 @@ class Lineage:
                          fenced=False, note_session=session_id)
         return res.head
 
-    def merge(self, base: LineageHead | None, base_weights: dict[str, torch.Tensor], drafter: Eagle3Drafter,
+    def merge(self, base: LineageHead | None, base_weights: dict[str, torch.Tensor], drafter: Eagle3Module,
               optimizer_state: dict | None, trainer_state: dict, session_id: str, seq: int, steps: int,
               tokens: int = 0, policy_version: int = 0, fenced: bool = True,
               note_session: str | None = None) -> MergeResult:

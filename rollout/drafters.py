@@ -2,11 +2,11 @@
 drawn from.
 
 One interface (`Proposer`), three implementations (named *Proposer: the engine-side runners, as distinct from
-the drafter models they run, such as the trained `drafter_trainer.model.Eagle3Drafter`):
+the drafter models they run, such as the trained `drafter_trainer.model.Eagle3Module`):
 - `NgramProposer`: prompt lookup, model-free. Deterministic proposals (q = one-hot, returned as None).
 - `DraftModelProposer`: a small HF causal LM with the target's vocabulary, run through our ModelRunner on
   its own static KV cache.
-- `Eagle3Proposer`: runs a `drafter_trainer.model.Eagle3Drafter` module, fed the target's three aux hidden
+- `Eagle3Proposer`: runs a `drafter_trainer.model.Eagle3Module`, fed the target's three aux hidden
   states from the verify forward; it follows the inference procedure documented in that module.
 
 Lifecycle, driven by the engine: `setup` once; `prefill` when requests are admitted (the target has just
@@ -165,7 +165,7 @@ class DraftModelProposer(Proposer):
 
 
 class Eagle3Proposer(Proposer):
-    """Runs a `drafter_trainer.model.Eagle3Drafter` module inside the engine.
+    """Runs a `drafter_trainer.model.Eagle3Module` inside the engine.
 
     The forward is our own over the module's weights and a bucketed slice of a compacted per-slot cache
     (the module's cached forward gathers the whole cache per call); `tests/test_engine_misc.py` checks it

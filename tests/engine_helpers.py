@@ -39,11 +39,11 @@ def task_prompts(n: int, seed: int = 5) -> list[list[int]]:
 
 def random_eagle3(target, draft_vocab_size: int = 16, seed: int = 0):
     """A random-init EAGLE-3 head over a non-identity draft vocabulary (exercises d2t)."""
-    from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter, vocab_maps_from_counts
+    from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module, vocab_maps_from_counts
 
     torch.manual_seed(seed)
     cfg = Eagle3Config.from_target(target.config, draft_vocab_size=draft_vocab_size)
-    d = Eagle3Drafter(cfg, target.get_input_embeddings()).eval()
+    d = Eagle3Module(cfg, target.get_input_embeddings()).eval()
     counts = torch.rand(target.config.vocab_size)
     d.set_vocab_maps(*vocab_maps_from_counts(counts, draft_vocab_size))
     return d

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tailspec.drafter_trainer.checkpoint import load_checkpoint
 from tailspec.drafter_trainer.lineage import DUPLICATE, FENCED, MERGED, Fence, Lineage, snapshot
-from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter
+from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
 from tailspec.scheduler.leases import Leases
 
 from tailspec.core import state
@@ -17,12 +17,12 @@ from tailspec.core import state
 torch.set_num_threads(1)
 
 
-def tiny_drafter() -> Eagle3Drafter:
+def tiny_drafter() -> Eagle3Module:
     cfg = Eagle3Config(target_hidden_size=16, hidden_size=16, vocab_size=32, draft_vocab_size=32, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=8, intermediate_size=32, rms_norm_eps=1e-6, rope_theta=10000.0,
                        max_position_embeddings=64, aux_layer_ids=(1, 2, 3), target_num_layers=4)
     torch.manual_seed(0)
-    d = Eagle3Drafter(cfg)
+    d = Eagle3Module(cfg)
     with torch.no_grad():  # integer-valued weights: sums of integer deltas are exact in float32
         for p in d.parameters():
             p.copy_(torch.randint(-4, 5, p.shape).float())

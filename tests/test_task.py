@@ -197,7 +197,7 @@ def test_cli_task_sample(capsys):
 
 def test_deep_preset_is_deep_narrow_and_small():
     """`deep`: a GPU deployment's shape in miniature. Built, not pre-trained (that takes ~3 min)."""
-    from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter
+    from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
 
     from tailspec.tasks.policy import PRESETS, build_model, count_params
 
@@ -209,7 +209,7 @@ def test_deep_preset_is_deep_narrow_and_small():
     n = count_params(m)
     assert 2_500_000 < n <= 6_000_000
     # its EAGLE-3 drafter is one layer at the target's hidden size: a small fraction of the target's layers
-    d = Eagle3Drafter(Eagle3Config.from_target(cfg))
+    d = Eagle3Module(Eagle3Config.from_target(cfg))
     assert d.config.aux_layer_ids == (2, 10, 17)  # vLLM's default (2, n/2, n-3): servable
     layer = sum(x.numel() for x in m.model.layers[0].parameters())
     assert count_params(d.midlayer) < 2 * layer < sum(x.numel() for x in m.model.layers.parameters()) / 8

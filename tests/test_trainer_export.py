@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from tailspec.drafter_trainer.export import ExportError, export, load_export
-from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter, vocab_maps_from_counts
+from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module, vocab_maps_from_counts
 
 from tests.test_trainer_model import make_drafter, make_target
 
@@ -107,7 +107,7 @@ def test_bf16_export(tmp_path, target):
 
 def test_refusals(tmp_path, target):
     small = make_target(layers=2)
-    d = Eagle3Drafter(Eagle3Config.from_target(small.config), small.get_input_embeddings())  # ids (0, 1, 2)
+    d = Eagle3Module(Eagle3Config.from_target(small.config), small.get_input_embeddings())  # ids (0, 1, 2)
     with pytest.raises(ExportError, match=r"outside 1\.\.1"):
         export(d, tmp_path / "x", "eagle3")
     assert not (tmp_path / "x").exists()

@@ -8,7 +8,7 @@ import torch
 from tailspec.drafter_trainer.model import (
     DrafterCache,
     Eagle3Config,
-    Eagle3Drafter,
+    Eagle3Module,
     TTTState,
     capture_aux,
     default_aux_layer_ids,
@@ -26,9 +26,9 @@ def make_target(layers: int = 4, vocab: int = 21, hidden: int = 32, seed: int = 
     return LlamaForCausalLM(cfg).eval()
 
 
-def make_drafter(target, draft_vocab: int | None = None, seed: int = 1) -> Eagle3Drafter:
+def make_drafter(target, draft_vocab: int | None = None, seed: int = 1) -> Eagle3Module:
     torch.manual_seed(seed)
-    d = Eagle3Drafter(Eagle3Config.from_target(target.config, draft_vocab_size=draft_vocab),
+    d = Eagle3Module(Eagle3Config.from_target(target.config, draft_vocab_size=draft_vocab),
                       target.get_input_embeddings())
     # Non-trivial norms so a swapped concat order or a missing norm shows up.
     with torch.no_grad():
@@ -159,7 +159,7 @@ def test_save_load_round_trip(tmp_path):
     d.set_vocab_maps(d2t, t2d)
     d.save(tmp_path / "ck")
     d.save(tmp_path / "ck")  # overwrite in place through the atomic swap
-    e = Eagle3Drafter.load(tmp_path / "ck", target.get_input_embeddings())
+    e = Eagle3Module.load(tmp_path / "ck", target.get_input_embeddings())
     for k, v in d.state_dict().items():
         assert torch.equal(v, e.state_dict()[k]), k
     assert "embed_tokens.weight" not in d.state_dict()

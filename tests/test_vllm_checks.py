@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tailspec.drafter_trainer.export import export
-from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter
+from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
 from tailspec.rollout import vllm_backend as vb
 from tailspec.rollout.vllm_checks import DrafterMismatch, DrafterSpec, check_schedule, speculative_config
 from transformers import LlamaConfig
@@ -28,7 +28,7 @@ def write_target(path: Path, **kw) -> Path:
 
 def write_drafter(path: Path, draft_vocab: int | None = None, **kw) -> Path:
     torch.manual_seed(0)
-    return export(Eagle3Drafter(Eagle3Config.from_target(target_config(**kw), draft_vocab_size=draft_vocab)), path)
+    return export(Eagle3Module(Eagle3Config.from_target(target_config(**kw), draft_vocab_size=draft_vocab)), path)
 
 
 @pytest.fixture

@@ -51,19 +51,19 @@ def test_reload_untrained_trained_untrained(engine):
 def test_reload_refuses_drafter_of_another_shape(engine, tmp_path):
     import torch
     from tailspec.drafter_trainer.export import export
-    from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter
+    from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
     from tailspec.rollout.vllm_backend import DrafterMismatch, greedy
     from transformers import AutoConfig
 
     tc = AutoConfig.from_pretrained(tiny())
     torch.manual_seed(0)
-    small_vocab = export(Eagle3Drafter(Eagle3Config.from_target(tc, draft_vocab_size=tc.vocab_size // 2)),
+    small_vocab = export(Eagle3Module(Eagle3Config.from_target(tc, draft_vocab_size=tc.vocab_size // 2)),
                          tmp_path / "half_vocab")
     before = engine.drafter_digest()
     with pytest.raises(DrafterMismatch, match="other tensors than the live one"):
         engine.reload_drafter(small_vocab)
     tc.hidden_size, tc.head_dim = 128, 32
     with pytest.raises(DrafterMismatch, match="hidden size 128, target has 256"):
-        engine.reload_drafter(export(Eagle3Drafter(Eagle3Config.from_target(tc)), tmp_path / "h128"))
+        engine.reload_drafter(export(Eagle3Module(Eagle3Config.from_target(tc)), tmp_path / "h128"))
     assert engine.drafter_digest() == before  # nothing was loaded
     assert engine.generate(prompts(1), greedy(8)).completions[0].token_ids  # the engine still serves

@@ -70,14 +70,14 @@ def test_other_target_refused_before_vllm_starts(tmp_path, monkeypatch):
     import torch
     import vllm
     from tailspec.drafter_trainer.export import export
-    from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter
+    from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
     from tailspec.rollout.vllm_backend import DrafterMismatch, DrafterSpec, VllmRollout
     from transformers import AutoConfig
 
     tc = AutoConfig.from_pretrained(tiny())
     tc.hidden_size, tc.head_dim, tc.vocab_size = 128, 32, tc.vocab_size + 8
     torch.manual_seed(0)
-    other = export(Eagle3Drafter(Eagle3Config.from_target(tc)), tmp_path / "other")
+    other = export(Eagle3Module(Eagle3Config.from_target(tc)), tmp_path / "other")
 
     def no_llm(*a, **k):
         raise AssertionError("vLLM was started for a drafter that does not fit")

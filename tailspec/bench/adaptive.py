@@ -73,7 +73,7 @@ def _load(args, cfg):
             return DraftModelProposer(draft)
         label = f"draft_model:{args.draft_preset}"
     else:
-        from tailspec.drafter_trainer.model import Eagle3Drafter as Eagle3Module
+        from tailspec.drafter_trainer.model import Eagle3Module
 
         if not args.eagle3:
             from tailspec.demo.bootstrap import bootstrap_drafter

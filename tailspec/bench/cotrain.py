@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> dict:
     from tailspec.demo.bootstrap import bootstrap_drafter, load_samples
     from tailspec.demo.run import apply_demo_trainer
     from tailspec.drafter_trainer.checkpoint import load_checkpoint
-    from tailspec.drafter_trainer.model import Eagle3Drafter
+    from tailspec.drafter_trainer.model import Eagle3Module
     from tailspec.drafter_trainer.teacher import Teacher
     from tailspec.drafter_trainer.versions import validate
     from tailspec.tasks.policy import load_policy, resolve_policy
@@ -183,11 +183,11 @@ def run(args: argparse.Namespace) -> dict:
         teacher = Teacher.from_dir(v1_dir, policy_version=1)
         emb = teacher.embedding()
 
-        def acceptance(drafter: Eagle3Drafter) -> float:
+        def acceptance(drafter: Eagle3Module) -> float:
             return validate(drafter, teacher, heldout, args.k).acceptance_length
 
-        before = acceptance(Eagle3Drafter.load(boot, emb))
-        before_v0 = validate(Eagle3Drafter.load(boot, Teacher.from_dir(policy0).embedding()),
+        before = acceptance(Eagle3Module.load(boot, emb))
+        before_v0 = validate(Eagle3Module.load(boot, Teacher.from_dir(policy0).embedding()),
                              Teacher.from_dir(policy0), v0_samples[-args.heldout:], args.k).acceptance_length
         out = {}
         for n in (1, 2):

@@ -126,7 +126,7 @@ def drafter_cost(model, eagle, batches, prompts, *, steps: int = 24, calls: int 
                  temperature: float = 1.0) -> dict:
     """Drafter step ÷ target forward at each batch size, timed on the real engine's code.
 
-    For each batch b: an Engine with the EAGLE-3 drafter (`eagle`, an `Eagle3Drafter` module: a trained one,
+    For each batch b: an Engine with the EAGLE-3 drafter (`eagle`, an `Eagle3Module`: a trained one,
     or a fresh one of the same shape, since the cost does not depend on the weights) runs b requests for
     `steps` decode steps at k = 1 (rows mid-response, drafter and target caches filled). Then, on that
     batch, interleaved `repeats` times, `calls` calls each:
@@ -201,8 +201,7 @@ def _cost_section(model, eagle, tok, batches: list[int], args, log) -> dict:
     empty = {"drafter_cost_ratio": None, "drafter_cost_ratios": {}, "drafter_cost": None}
     if args.cost_repeats <= 0:
         return empty
-    from tailspec.drafter_trainer.model import Eagle3Config
-    from tailspec.drafter_trainer.model import Eagle3Drafter as Eagle3Module
+    from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
     from tailspec.tasks.runsum import sample_problems
     from tailspec.tasks.tokenizer import encode_prompt
 
@@ -336,7 +335,7 @@ def run(args: argparse.Namespace) -> dict:
     draft_model = _load(args.draft_policy, dtype, args.device)[0] if args.draft_policy else None
     eagle = None
     if args.eagle3:
-        from tailspec.drafter_trainer.model import Eagle3Drafter as Eagle3Module
+        from tailspec.drafter_trainer.model import Eagle3Module
 
         eagle = Eagle3Module.load(args.eagle3, target_embedding=model.get_input_embeddings(), map_location=args.device)
         eagle = eagle.to(dtype)

@@ -311,7 +311,7 @@ def corrupt_dirs(root: Path) -> list[str]:
     """Lineage heads and drafter versions under `root` that do not load whole (hidden temporaries are not
     directories anyone reads, and are left out)."""
     from tailspec.drafter_trainer.checkpoint import load_checkpoint
-    from tailspec.drafter_trainer.model import Eagle3Drafter
+    from tailspec.drafter_trainer.model import Eagle3Module
 
     bad = []
     for d in sorted((root / "lineage").glob("head-*")):
@@ -321,7 +321,7 @@ def corrupt_dirs(root: Path) -> list[str]:
             bad.append(f"{d.name}: {type(e).__name__}")
     for d in sorted((root / "versions").glob("v[0-9]*")):
         try:
-            Eagle3Drafter.load(d)
+            Eagle3Module.load(d)
             if (d / "version.json").exists():
                 json.loads((d / "version.json").read_text())
         except Exception as e:  # noqa: BLE001

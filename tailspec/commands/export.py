@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from tailspec.cli import config_from_args
     from tailspec.drafter_trainer.export import ExportError, export
-    from tailspec.drafter_trainer.model import Eagle3Drafter
+    from tailspec.drafter_trainer.model import Eagle3Module
     from tailspec.drafter_trainer.versions import VersionStore
 
     cfg = config_from_args(args)
@@ -51,7 +51,7 @@ def _run(args: argparse.Namespace) -> int:
     meta = {}
     try:
         if args.source:
-            drafter = Eagle3Drafter.load(args.source, embedding)
+            drafter = Eagle3Module.load(args.source, embedding)
             meta["source"] = str(Path(args.source).resolve())
         else:
             store = VersionStore(args.versions_dir or Path(cfg.trainer.checkpoint_dir) / "versions")
