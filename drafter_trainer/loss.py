@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from tailspec.drafter_trainer.model import Eagle3Drafter, TTTState
+from tailspec.drafter_trainer.model import Eagle3Module, TTTState
 
 
 class StopRequested(Exception):
-    """Raised inside a step when a stop was requested; the step's partial work is discarded."""
+    """Raised inside a step when a stop was requested: the micro-batch in flight is discarded (see
+    session.TrainingSession.train_step for what happens to the micro-batches already done)."""
 
 
 def step_inputs(ids: torch.Tensor, i: int, anchors: int) -> torch.Tensor:
@@ -41,12 +42,20 @@ def step_targets(logits: torch.Tensor, i: int, anchors: int) -> torch.Tensor:
     return out
 
 
+def step_token_counts(lengths: torch.Tensor, prompt_lens: torch.Tensor, steps: int) -> list[float]:
+    """Masked positions per unroll step over a batch, i.e. Σ_{b,t} m_{b,i,t} for i = 0..steps-1, from the
+    lengths alone (a row of length L and prompt P has max(0, L - P - 1 - i) anchors at step i, whatever its
+    padding): the denominators that make micro-batch losses add up to the whole batch's loss."""
+    trained = (lengths - prompt_lens - 1).clamp(min=0)
+    return [float((trained - i).clamp(min=0).sum()) for i in range(steps)]
+
+
 def step_mask(lengths: torch.Tensor, prompt_lens: torch.Tensor, i: int, anchors: int) -> torch.Tensor:
     t = torch.arange(anchors, device=lengths.device)[None, :]
     return (t >= prompt_lens[:, None] - 1) & (t + 2 + i <= lengths[:, None] - 1)
 
 
-def unroll(drafter: Eagle3Drafter, aux: torch.Tensor, ids: torch.Tensor, steps: int,
+def unroll(drafter: Eagle3Module, aux: torch.Tensor, ids: torch.Tensor, steps: int,
            check: Callable[[], None] | None = None):
     """Yield (i, draft_logits [B, A, draft_vocab]) for unroll steps i = 0..steps-1 over anchors 0..A-1."""
     b, t = ids.shape
@@ -74,9 +83,12 @@ def soft_ce(draft_logits: torch.Tensor, teacher_logits_draft: torch.Tensor) -> t
     return -(p * torch.log_softmax(draft_logits.float(), dim=-1)).sum(-1)
 
 
-def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, teacher_logits: torch.Tensor, ids: torch.Tensor,
+def ttt_loss(drafter: Eagle3Module, aux: torch.Tensor, teacher_logits: torch.Tensor, ids: torch.Tensor,
              lengths: torch.Tensor, prompt_lens: torch.Tensor, weights: torch.Tensor, steps: int = 3,
-             decay: float = 0.8, check: Callable[[], None] | None = None) -> LossOutput:
+             decay: float = 0.8, check: Callable[[], None] | None = None,
+             denominators: list[float] | None = None) -> LossOutput:
+    """The TTT loss of the module doc. `denominators` (step_token_counts of the whole batch) replace this
+    batch's own token counts, so the losses of a batch's micro-batches sum to the batch's loss."""
     anchors = ids.shape[1] - 1
     keep = drafter.draft_ids_in_target()
     total = aux.new_zeros((), dtype=torch.float32)
@@ -87,7 +99,8 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, teacher_logits: torch.Te
         m = step_mask(lengths.to(ids.device), prompt_lens.to(ids.device), i, anchors).float()
         n = m.sum()
         ce = soft_ce(logits, target)
-        li = (w * m * ce).sum() / n.clamp(min=1.0)
+        denom = n.clamp(min=1.0) if denominators is None else max(1.0, denominators[i])
+        li = (w * m * ce).sum() / denom
         total = total + (decay ** i) * li
         step_losses.append(float(li.detach()))
         agree = (logits.argmax(-1) == target.argmax(-1)).float()
@@ -98,7 +111,7 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, teacher_logits: torch.Te
 
 
 @torch.no_grad()
-def acceptance_rates(drafter: Eagle3Drafter, aux: torch.Tensor, teacher_logits: torch.Tensor, ids: torch.Tensor,
+def acceptance_rates(drafter: Eagle3Module, aux: torch.Tensor, teacher_logits: torch.Tensor, ids: torch.Tensor,
                      lengths: torch.Tensor, prompt_lens: torch.Tensor, k: int,
                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-anchor acceptance probabilities α_1..α_k of speculative sampling along the recorded path:

@@ -8,8 +8,12 @@ the lineage, not a checkpoint of its own. Without one it resumes from and saves 
 
 Stopping. `should_continue()` (the scheduler's lease renewal) is called once per step; `request_stop()`
 (thread-safe: a signal handler, another thread, the scheduler's revoke watcher) is also checked between
-the phases of a step (after the teacher, between unroll steps, after backward). Either way the step in
-flight is abandoned without an optimizer update, the state as of the last whole step is saved
+the phases of a step (after the teacher, between unroll steps, after backward). The micro-batch in flight
+is then abandoned. A step is `trainer.micro_batch_size` micro-batches whose gradients accumulate (batch
+sorted by length first, so a micro-batch pads little): when a stop comes after at least one of them, the
+optimizer steps on the gradient of the micro-batches done, rescaled to the batch's token count — a smaller
+batch's step, as sound as any SGD step, so a lend shorter than a step still trains (with micro_batch_size 0,
+the whole batch at once, the step in flight is abandoned). Then the state as of the last step is saved
 (drafter + optimizer + counters, see checkpoint.py) and the session returns. The stop latency (request →
 checkpoint whole and memory freed) is recorded.
 
@@ -31,8 +35,8 @@ from typing import Callable
 import torch
 from tailspec.drafter_trainer.checkpoint import load_latest, save_checkpoint
 from tailspec.drafter_trainer.lineage import DUPLICATE, FENCED, Lineage, MergeResult, snapshot
-from tailspec.drafter_trainer.loss import StopRequested, ttt_loss
-from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Drafter, vocab_maps_from_counts
+from tailspec.drafter_trainer.loss import StopRequested, step_token_counts, ttt_loss
+from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module, vocab_maps_from_counts
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
 from tailspec.drafter_trainer.teacher import Teacher, collate
 
@@ -53,6 +57,22 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         check()
+        self.apply()
+
+    # Micro-batches: zero_grad, accumulate(loss) per micro-batch, apply(scale) once.
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def accumulate(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def apply(self, scale: float = 1.0) -> None:
+        """Clip and step on the accumulated gradient x `scale` (a step cut short by a stop: batch tokens ÷
+        tokens done, so its gradient is a per-token mean like a whole step's)."""
+        if scale != 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.optimizer.step()
 
@@ -75,7 +95,7 @@ class TorchBackend:
         self.optimizer.state.clear()
 
 
-def make_backend(params: list[torch.nn.Parameter], drafter: Eagle3Drafter, cfg: TrainerConfig):
+def make_backend(params: list[torch.nn.Parameter], drafter: Eagle3Module, cfg: TrainerConfig):
     if cfg.backend == "torch":
         return TorchBackend(params, cfg)
     if cfg.backend == "deepspeed":
@@ -92,11 +112,11 @@ def token_counts(buffer: SampleBuffer, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def new_drafter(teacher: Teacher, cfg: TrainerConfig, buffer: SampleBuffer) -> Eagle3Drafter:
+def new_drafter(teacher: Teacher, cfg: TrainerConfig, buffer: SampleBuffer) -> Eagle3Module:
     dcfg = Eagle3Config.from_target(teacher.config, draft_vocab_size=cfg.draft_vocab_size,
                                     aux_layer_ids=teacher.aux_layer_ids)
     torch.manual_seed(cfg.seed)
-    drafter = Eagle3Drafter(dcfg, teacher.embedding())
+    drafter = Eagle3Module(dcfg, teacher.embedding())
     if dcfg.draft_vocab_size < dcfg.vocab_size:
         drafter.set_vocab_maps(*vocab_maps_from_counts(token_counts(buffer, dcfg.vocab_size), dcfg.draft_vocab_size))
     return drafter.to(teacher.device)
@@ -153,6 +173,7 @@ class TrainingSession:
         self.lineage = lineage
         self.merge_every_steps = merge_every_steps
         self.merged_steps = self.merges = self._seq = 0
+        self.partial_steps = 0  # steps cut short by a stop and taken on the micro-batches done
         self.base = None  # the lineage head the local work started from
         self.fenced_out = False
 
@@ -226,7 +247,9 @@ class TrainingSession:
 
     # -- training ------------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, int, list[float]] | None:
-        """One optimizer step on a batch from the buffer → (loss, tokens, per-step accuracy); None if empty."""
+        """One optimizer step on a batch from the buffer → (loss, tokens, per-step accuracy); None if empty.
+        A stop cuts a micro-batched step short (the module doc: Stopping): it returns the step taken on the
+        micro-batches done, and the next stop check raises; nothing done raises StopRequested at once."""
         # Seeded by step (and rank, for data parallel): a resumed session draws the batches it would have.
         # Contributors to one lineage start from the same head step: their session id tells their draws apart.
         salt = zlib.crc32(self.session_id.encode()) if self.lineage is not None else 0
@@ -234,18 +257,60 @@ class TrainingSession:
         samples, w = self.buffer.batch(self.cfg.batch_size, rng)
         if not samples:
             return None
-        batch = collate(samples, w).to(self.teacher.device)
+        micro = self.cfg.micro_batch_size if hasattr(self.backend, "accumulate") else 0
+        if not micro or micro >= len(samples):
+            return self._whole_step(collate(samples, w).to(self.teacher.device))
+        return self._micro_step(samples, w, micro)
+
+    def _whole_step(self, batch) -> tuple[float, int, list[float]]:
         out = self.teacher(batch)
         self._check()
         res = ttt_loss(self.drafter, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
                        batch.weights, self.cfg.ttt_length, self.cfg.step_decay, check=self._check)
         self._check()
         self.backend.step(res.loss, self._check)
-        self.step += 1
-        self.tokens_total += batch.tokens
-        self._steps_since_merge += 1
-        self._tokens_since_merge += batch.tokens
+        self._count_step(batch.tokens)
         return float(res.loss.detach()), batch.tokens, res.step_accuracy
+
+    def _micro_step(self, samples: list, weights: list[float], micro: int) -> tuple[float, int, list[float]]:
+        order = sorted(range(len(samples)), key=lambda j: len(samples[j].prompt_ids) + len(samples[j].response_ids))
+        whole = collate(samples, weights)
+        denominators = step_token_counts(whole.lengths, whole.prompt_lens, self.cfg.ttt_length)
+        loss, tokens = 0.0, 0
+        agree, done = [0.0] * self.cfg.ttt_length, [0.0] * self.cfg.ttt_length
+        self.backend.zero_grad()
+        for s in range(0, len(order), micro):
+            part = order[s : s + micro]
+            batch = collate([samples[j] for j in part], [weights[j] for j in part]).to(self.teacher.device)
+            try:
+                out = self.teacher(batch)
+                self._check()
+                res = ttt_loss(self.drafter, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
+                               batch.weights, self.cfg.ttt_length, self.cfg.step_decay, check=self._check,
+                               denominators=denominators)
+                self._check()
+                self.backend.accumulate(res.loss)
+            except StopRequested:
+                if tokens == 0:  # nothing done: abandoned, as a whole step would be
+                    self.backend.zero_grad()
+                    raise
+                self.partial_steps += 1
+                break
+            loss += float(res.loss.detach())
+            tokens += batch.tokens
+            counts = step_token_counts(batch.lengths, batch.prompt_lens, self.cfg.ttt_length)
+            agree = [a + acc * c for a, acc, c in zip(agree, res.step_accuracy, counts)]
+            done = [d + c for d, c in zip(done, counts)]
+        scale = denominators[0] / max(1.0, done[0])  # 1 for a whole step
+        self.backend.apply(scale)
+        self._count_step(tokens)
+        return loss * scale, tokens, [a / max(1.0, d) for a, d in zip(agree, done)]
+
+    def _count_step(self, tokens: int) -> None:
+        self.step += 1
+        self.tokens_total += tokens
+        self._steps_since_merge += 1
+        self._tokens_since_merge += tokens
 
     @property
     def unmerged_steps(self) -> int:

@@ -248,3 +248,69 @@ def test_a_loaded_optimizer_state_keeps_this_sessions_hyperparameters():
     g = reader.optimizer.param_groups[0]
     assert g["lr"] == 1e-3 and g["betas"] == (0.9, 0.95)
     assert int(reader.optimizer.state[reader.params[0]]["step"]) == 1  # the moments came along
+
+
+def _grads_of_one_step(tmp_path, teacher, buf, **kw) -> tuple[dict[str, torch.Tensor], float]:
+    """The (scaled) gradient the optimizer would step on in the session's first step, and its loss."""
+    s = TrainingSession(cfg(tmp_path, batch_size=8, **kw), teacher, buf)
+    seen = {}
+
+    def apply(scale=1.0):
+        seen.update({n: p.grad.detach().clone() * scale for n, p in s.drafter.named_parameters() if p.grad is not None})
+
+    s.backend.apply = apply
+    loss, _, _ = s.train_step()
+    return seen, loss
+
+
+def test_micro_batches_step_on_the_whole_batchs_gradient(tmp_path, teacher):
+    """Length-sorted micro-batches of 2 accumulate the gradient and loss of the batch of 8 taken at once
+    (the reference: the same session code with micro_batch_size 0)."""
+    buf = make_buffer()
+    whole, loss_whole = _grads_of_one_step(tmp_path / "whole", teacher, buf)
+    micro, loss_micro = _grads_of_one_step(tmp_path / "micro", teacher, buf, micro_batch_size=2)
+    assert whole and whole.keys() == micro.keys()
+    assert loss_micro == pytest.approx(loss_whole, rel=1e-5)
+    for n in whole:
+        torch.testing.assert_close(micro[n], whole[n], rtol=1e-4, atol=1e-7, msg=n)
+
+
+def test_a_stop_after_a_micro_batch_still_takes_the_step(tmp_path, teacher):
+    """A lend shorter than a step still trains: stopped after the first of four micro-batches, the session
+    steps on it, saves that step and leaves within the deadline; stopped before any, nothing changes."""
+    buf = make_buffer()
+    s = TrainingSession(cfg(tmp_path / "a", batch_size=8, micro_batch_size=2), teacher, buf)
+    before = params(s.drafter)
+    accumulate = s.backend.accumulate
+
+    def accumulate_then_stop(loss):
+        accumulate(loss)
+        s.request_stop("test")
+
+    s.backend.accumulate = accumulate_then_stop
+    res = s.run(max_steps=5)
+    assert res.stop_reason == "test" and res.total_steps == 1 and s.partial_steps == 1
+    assert res.stop_latency_s is not None and res.stop_latency_s < DEADLINE_S
+    ck = load_latest(tmp_path / "a" / "ck")
+    assert ck.step == 1
+    assert any(not torch.equal(ck.drafter.state_dict()[k], v) for k, v in before.items())
+
+    calls = 0
+
+    def should_continue():
+        nonlocal calls
+        calls += 1
+        return calls <= 1
+
+    import tailspec.drafter_trainer.session as session_mod
+
+    old, session_mod.ASK_EVERY_S = session_mod.ASK_EVERY_S, 0.0
+    try:
+        t = TrainingSession(cfg(tmp_path / "b", batch_size=8, micro_batch_size=2), teacher, buf,
+                            should_continue=should_continue)
+        start = [p.detach().clone() for p in t.params]
+        res = t.run(max_steps=5)
+    finally:
+        session_mod.ASK_EVERY_S = old
+    assert res.steps == 0 and t.partial_steps == 0
+    assert all(torch.equal(a, p.detach()) for a, p in zip(start, t.params))

@@ -144,7 +144,7 @@ def drafter_cost_ratio(demo) -> dict:
     """One EAGLE-3 drafter step ÷ one target forward at batch 1 (`tailspec bench engine`'s timing) for the
     run's policy and first drafter: the miniature's cost ratio, which a GPU deployment's is a few percent."""
     from tailspec.bench.engine import drafter_cost
-    from tailspec.drafter_trainer.model import Eagle3Drafter
+    from tailspec.drafter_trainer.model import Eagle3Module
     from tailspec.tasks.runsum import sample_problems
     from tailspec.tasks.tokenizer import encode_prompt
 
@@ -155,7 +155,7 @@ def drafter_cost_ratio(demo) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(len(demo.placement.cpus[0]) if demo.placement.cpus else 1)  # a worker's cores
     try:
-        eagle = Eagle3Drafter.load(demo.frozen_path, demo.model.get_input_embeddings()).eval()
+        eagle = Eagle3Module.load(demo.frozen_path, demo.model.get_input_embeddings()).eval()
         prompts = [encode_prompt(demo.tokenizer, p.prompt) for p in sample_problems(16, seed=30_000)]
         per = drafter_cost(demo.model.eval(), eagle, [1], prompts, repeats=3)
     finally:

@@ -115,6 +115,10 @@ class TrainerConfig(_Section):
     weight_decay: float = Field(0.0, ge=0, le=10)
     grad_clip: float = Field(1.0, gt=0, le=1e6)
     batch_size: int = Field(16, ge=1, le=4096)
+    micro_batch_size: int = Field(
+        0, ge=0, le=4096, description="split a step's batch, sorted by length, into micro-batches of this many samples "
+        "whose gradients accumulate; a stop after one of them still takes the step on those done (0 = the whole "
+        "batch at once; torch backend only)")
     ttt_length: int = Field(3, ge=1, le=7, description="test-time-training unroll length L")
     step_decay: float = Field(0.8, gt=0, le=1, description="loss weight 0.8^i of unroll step i")
     weighting: Literal["reward", "advantage", "uniform"] = "reward"

@@ -80,7 +80,7 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
     """Path of the first drafter (the project's checkpoint format), trained on first use and cached: for
     `seconds`, or for `steps` optimizer steps (then `seconds` is only a cap) — a step budget gives the same
     drafter on a busy machine as on a quiet one."""
-    from tailspec.drafter_trainer.model import Eagle3Drafter
+    from tailspec.drafter_trainer.model import Eagle3Module
     from tailspec.drafter_trainer.samples import fill_buffer
     from tailspec.drafter_trainer.session import TrainingSession
     from tailspec.drafter_trainer.teacher import Teacher
@@ -100,7 +100,7 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
     with tempfile.TemporaryDirectory(prefix="tailspec-boot-") as tmp:
         session = TrainingSession(cfg.trainer, teacher, buffer, checkpoint_dir=Path(tmp) / "ckpt")
         res = session.run(max_seconds=seconds, max_steps=steps)
-        drafter: Eagle3Drafter = session.drafter
+        drafter: Eagle3Module = session.drafter
         drafter.eval()
         out.parent.mkdir(parents=True, exist_ok=True)
         drafter.save(out, extra={"bootstrap": {"samples": n, "steps": res.steps, "seconds": res.seconds,
@@ -130,11 +130,11 @@ def seed_store(drafter_path: str, cfg: TailspecConfig, redis) -> None:
     from tailspec.core import state
     from tailspec.core.state import DrafterVersion
     from tailspec.drafter_trainer.lineage import Lineage
-    from tailspec.drafter_trainer.model import Eagle3Drafter
+    from tailspec.drafter_trainer.model import Eagle3Module
     from tailspec.drafter_trainer.versions import VersionStore
 
     root = Path(cfg.trainer.checkpoint_dir)
-    drafter = Eagle3Drafter.load(drafter_path)
+    drafter = Eagle3Module.load(drafter_path)
     Lineage(root / "lineage", redis, cfg.cluster.name).seed(
         drafter, {"step": 0, "tokens": 0, "backend": cfg.trainer.backend, "policy_version": 0}, session_id=BOOTSTRAP_SESSION,
         optimizer_state=load_optimizer(drafter_path))

@@ -130,18 +130,18 @@ def measure_acceptance(model, frozen_path: str, current: DrafterVersion | None, 
     """Expected acceptance length at k of the frozen first drafter and of `current` (the promoted co-trained
     version; None or the bootstrap drafter: the frozen one's figure), on up to n of this step's own samples
     with the current policy as teacher (the same samples for both)."""
-    from tailspec.drafter_trainer.model import Eagle3Drafter
+    from tailspec.drafter_trainer.model import Eagle3Module
     from tailspec.drafter_trainer.teacher import Teacher
     from tailspec.drafter_trainer.versions import validate
 
     held = samples[:: max(1, len(samples) // n)][:n]
     emb = model.get_input_embeddings()
-    frozen = Eagle3Drafter.load(frozen_path, emb)
+    frozen = Eagle3Module.load(frozen_path, emb)
     teacher = Teacher(model, frozen.config.aux_layer_ids, policy_version=policy_version)
     a_frozen = validate(frozen, teacher, held, k).acceptance_length
     if current is None or current.session_id == BOOTSTRAP_SESSION:  # the same weights, the same figure
         return a_frozen, a_frozen
-    co = Eagle3Drafter.load(current.path, emb)
+    co = Eagle3Module.load(current.path, emb)
     return a_frozen, validate(co, teacher, held, k).acceptance_length
 
 

@@ -52,7 +52,8 @@ log = logging.getLogger("tailspec.demo")
 
 
 # The demo's session settings (also the cotrain bench's), where the user's config does not set them:
-# - batch_size ≤ 8: a step must fit in the tail it is lent for (a revoked step is abandoned);
+# - batch_size ≤ 8 in micro-batches of 2: a lend is often shorter than a step (0.25-0.6 s against ~0.2-0.4 s a
+#   step), and a revoked step keeps the micro-batches it finished (drafter_trainer/session.py: Stopping);
 # - validate every 5 s: tails are seconds long;
 # - merge into the lineage every 2 steps (one atomic directory write, ~0.03 s for this drafter, against ~0.5 s a
 #   step): a session starved past its stop deadline and killed loses at most one step, and concurrent
@@ -61,7 +62,8 @@ log = logging.getLogger("tailspec.demo")
 # - hold out a quarter of the samples: a session validates on its buffer's held-out share of ~2 policy
 #   versions' 64 samples each, and at 0.1 that was 12-18 samples, below the paired test's 16; training is
 #   short of seconds, not of samples.
-DEMO_TRAINER = {"batch_size": 8, "validate_every_s": 5.0, "merge_every_steps": 2, "holdout_fraction": 0.25}
+DEMO_TRAINER = {"batch_size": 8, "micro_batch_size": 2, "validate_every_s": 5.0, "merge_every_steps": 2,
+                "holdout_fraction": 0.25}
 # Lend when the expected tail exceeds this (scheduler.session_startup_s; see Demo.config).
 DEMO_SESSION_STARTUP_S = 0.3
 
@@ -428,11 +430,11 @@ class Demo:
 
     def export(self) -> None:
         from tailspec.drafter_trainer.export import ExportError, export
-        from tailspec.drafter_trainer.model import Eagle3Drafter
+        from tailspec.drafter_trainer.model import Eagle3Module
 
         cur = self.current_drafter()
         path, version = (self.frozen_path, 0) if cur is None else (cur.path, cur.version)
-        drafter = Eagle3Drafter.load(path, self.model.get_input_embeddings())
+        drafter = Eagle3Module.load(path, self.model.get_input_embeddings())
         meta = {"drafter_version": version, "policy_version": self.policy_version, "run": str(self.run_dir)}
         for fmt in ("eagle3", "hf"):
             try:

@@ -141,7 +141,7 @@ class Worker:
             return
         self.drafter_module = None
         if item.drafter_path and rc.drafter == "eagle3":
-            from tailspec.drafter_trainer.model import Eagle3Drafter as Eagle3Module
+            from tailspec.drafter_trainer.model import Eagle3Module
 
             self.drafter_module = Eagle3Module.load(item.drafter_path, target_embedding=self.model.get_input_embeddings(),
                                                     map_location=self.device).to(dtype=getattr(torch, rc.dtype))
