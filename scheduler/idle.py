@@ -179,21 +179,7 @@ class IdleDetector:
             if m.session_id is not None and m.session_id in stopped:
                 out.append(self._reclaim(m, now, "session ended"))
             else:
-                reason = (
-                    "phase ended"
-                    if not rollout
-                    else "worker progress lost"
-                    if p is None
-                    else "worker generating"
-                    if generating
-                    else "worker left the rollout step"
-                    if not drained
-                    else "telemetry lost"
-                    if t is None
-                    else f"telemetry error: {t.error}"
-                    if not t_ok
-                    else None
-                )
+                reason = _revoke_reason(rollout, p, t, generating, drained)
                 if reason is not None:
                     m._enter(GpuState.RECLAIMING, now)
                     m.revoked_at, m.revoke_reason = now, reason
@@ -216,33 +202,48 @@ class IdleDetector:
             m._enter(GpuState.GENERATING, now)
         elif drained:
             assert phase is not None and t is not None
-            if m.state != GpuState.DRAINED or m.step != phase.step:
-                m._forget_drain()
-                m.step, m.drained_at = phase.step, max(p.ts, m.floor)
-                m._enter(GpuState.DRAINED, now)
-            assert m.drained_at is not None
-            # Low since the drain unless telemetry saw it busy after the drain; then low since the
-            # first low sample after that.
-            if t.ts >= m.drained_at and t.util >= self.util_threshold:
-                m.last_high, m.low_since, m.detected_at = t.ts, None, None
-            elif t.ts >= m.drained_at and m.low_since is None:
-                m.low_since = t.ts if m.last_high is not None else m.drained_at
-            low_since = m.low_since
-            idle = (
-                low_since is not None
-                and t.ts >= low_since
-                and t.util < self.util_threshold
-                and now - low_since >= self.window_s
-            )
-            if idle and m.detected_at is None:
-                m.detected_at = now
-                out.append(Action("idle", m.node, m.gpu, latency_s=now - m.drained_at))
-            if idle and self.lend and tail > self.startup_s and self.memory_hold(p, t) is None:
-                out.append(Action("lend", m.node, m.gpu, lend_reason or f"expected tail {tail:.2f}s"))
+            self._step_drained(m, now, phase, tail, p, t, out, lend_reason)
         else:
             m._forget_drain()
             m._enter(GpuState.UNKNOWN, now)
         return out
+
+    def _step_drained(
+        self,
+        m: GpuMachine,
+        now: float,
+        phase: PhaseInfo,
+        tail: float,
+        p: Progress,
+        t: GpuTelemetry,
+        out: list[Action],
+        lend_reason: str | None,
+    ) -> None:
+        """A drained GPU: idle once its utilisation stayed low for the window; lent when the tail is long enough
+        and its memory is free."""
+        if m.state != GpuState.DRAINED or m.step != phase.step:
+            m._forget_drain()
+            m.step, m.drained_at = phase.step, max(p.ts, m.floor)
+            m._enter(GpuState.DRAINED, now)
+        assert m.drained_at is not None
+        # Low since the drain unless telemetry saw it busy after the drain; then low since the
+        # first low sample after that.
+        if t.ts >= m.drained_at and t.util >= self.util_threshold:
+            m.last_high, m.low_since, m.detected_at = t.ts, None, None
+        elif t.ts >= m.drained_at and m.low_since is None:
+            m.low_since = t.ts if m.last_high is not None else m.drained_at
+        low_since = m.low_since
+        idle = (
+            low_since is not None
+            and t.ts >= low_since
+            and t.util < self.util_threshold
+            and now - low_since >= self.window_s
+        )
+        if idle and m.detected_at is None:
+            m.detected_at = now
+            out.append(Action("idle", m.node, m.gpu, latency_s=now - m.drained_at))
+        if idle and self.lend and tail > self.startup_s and self.memory_hold(p, t) is None:
+            out.append(Action("lend", m.node, m.gpu, lend_reason or f"expected tail {tail:.2f}s"))
 
     def _reclaim(self, m: GpuMachine, now: float, reason: str) -> Action:
         latency = now - m.revoked_at if m.revoked_at is not None else None
@@ -268,3 +269,21 @@ class IdleDetector:
             raise RuntimeError(f"GPU {node}:{gpu} lent from state {m.state.value}, expected drained")
         m.lease_token, m.session_id, m.lent_at = token, session_id, now
         m._enter(GpuState.LENT, now)
+
+
+def _revoke_reason(rollout: bool, p: Progress | None, t: GpuTelemetry | None, generating: bool,
+                   drained: bool) -> str | None:
+    """Why a lent GPU must be given back now, or None while it may stay lent."""
+    if not rollout:
+        return "phase ended"
+    if p is None:
+        return "worker progress lost"
+    if generating:
+        return "worker generating"
+    if not drained:
+        return "worker left the rollout step"
+    if t is None:
+        return "telemetry lost"
+    if t.error is not None:
+        return f"telemetry error: {t.error}"
+    return None

@@ -16,17 +16,22 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import redis
+from tailspec.scheduler import leases as L
 from tailspec.scheduler.placement import CPUS_ENV, pin_from_env
 
 from tailspec.core import state
-from tailspec.core.state import SessionInfo
+from tailspec.core.config import TailspecConfig
+from tailspec.core.state import PhaseInfo, SessionInfo
 
 CONTEXT_ENV = "TAILSPEC_SESSION_CONTEXT"
 NICE_ENV = "TAILSPEC_SESSION_NICE"
@@ -80,8 +85,6 @@ class SessionContext:
 
     def phase(self):
         """The cluster's current PhaseInfo (policy version and policy_path for the teacher), or None."""
-        from tailspec.core.state import PhaseInfo
-
         try:
             return state.get(self.redis, state.key(self.cluster, "phase"), PhaseInfo)
         except Exception:
@@ -89,16 +92,12 @@ class SessionContext:
 
     def tailspec_config(self):
         """The full TailspecConfig the scheduler ran with."""
-        from tailspec.core.config import TailspecConfig
-
         return TailspecConfig.model_validate(self.config)
 
     # -- Redis --------------------------------------------------------------------------------
     @property
     def redis(self) -> Any:
         if self._r is None:
-            import redis
-
             # Short timeouts: a hung Redis must not stall a training step for long.
             t = max(0.05, min(0.25, self.lease_ttl_s / 8))
             self._r = redis.Redis.from_url(self.redis_url, socket_timeout=t, socket_connect_timeout=t)
@@ -107,9 +106,7 @@ class SessionContext:
     @property
     def leases(self):
         if self._leases is None:
-            from tailspec.scheduler.leases import Leases
-
-            self._leases = Leases(self.redis, self.cluster)
+            self._leases = L.Leases(self.redis, self.cluster)
         return self._leases
 
     def _stop(self, reason: str) -> bool:
@@ -127,8 +124,6 @@ class SessionContext:
         if now - self._last_check < self.min_renew_interval_s:
             return True
         self._last_check = now
-        from tailspec.scheduler import leases as L
-
         try:
             code = self.leases.renew(
                 self.node,
@@ -238,8 +233,6 @@ def load_entry(spec: str) -> Callable[[SessionContext], Any]:
 def run_context(ctx: SessionContext, entry: str, handle_sigterm: bool = False) -> int:
     """Run one session to its end in this process; writes the final SessionInfo. Returns an exit code.
     `handle_sigterm` (own process only, not inside a Ray worker): SIGTERM leaves through the final record."""
-    import signal
-
     def _term(signum, frame):  # the dispatcher's SIGTERM after the deadline
         raise SystemExit(143)
 
@@ -262,8 +255,6 @@ def run_context(ctx: SessionContext, entry: str, handle_sigterm: bool = False) -
 
 
 def threading_is_main() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
@@ -281,8 +272,19 @@ def warm_main(entry: str) -> int:
 
     Serving many sessions matters because lends are short and frequent: a process per lend pays its imports
     per lend, seconds of CPU that a short tail does not have and that spill into the RL update."""
-    import json
+    if not _warm_up(entry):
+        return 2
+    while True:
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0
+        code = _serve(line, entry)
+        if code is not None:
+            return code
 
+
+def _warm_up(entry: str) -> bool:
+    """Import the entry (and run its module's optional `warm_up()`) and say so; False if it cannot load."""
     if _place():
         # Started on the cores of the GPU just lent (dispatch._refill), it imports there beside that GPU's
         # session, for seconds that can outlast the tail and spill into the RL update, whose threads span
@@ -301,40 +303,42 @@ def warm_main(entry: str) -> int:
             warm()
     except ValueError as e:
         print(f"tailspec warm session: {e}", file=sys.stderr)
-        return 2
+        return False
     ready = os.environ.get(READY_ENV)
     if ready:  # imports done (scheduler.dispatch.warm_ready counts these)
         with open(ready, "w"):
             pass
-    while True:
-        line = sys.stdin.readline()
-        if not line.strip():
-            return 0
-        try:
-            msg = json.loads(line)
-            env = {str(k): str(v) for k, v in dict(msg["env"]).items()}
-            ctx = SessionContext.from_json(json.dumps(msg["context"]))
-        except (ValueError, KeyError, TypeError) as e:
-            print(f"tailspec warm session: bad assignment: {e}", file=sys.stderr)
-            return 2
-        os.environ.pop(CPUS_ENV, None)
-        os.environ.pop(DONE_ENV, None)
-        os.environ.update(env)
-        _renice()
-        if CPUS_ENV in env:
-            _place()  # the assigned GPU's cores
-        else:
-            _unpin()
-        print(f"tailspec session {ctx.session_id} on {ctx.node}:gpu{ctx.gpu}", flush=True)
-        code = run_context(ctx, entry, handle_sigterm=True)
-        done = env.get(DONE_ENV)
-        if done:
-            tmp = done + ".tmp"
-            with open(tmp, "w") as f:
-                f.write(str(code))
-            os.replace(tmp, done)  # whole or absent
-        if code == 143 or not done:  # terminated by the dispatcher, or a dispatcher that expects an exit
-            return code
+    return True
+
+
+def _serve(line: str, entry: str) -> int | None:
+    """Run the session one stdin line assigns; the process's exit code when it must end, else None."""
+    try:
+        msg = json.loads(line)
+        env = {str(k): str(v) for k, v in dict(msg["env"]).items()}
+        ctx = SessionContext.from_json(json.dumps(msg["context"]))
+    except (ValueError, KeyError, TypeError) as e:
+        print(f"tailspec warm session: bad assignment: {e}", file=sys.stderr)
+        return 2
+    os.environ.pop(CPUS_ENV, None)
+    os.environ.pop(DONE_ENV, None)
+    os.environ.update(env)
+    _renice()
+    if CPUS_ENV in env:
+        _place()  # the assigned GPU's cores
+    else:
+        _unpin()
+    print(f"tailspec session {ctx.session_id} on {ctx.node}:gpu{ctx.gpu}", flush=True)
+    code = run_context(ctx, entry, handle_sigterm=True)
+    done = env.get(DONE_ENV)
+    if done:
+        tmp = done + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(code))
+        os.replace(tmp, done)  # whole or absent
+    if code == 143 or not done:  # terminated by the dispatcher, or a dispatcher that expects an exit
+        return code
+    return None
 
 
 _reniced = False

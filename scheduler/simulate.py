@@ -21,10 +21,13 @@ import math
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tailspec.scheduler.client import TailspecClient
+from tailspec.scheduler.service import run_local
+
+from tailspec.core.config import TailspecConfig
 
 
 @dataclass
@@ -109,6 +112,37 @@ def run_simulated_rollout(
     see node_gpus); returns ground truth. `lengths` (tokens per request) are consumed in order, cycling;
     otherwise log-normal draws. `policy_path` / `policy_version` go into the phase record (what real sessions
     load their teacher from)."""
+    _check_args(workers, steps, requests_per_worker, gpus_per_worker, gpus_per_node, token_time_s, lengths)
+    own_client = client is None
+    c = client or TailspecClient(redis_url, cluster=cluster, node=node)
+    rng = random.Random(seed)
+    fleet = _Fleet.place(c, workers, gpus_per_worker, gpus_per_node, node, requests_per_worker, token_time_s)
+    draw = _length_source(lengths, median_tokens, sigma, rng)
+    t_first = time.time()
+    records: list[StepRecord] = []
+    try:
+        for step in range(1, steps + 1):
+            if stop is not None and stop.is_set():
+                break
+            lens = {w: draw(requests_per_worker) for w in fleet.names}
+            c.set_phase("rollout", step=step, policy_version=policy_version, policy_path=policy_path)
+            rec = fleet.rollout(step, lens, gpus_per_worker, report_period_s, stop)
+            c.set_phase("train", step=step, policy_version=policy_version, policy_path=policy_path)
+            fleet.report_train(step)
+            records.append(rec)
+            if train_s > 0:
+                time.sleep(train_s)
+        c.set_phase("idle", step=len(records), policy_version=policy_version, policy_path=policy_path)
+        c.flush(2.0)
+    finally:
+        if own_client:
+            c.close()
+    return SimResult(workers=workers, steps=records, node=node, worker_gpus=fleet.gpus, worker_node=fleet.node,
+                     progress_reports=fleet.reports, report_seconds=time.time() - t_first)
+
+
+def _check_args(workers: int, steps: int, requests_per_worker: int, gpus_per_worker: int, gpus_per_node: int | None,
+                token_time_s: float, lengths: Sequence[int] | None) -> None:
     if workers < 1 or steps < 1 or requests_per_worker < 1 or gpus_per_worker < 1:
         raise ValueError("workers, steps, requests_per_worker and gpus_per_worker must be ≥ 1")
     if gpus_per_node is not None and (gpus_per_node < 1 or gpus_per_node % gpus_per_worker):
@@ -117,17 +151,11 @@ def run_simulated_rollout(
         raise ValueError(f"token_time_s must be > 0, got {token_time_s}")
     if lengths is not None and (len(lengths) == 0 or any(int(x) < 1 for x in lengths)):
         raise ValueError("lengths must be a non-empty sequence of positive token counts")
-    own_client = client is None
-    c = client or TailspecClient(redis_url, cluster=cluster, node=node)
-    rng = random.Random(seed)
-    names = [f"sim-worker{i}" for i in range(workers)]
-    per_node = gpus_per_node if gpus_per_node is not None else workers * gpus_per_worker
-    multi = per_node < workers * gpus_per_worker
-    gpus = {w: [(i * gpus_per_worker + j) % per_node for j in range(gpus_per_worker)] for i, w in enumerate(names)}
-    wnode = {w: f"{node}-{i * gpus_per_worker // per_node}" if multi else node for i, w in enumerate(names)}
-    reports = 0
-    t_first = time.time()
-    records: list[StepRecord] = []
+
+
+def _length_source(lengths: Sequence[int] | None, median_tokens: float, sigma: float,
+                   rng: random.Random) -> Callable[[int], list[int]]:
+    """n request lengths at a time: `lengths` in order, cycling, or log-normal draws."""
     cursor = 0
 
     def draw(n: int) -> list[int]:
@@ -138,68 +166,66 @@ def run_simulated_rollout(
         cursor += n
         return out
 
-    try:
-        for step in range(1, steps + 1):
-            if stop is not None and stop.is_set():
+    return draw
+
+
+@dataclass
+class _Fleet:
+    """The simulated workers: each one's GPUs and node, and how they report through the client."""
+
+    c: TailspecClient
+    names: list[str]
+    gpus: dict[str, list[int]]
+    node: dict[str, str]
+    requests: int
+    token_time_s: float
+    reports: int = 0
+
+    @classmethod
+    def place(cls, c: TailspecClient, workers: int, gpus_per_worker: int, gpus_per_node: int | None, node: str,
+              requests: int, token_time_s: float) -> _Fleet:
+        names = [f"sim-worker{i}" for i in range(workers)]
+        per_node = gpus_per_node if gpus_per_node is not None else workers * gpus_per_worker
+        multi = per_node < workers * gpus_per_worker
+        gpus = {w: [(i * gpus_per_worker + j) % per_node for j in range(gpus_per_worker)] for i, w in enumerate(names)}
+        wnode = {w: f"{node}-{i * gpus_per_worker // per_node}" if multi else node for i, w in enumerate(names)}
+        return cls(c, names, gpus, wnode, requests, token_time_s)
+
+    def rollout(self, step: int, lens: dict[str, list[int]], gpus_per_worker: int, report_period_s: float,
+                stop: threading.Event | None) -> StepRecord:
+        """Decode every worker's requests in simulated time, reporting each change of its active count, until
+        every worker drained (or `stop`)."""
+        t0 = time.time()
+        rec = StepRecord(step=step, started_at=t0, lengths=lens, gpus_per_worker=gpus_per_worker)
+        last_active: dict[str, int] = {}
+        while True:
+            elapsed = time.time() - t0
+            for w in self.names:
+                active = sum(1 for L in lens[w] if L * self.token_time_s > elapsed)
+                if active != last_active.get(w):
+                    self._report_rollout(w, step, lens[w], active, elapsed)
+                    last_active[w] = active
+                    if active == 0:
+                        rec.drained_at[w] = t0 + max(lens[w]) * self.token_time_s
+            if len(rec.drained_at) == len(self.names) or (stop is not None and stop.is_set()):
                 break
-            lens = {w: draw(requests_per_worker) for w in names}
-            c.set_phase("rollout", step=step, policy_version=policy_version, policy_path=policy_path)
-            t0 = time.time()
-            rec = StepRecord(step=step, started_at=t0, lengths=lens, gpus_per_worker=gpus_per_worker)
-            last_active: dict[str, int] = {}
-            while True:
-                now = time.time()
-                elapsed = now - t0
-                for w in names:
-                    active = sum(1 for L in lens[w] if L * token_time_s > elapsed)
-                    if active != last_active.get(w):
-                        done = requests_per_worker - active
-                        tokens = sum(
-                            min(L, int(elapsed / token_time_s)) for L in lens[w] if L * token_time_s > elapsed
-                        )
-                        c.report_progress(
-                            w,
-                            gpus[w],
-                            active=active,
-                            finished=done,
-                            phase="rollout",
-                            total=requests_per_worker,
-                            step=step,
-                            tokens_done=tokens,
-                            tokens_per_s=active / token_time_s,
-                            node=wnode[w],
-                        )
-                        reports += 1
-                        last_active[w] = active
-                        if active == 0:
-                            rec.drained_at[w] = t0 + max(lens[w]) * token_time_s
-                if len(rec.drained_at) == workers or (stop is not None and stop.is_set()):
-                    break
-                time.sleep(report_period_s)
-            rec.ended_at = time.time()
-            c.set_phase("train", step=step, policy_version=policy_version, policy_path=policy_path)
-            for w in names:
-                c.report_progress(
-                    w,
-                    gpus[w],
-                    active=0,
-                    finished=requests_per_worker,
-                    phase="train",
-                    total=requests_per_worker,
-                    step=step,
-                    node=wnode[w],
-                )
-                reports += 1
-            records.append(rec)
-            if train_s > 0:
-                time.sleep(train_s)
-        c.set_phase("idle", step=len(records), policy_version=policy_version, policy_path=policy_path)
-        c.flush(2.0)
-    finally:
-        if own_client:
-            c.close()
-    return SimResult(workers=workers, steps=records, node=node, worker_gpus=gpus, worker_node=wnode,
-                     progress_reports=reports, report_seconds=time.time() - t_first)
+            time.sleep(report_period_s)
+        rec.ended_at = time.time()
+        return rec
+
+    def _report_rollout(self, w: str, step: int, lens: list[int], active: int, elapsed: float) -> None:
+        tt = self.token_time_s
+        tokens = sum(min(L, int(elapsed / tt)) for L in lens if L * tt > elapsed)
+        self.c.report_progress(w, self.gpus[w], active=active, finished=self.requests - active, phase="rollout",
+                               total=self.requests, step=step, tokens_done=tokens, tokens_per_s=active / tt,
+                               node=self.node[w])
+        self.reports += 1
+
+    def report_train(self, step: int) -> None:
+        for w in self.names:
+            self.c.report_progress(w, self.gpus[w], active=0, finished=self.requests, phase="train",
+                                   total=self.requests, step=step, node=self.node[w])
+            self.reports += 1
 
 
 def run_simulated_cluster(
@@ -217,10 +243,6 @@ def run_simulated_cluster(
     telemetry) in a background thread, driven by `run_simulated_rollout`; every key the dashboards read
     (telemetry + history, gpu_status + history, lease, session records, counters, events) gets filled.
     Returns the rollout's ground truth once the last revocations are done (after `settle_s`)."""
-    from tailspec.scheduler.service import run_local
-
-    from tailspec.core.config import TailspecConfig
-
     cfg = TailspecConfig()
     cfg.cluster.name, cfg.cluster.node, cfg.cluster.redis_url = cluster, node, redis_url
     cfg.scheduler.telemetry = "simulated"
