@@ -334,11 +334,6 @@ class Eagle3Module(nn.Module):
         return cfg, shapes
 
 
-# The old name, kept while tailspec/demo/*, tailspec/bench/e2e.py and drafter_trainer/{loss,session,versions}.py
-# (being edited in other work) still import it; remove once they import Eagle3Module.
-Eagle3Drafter = Eagle3Module
-
-
 def fits(cfg: Eagle3Config, target_config: Any) -> list[str]:
     """Every way the drafter does not fit the target, each naming both values (empty list = fits)."""
     tc = target_config
