@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from tailspec.core.atomic import write_dir_atomic
@@ -193,8 +194,6 @@ def pretrain(
     progress: bool = True,
 ) -> TrainReport:
     """Supervised pre-training on gold traces (AdamW, warm-up + cosine decay)."""
-    from tqdm.auto import tqdm
-
     torch.manual_seed(preset.seed)
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -206,6 +205,30 @@ def pretrain(
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, preset.train_steps - warm)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    batches = _pretrain_batches(preset, task)
+    rate = alt_style_rate(preset, task)
+    style_rng = np.random.default_rng(preset.seed + 2)  # which problems are written in the alternative style
+    model.train()
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    bar = tqdm(range(preset.train_steps), desc=f"pretrain {preset.name}", disable=not progress, leave=False)
+    for step in bar:
+        alt = list(style_rng.random(len(batches[step])) < rate) if rate > 0 else None
+        ids, lab = _batch(tokenizer, batches[step], alt)
+        out = model(input_ids=ids.to(device), labels=lab.to(device))
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(out.loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return TrainReport(preset.train_steps, time.perf_counter() - t0, losses[-1], losses)
+
+
+def _pretrain_batches(preset: Preset, task: TaskConfig) -> list[list[Problem]]:
+    """The pre-training batches in order: the short-problem warm-up batches first, then the rest."""
     if not 0 <= preset.short_steps < preset.train_steps:
         raise ValueError(f"short_steps must be in [0, train_steps={preset.train_steps}), got {preset.short_steps}")
     if preset.short_steps and preset.short_numbers < task.steps_min:
@@ -229,25 +252,7 @@ def pretrain(
         first = [short[i : i + bs] for i in range(0, need, bs)]
         np.random.default_rng(preset.seed + 1).shuffle(first)
         batches = first + batches
-    rate = alt_style_rate(preset, task)
-    style_rng = np.random.default_rng(preset.seed + 2)  # which problems are written in the alternative style
-    model.train()
-    losses: list[float] = []
-    t0 = time.perf_counter()
-    bar = tqdm(range(preset.train_steps), desc=f"pretrain {preset.name}", disable=not progress, leave=False)
-    for step in bar:
-        alt = list(style_rng.random(len(batches[step])) < rate) if rate > 0 else None
-        ids, lab = _batch(tokenizer, batches[step], alt)
-        out = model(input_ids=ids.to(device), labels=lab.to(device))
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(out.loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    model.eval()
-    return TrainReport(preset.train_steps, time.perf_counter() - t0, losses[-1], losses)
+    return batches
 
 
 @dataclass
