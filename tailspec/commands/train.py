@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from tailspec.cli import add_config_args, config_from_args
+from tailspec.core.state import Sample
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from tailspec.cli import add_config_args
-
     p = sub.add_parser("train", help="train an EAGLE-3 drafter on rollout samples (standalone session)")
     p.add_argument("--policy", required=True, metavar="DIR", help="policy directory (HF format): the teacher")
     p.add_argument("--samples", required=True, metavar="SRC",
@@ -31,10 +36,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def load_samples_file(path: Path):
-    from pydantic import ValidationError
-
-    from tailspec.core.state import Sample
-
     if not path.is_file():
         raise SystemExit(f"tailspec train: samples file not found: {path}")
     out, bad = [], 0
@@ -55,14 +56,16 @@ def _sample_source(args: argparse.Namespace, cfg, buffer, vocab: int) -> tuple[A
     """Where the samples come from (`--samples`): the cluster's stream (a Redis client for the session's
     reader; nothing loaded here), the task (`task:N` rollouts of the policy) or a JSONL file. Returns the Redis
     client or None, and the drop counts of what was loaded."""
+    # deferred: the CLI imports every command module to build its parser; torch and the models load only
+    # when `tailspec train` runs
+    import redis as redis_lib
+
     from tailspec.drafter_trainer.samples import fill_buffer
 
     if args.samples == "redis":
-        import redis as redis_lib
-
         return redis_lib.Redis.from_url(cfg.cluster.redis_url), {}
     if args.samples.startswith("task:"):
-        from tailspec.bench.trainer import generate_task_samples
+        from tailspec.bench.trainer import generate_task_samples  # the policy and the task: only for task:N
 
         n = int(args.samples.split(":", 1)[1])
         return None, fill_buffer(buffer, generate_task_samples(args.policy, n), vocab, cfg.trainer.max_seq_len)
@@ -74,12 +77,10 @@ def _sample_source(args: argparse.Namespace, cfg, buffer, vocab: int) -> tuple[A
 
 
 def _run(args: argparse.Namespace) -> int:
-    import signal
-
+    # deferred: the CLI imports every command module to build its parser; torch and the models load only
+    # when `tailspec train` runs
     import torch
-    from tqdm import tqdm
 
-    from tailspec.cli import config_from_args
     from tailspec.drafter_trainer.teacher import Teacher
     from tailspec.drafter_trainer.versions import validate
     from tailspec.sessions import Contributor, device_and_dtype, make_buffer
@@ -109,11 +110,24 @@ def _run(args: argparse.Namespace) -> int:
             return None
 
     signal.signal(signal.SIGTERM, lambda *_: sess.request_stop("SIGTERM"))
+    steps, acc = _train(args, sess, acceptance)
+    info = trainer.propose() if holdout else None
+    trainer.close()
+    summary = {"steps": steps, "total_steps": sess.step, "checkpoint_dir": str(trainer.root),
+               "acceptance": acc, "version": info.model_dump(mode="json") if info else None}
+    print(json.dumps(summary))
+    return 0
+
+
+def _train(args: argparse.Namespace, sess: Any, acceptance: Callable[[], float | None]) -> tuple[int, float | None]:
+    """Train in chunks of --eval-every steps within --steps / --seconds, measuring acceptance after each;
+    Ctrl-C saves. Returns the steps taken and the last acceptance."""
+    from tqdm import tqdm  # deferred with the rest of the command (see _run)
+
     acc = acceptance()
     bar = tqdm(total=args.steps, desc="train", unit="step", file=sys.stderr)
     t0 = time.monotonic()
     steps = 0
-    last = None
     try:
         while args.steps is None or steps < args.steps:
             left_s = None if args.seconds is None else args.seconds - (time.monotonic() - t0)
@@ -132,9 +146,4 @@ def _run(args: argparse.Namespace) -> int:
         sess.request_stop("interrupted")
         sess.save()
     bar.close()
-    info = trainer.propose() if holdout else None
-    trainer.close()
-    summary = {"steps": steps, "total_steps": sess.step, "checkpoint_dir": str(trainer.root),
-               "acceptance": acc, "version": info.model_dump(mode="json") if info else None}
-    print(json.dumps(summary))
-    return 0
+    return steps, acc
