@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from tailspec.core.state import Sample
+from tailspec.core import state
+from tailspec.core.state import DrafterVersion, Event, PhaseInfo, Sample
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,14 +98,10 @@ def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_d
     """Fresh Redis and lineage seeded with the starting drafter; n session processes share args.steps."""
     import redis
 
-    from tailspec.core import state
-    from tailspec.core.state import DrafterVersion, Event, PhaseInfo
     from tailspec.demo.bootstrap import seed_store
     from tailspec.demo.run import apply_demo_trainer
     from tailspec.drafter_trainer.lineage import Lineage
     from tailspec.redis_server import start_redis
-    from tailspec.scheduler.leases import Leases
-    from tailspec.scheduler.session import CONTEXT_ENV, SessionContext
 
     server = start_redis()
     try:
@@ -119,28 +116,9 @@ def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_d
             state.append(r, state.key(c.cluster.name, "samples"), s)
         state.put(r, state.key(c.cluster.name, "phase"),
                   PhaseInfo(phase="rollout", step=1, started_at=time.time(), policy_version=1, policy_path=str(v1_dir)))
-        leases = Leases(r, c.cluster.name)
-        procs = []
         t0 = time.time()
-        for g in range(n_sessions):
-            lease = leases.acquire("n0", g, f"bench{g}", ttl_s=600)
-            ctx = SessionContext(session_id=f"s{n_sessions}-{g}", node="n0", gpu=g, lease_token=lease.token,
-                                 redis_url=server.url, cluster=c.cluster.name, config=c.model_dump(mode="json"),
-                                 lease_ttl_s=600, require_heartbeat=False)
-            env = dict(os.environ, OMP_NUM_THREADS="1", TAILSPEC_SESSION_ENTRY="tailspec.bench.cotrain:session_entry",
-                       TAILSPEC_BENCH_MAX_STEPS=str(args.steps // n_sessions))
-            env[CONTEXT_ENV] = ctx.to_json()
-            log = open(root / f"session-{n_sessions}-{g}.log", "w")
-            procs.append(subprocess.Popen([sys.executable, "-m", "tailspec.scheduler.session"], env=env,
-                                          stdout=log, stderr=subprocess.STDOUT))
-        first_promotion = None
-        while any(p.poll() is None for p in procs):
-            time.sleep(0.2)
-            if first_promotion is None:
-                for _, e in state.read_stream(r, state.key(c.cluster.name, "events"), Event)[0]:
-                    if e.kind == "version_promoted" and int(e.detail.get("version", 0)) > 1:
-                        first_promotion = e.ts - t0
-                        break
+        procs = _start_sessions(n_sessions, args, c, r, server.url, root)
+        first_promotion = _wait_sessions(procs, r, c.cluster.name, t0)
         seconds = time.time() - t0
         bad = [g for g, p in enumerate(procs) if p.returncode != 0]
         if bad:
@@ -154,6 +132,40 @@ def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_d
                 "contributions": Lineage(Path(c.trainer.checkpoint_dir) / "lineage", r, c.cluster.name).contributions()}
     finally:
         server.stop()
+
+
+def _start_sessions(n_sessions: int, args, c, r, redis_url: str, root: Path) -> list[subprocess.Popen]:
+    """n session processes, each on its own lease (GPUs n0:0..n-1), sharing args.steps."""
+    from tailspec.scheduler.leases import Leases
+    from tailspec.scheduler.session import CONTEXT_ENV, SessionContext
+
+    leases = Leases(r, c.cluster.name)
+    procs = []
+    for g in range(n_sessions):
+        lease = leases.acquire("n0", g, f"bench{g}", ttl_s=600)
+        ctx = SessionContext(session_id=f"s{n_sessions}-{g}", node="n0", gpu=g, lease_token=lease.token,
+                             redis_url=redis_url, cluster=c.cluster.name, config=c.model_dump(mode="json"),
+                             lease_ttl_s=600, require_heartbeat=False)
+        env = dict(os.environ, OMP_NUM_THREADS="1", TAILSPEC_SESSION_ENTRY="tailspec.bench.cotrain:session_entry",
+                   TAILSPEC_BENCH_MAX_STEPS=str(args.steps // n_sessions))
+        env[CONTEXT_ENV] = ctx.to_json()
+        log = open(root / f"session-{n_sessions}-{g}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, "-m", "tailspec.scheduler.session"], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def _wait_sessions(procs: list[subprocess.Popen], r, cluster: str, t0: float) -> float | None:
+    """Wait for every session to end; seconds from t0 to the first promotion past v1 (None: none)."""
+    first_promotion = None
+    while any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+        if first_promotion is None:
+            for _, e in state.read_stream(r, state.key(cluster, "events"), Event)[0]:
+                if e.kind == "version_promoted" and int(e.detail.get("version", 0)) > 1:
+                    first_promotion = e.ts - t0
+                    break
+    return first_promotion
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -200,7 +212,11 @@ def run(args: argparse.Namespace) -> dict:
                   f"acceptance {after:.3f}; promotions {res['promotions']}/{res['candidates']}, first after "
                   f"{res['first_promotion_s'] if res['first_promotion_s'] is None else round(res['first_promotion_s'], 1)} s",
                   file=sys.stderr, flush=True)
-    one, two = out[1], out[2]
+    return _result(args, rewards, before, before_v0, out[1], out[2])
+
+
+def _result(args: argparse.Namespace, rewards: list[float], before: float, before_v0: float, one: dict,
+            two: dict) -> dict:
     result = {
         "preset": args.preset, "k": args.k, "steps": args.steps, "grpo_steps": args.grpo_steps,
         "grpo_rewards": rewards, "acceptance_before": before, "acceptance_before_on_v0": before_v0,
