@@ -19,10 +19,13 @@ captured graphs and the verify forward's replay-vs-eager speedup at batch 1, 8, 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
 from collections import Counter
+
+from tailspec.cli import config_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args, cfg):
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import torch
 
     from tailspec.rollout.drafters import DraftModelProposer, Eagle3Proposer, NgramProposer
@@ -73,9 +77,11 @@ def _load(args, cfg):
             return DraftModelProposer(draft)
         label = f"draft_model:{args.draft_preset}"
     else:
+        # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
         from tailspec.drafter_trainer.model import Eagle3Module
 
         if not args.eagle3:
+            # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
             from tailspec.demo.bootstrap import bootstrap_drafter
             from tailspec.demo.run import DemoOptions, apply_demo_trainer
 
@@ -93,6 +99,7 @@ def _load(args, cfg):
 
 
 def _prompts(tok, n: int, seed: int, task_cfg):
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.tasks.runsum import sample_problems
     from tailspec.tasks.tokenizer import encode_prompt
 
@@ -103,8 +110,8 @@ def _mid_response(make_engine, prompts, max_tokens: int, max_seq: int, temperatu
     """(prompt + the first d tokens of a response the policy wrote, tokens left) per prompt, d uniform over the
     response: `--start mid`'s requests. A response's later tokens weigh more in such runs than in a rollout,
     which writes every response from its first token; the check is whether the pick depends on depth."""
-    import random
 
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.rollout.sequence import SamplingParams
 
     eng = make_engine(min(64, len(prompts)), 0)
@@ -122,6 +129,7 @@ def _steady_tps(make_engine, choose_k, batch: int, prompts, params, warmup: int,
                 mix: Counter | None = None) -> float:
     """Decode tokens/s over `steps` steps with `batch` requests kept running (finished slots refilled
     between steps, their prefill untimed); `mix` counts the k of each timed step."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.rollout.slots import GEN
 
     eng = make_engine(batch, choose_k)
@@ -156,6 +164,7 @@ def _rollout_s(make_engine, choose_k, prompts, params) -> tuple[float, int]:
 
 
 def _graph_pool_section(target, cost, device: str) -> dict:
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import torch
 
     from tailspec.rollout.engine import Engine
@@ -192,9 +201,9 @@ def _graph_pool_section(target, cost, device: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import torch
 
-    from tailspec.cli import config_from_args
     from tailspec.commands.bench import machine
     from tailspec.rollout import cost_model
     from tailspec.rollout.acceptance import AcceptanceTracker

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tailspec.core import state
 from tailspec.core.config import TailspecConfig
 
 
@@ -54,6 +56,7 @@ def scheduler_config(url: str, cluster: str, shared: Path, gpus: int, lend: bool
 @contextmanager
 def local_scheduler(cfg: TailspecConfig, log_dir: Path, warm_timeout_s: float = 180.0) -> Iterator[None]:
     """`run_local` in a thread; returns once its warm session processes have finished importing."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.scheduler.dispatch import warm_ready
     from tailspec.scheduler.service import run_local
 
@@ -105,8 +108,6 @@ def _tail(path: Path, n: int) -> str:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -123,16 +124,17 @@ def step_seconds(summary: dict) -> float:
 
 
 def _p99(xs: list[float]) -> float:
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import numpy as np
 
     return float(np.percentile(xs, 99)) if xs else 0.0
 
 
 def run(args: argparse.Namespace) -> dict:
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import redis
 
     from tailspec.commands.bench import machine
-    from tailspec.core import state
     from tailspec.redis_server import start_redis
 
     out = sys.stderr if args.json else sys.stdout

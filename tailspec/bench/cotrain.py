@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from tailspec.cli import config_from_args
 from tailspec.core import state
 from tailspec.core.state import DrafterVersion, Event, PhaseInfo, Sample
 
@@ -51,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def rollouts(model, tok, cfg, n: int, seed: int, version: int, max_seq_len: int = 640) -> tuple[list, list[Sample]]:
     """n graded rollouts of an in-memory policy at T=1 (native engine): (RL rollouts, samples)."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.rl import Rollout
     from tailspec.rollout.engine import Engine
     from tailspec.rollout.sequence import SamplingParams
@@ -74,6 +76,7 @@ def rollouts(model, tok, cfg, n: int, seed: int, version: int, max_seq_len: int 
 
 def move_policy(policy_dir: Path, cfg, args, out: Path) -> tuple[Path, list[float]]:
     """v1: GRPO steps from v0 on its own rollouts; returns (v1 directory, mean reward per step)."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.rl import grpo_step, save_policy_weights
     from tailspec.tasks.policy import load_policy
 
@@ -89,6 +92,7 @@ def move_policy(policy_dir: Path, cfg, args, out: Path) -> tuple[Path, list[floa
 
 def session_entry(ctx) -> dict:
     """Session process entry: `tailspec.sessions.run_session` for $TAILSPEC_BENCH_MAX_STEPS steps."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.sessions import run_session
 
     return run_session(ctx, max_steps=int(os.environ["TAILSPEC_BENCH_MAX_STEPS"]))
@@ -96,6 +100,7 @@ def session_entry(ctx) -> dict:
 
 def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_dir: Path, root: Path) -> dict:
     """Fresh Redis and lineage seeded with the starting drafter; n session processes share args.steps."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import redis
 
     from tailspec.demo.bootstrap import seed_store
@@ -136,6 +141,7 @@ def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_d
 
 def _start_sessions(n_sessions: int, args, c, r, redis_url: str, root: Path) -> list[subprocess.Popen]:
     """n session processes, each on its own lease (GPUs n0:0..n-1), sharing args.steps."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.scheduler.leases import Leases
     from tailspec.scheduler.session import CONTEXT_ENV, SessionContext
 
@@ -169,7 +175,7 @@ def _wait_sessions(procs: list[subprocess.Popen], r, cluster: str, t0: float) ->
 
 
 def run(args: argparse.Namespace) -> dict:
-    from tailspec.cli import config_from_args
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.demo.bootstrap import bootstrap_drafter, load_samples
     from tailspec.demo.run import apply_demo_trainer
     from tailspec.drafter_trainer.checkpoint import load_checkpoint

@@ -14,6 +14,16 @@ import sys
 import time
 import urllib.request
 
+from tailspec.core.state import (
+    DrafterVersion,
+    GpuState,
+    GpuStatus,
+    GpuTelemetry,
+    PhaseInfo,
+    RolloutStats,
+    SessionInfo,
+)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, default=64, help="GPUs in the cluster (default 64: 8 nodes × 8)")
@@ -26,16 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def fill(r, cluster: str, gpus: int, history: int, transitions: int, sessions: int, seed: int = 0) -> float:
     """Write a realistic state; returns the time span (s) the histories cover, ending now."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.core import state as S
-    from tailspec.core.state import (
-        DrafterVersion,
-        GpuState,
-        GpuStatus,
-        GpuTelemetry,
-        PhaseInfo,
-        RolloutStats,
-        SessionInfo,
-    )
 
     rng = random.Random(seed)
     now = time.time()
@@ -90,6 +92,7 @@ def _time_get(url: str, repeats: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import redis
 
     from tailspec.commands.bench import machine

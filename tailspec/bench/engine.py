@@ -22,6 +22,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -46,8 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load(spec: str, dtype: torch.dtype, device: str):
-    from pathlib import Path
-
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.tasks.policy import PRESETS, get_policy, load_policy
 
     path = get_policy(spec, progress=False) if spec in PRESETS else Path(spec)
@@ -143,6 +143,7 @@ def drafter_cost(model, eagle, batches, prompts, *, steps: int = 24, calls: int 
 
 def _batch_cost(model, eagle, b: int, prompts, steps: int, calls: int, repeats: int, temperature: float) -> dict:
     """`drafter_cost` at one batch size."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.rollout.drafters import Eagle3Proposer, _draw
     from tailspec.rollout.engine import Engine
     from tailspec.rollout.sampling import step_uniforms_from
@@ -201,6 +202,7 @@ def _cost_section(model, eagle, tok, batches: list[int], args, log) -> dict:
     empty = {"drafter_cost_ratio": None, "drafter_cost_ratios": {}, "drafter_cost": None}
     if args.cost_repeats <= 0:
         return empty
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
     from tailspec.tasks.runsum import sample_problems
     from tailspec.tasks.tokenizer import encode_prompt
@@ -232,6 +234,7 @@ def _cost_section(model, eagle, tok, batches: list[int], args, log) -> dict:
 
 def _drafters(draft_model, eagle):
     """make_drafter(name): a fresh proposer of that kind, or None where its model is missing."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.rollout.drafters import DraftModelProposer, Eagle3Proposer, NgramProposer
 
     def make_drafter(name):
@@ -249,6 +252,7 @@ def _drafters(draft_model, eagle):
 def _batch_rows(model, tok, draft_model, make_drafter, drafter_names, ks, b: int, args, floor, log) -> list[dict]:
     """One row per configuration at batch b: HF generate (and assisted at batch 1), the engine without SD, the
     engine with SD per drafter and k; the median of `args.repeats` interleaved runs each."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.rollout.engine import Engine
     from tailspec.rollout.sequence import SamplingParams
     from tailspec.tasks.runsum import sample_problems
@@ -326,6 +330,7 @@ def _summary(rows: list[dict], batches: list[int]) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.commands.bench import machine
 
     if args.threads:
@@ -335,6 +340,7 @@ def run(args: argparse.Namespace) -> dict:
     draft_model = _load(args.draft_policy, dtype, args.device)[0] if args.draft_policy else None
     eagle = None
     if args.eagle3:
+        # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
         from tailspec.drafter_trainer.model import Eagle3Module
 
         eagle = Eagle3Module.load(args.eagle3, target_embedding=model.get_input_embeddings(), map_location=args.device)

@@ -33,10 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tailspec.cli import config_from_args
+from tailspec.core import state
+from tailspec.core.state import Lease, Progress, SchedulerLeader, SessionInfo
+
 KINDS = ("scheduler", "redis", "session", "worker")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.demo.options import DemoOptions
 
     d = DemoOptions()
@@ -130,17 +135,12 @@ class Drill:
         return self.demo.cfg
 
     def _key(self, name: str, **f) -> str:
-        from tailspec.core import state
-
         return state.key(self.demo.cluster, name, **f)
 
     def _new(self, kind: str, detail: str, step: int | None = None) -> Injection:
         return Injection(kind, time.time(), self.current_step if step is None else step, detail)
 
     def _scheduler(self) -> Injection | None:
-        from tailspec.core import state
-        from tailspec.core.state import SchedulerLeader
-
         svc = self.demo.services
         lead = state.get(self.r, self._key("leader"), SchedulerLeader)
         if lead is None:
@@ -174,9 +174,6 @@ class Drill:
         return inj
 
     def _session(self) -> Injection | None:
-        from tailspec.core import state
-        from tailspec.core.state import Lease
-
         deadline = time.time() + 60.0
         pid, mid, sessions = None, False, []
         while time.time() < deadline and pid is None and not self.finished.is_set():
@@ -238,9 +235,6 @@ class Drill:
         inj.corrupt_dirs = corrupt_dirs(Path(self.cfg.trainer.checkpoint_dir))
 
     def orphan_leases(self) -> int:
-        from tailspec.core import state
-        from tailspec.core.state import Lease
-
         by_lease = {(s.node, s.gpu, s.lease_token): s for s in self._sessions()}
         n = 0
         for k in self.r.scan_iter(match=self._key("lease", node="*", gpu="*")):
@@ -251,9 +245,6 @@ class Drill:
         return n
 
     def _sessions(self) -> list:
-        from tailspec.core import state
-        from tailspec.core.state import SessionInfo
-
         out = []
         for k in self.r.scan_iter(match=self._key("session", session_id="*")):
             try:
@@ -266,8 +257,6 @@ class Drill:
 
     def _active(self, worker: str) -> int | None:
         """The RL step `worker` is decoding now, or None."""
-        from tailspec.core import state
-        from tailspec.core.state import Progress
 
         try:
             p = state.get(self.r, self._key("progress", worker=worker), Progress)
@@ -310,6 +299,7 @@ class Drill:
 def corrupt_dirs(root: Path) -> list[str]:
     """Lineage heads and drafter versions under `root` that do not load whole (hidden temporaries are not
     directories anyone reads, and are left out)."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.drafter_trainer.checkpoint import load_checkpoint
     from tailspec.drafter_trainer.model import Eagle3Module
 
@@ -376,7 +366,7 @@ def summarize(injections: list[Injection], kinds: list[str], steps_done: dict[in
 
 
 def run(args: argparse.Namespace) -> dict:
-    from tailspec.cli import config_from_args
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.commands.bench import machine
     from tailspec.demo.run import Demo, DemoOptions
 

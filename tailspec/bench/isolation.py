@@ -21,7 +21,10 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+
+from tailspec.core.config import TailspecConfig, TaskConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,9 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # -- children --------------------------------------------------------------------------------------------
 def _decode_child(args: argparse.Namespace) -> int:
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import torch
 
-    from tailspec.core.config import TaskConfig
     from tailspec.rollout.engine import Engine
     from tailspec.rollout.sequence import SamplingParams
     from tailspec.tasks.policy import load_policy, resolve_policy
@@ -72,11 +75,9 @@ def _decode_child(args: argparse.Namespace) -> int:
 
 
 def _train_child(args: argparse.Namespace) -> int:
-    import tempfile
-
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import torch
 
-    from tailspec.core.config import TailspecConfig
     from tailspec.demo.bootstrap import rollout_samples
     from tailspec.drafter_trainer.samples import fill_buffer
     from tailspec.drafter_trainer.session import TrainingSession
@@ -102,6 +103,7 @@ def _train_child(args: argparse.Namespace) -> int:
 
 # -- parent ----------------------------------------------------------------------------------------------
 def _spawn(kind: str, args: argparse.Namespace, cpus: list[int] | None) -> subprocess.Popen:
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.scheduler.placement import format_cpus
 
     cmd = [sys.executable, "-m", "tailspec.bench.isolation", "--child", kind, "--policy", args.policy,
@@ -125,6 +127,7 @@ def _window(decoder: subprocess.Popen, seconds: float) -> float:
 
 
 def _measure(args: argparse.Namespace, split: bool, out) -> dict:
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.scheduler import placement
 
     cpus = placement.split(2) if split else [None, None]
@@ -157,6 +160,7 @@ def _measure(args: argparse.Namespace, split: bool, out) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.commands.bench import machine
     from tailspec.scheduler import placement
 
@@ -184,6 +188,7 @@ def main() -> int:
     add_arguments(ap)
     args = ap.parse_args()
     if args.cpus:
+        # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
         from tailspec.scheduler.placement import parse_cpus, pin
 
         pin(parse_cpus(args.cpus))

@@ -44,6 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tailspec.core import state
+from tailspec.core.config import TailspecConfig, TaskConfig
+from tailspec.core.state import Event, SessionInfo
+
 TARGETS = {
     "detect_latency_p99_s": ("<=", 0.5),
     "release_to_free_p99_s": ("<=", 1.0),
@@ -96,7 +100,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 def _should_continue_cost(r, url: str, cluster: str) -> tuple[float, float]:
     """What a session pays per training step: p50 of a real lease renewal round trip (ms), and p50 of
     should_continue() as called every step with the default renewal spacing (µs)."""
-    from tailspec.core import state
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.scheduler.leases import Leases
     from tailspec.scheduler.session import SessionContext
 
@@ -190,8 +194,6 @@ class NullDispatcher:
 
 
 def _load_cfg(path: str):
-    from tailspec.core.config import TailspecConfig
-
     return TailspecConfig.model_validate(json.loads(Path(path).read_text()))
 
 
@@ -200,6 +202,7 @@ def serve(args: argparse.Namespace) -> int:
     (RoundTrips); with --monitor, the node's simulated telemetry monitor as a thread (as `tailspec scheduler run`),
     on its own connection. Writes every tick (start time, seconds, thread CPU seconds, round trips, commands) to
     --stats at exit (SIGTERM)."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import redis
 
     from tailspec.scheduler.dispatch import LocalDispatcher
@@ -240,6 +243,7 @@ def serve(args: argparse.Namespace) -> int:
     sched.tick = timed_tick
     prof = None
     if args.profile:
+        # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
         import cProfile
 
         prof = cProfile.Profile()
@@ -261,6 +265,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def monitor_main(args: argparse.Namespace) -> int:
     """The nodes' telemetry monitors of a many-node simulated cluster, in one process (SimulatedNodes)."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import redis
 
     from tailspec.scheduler.monitor import TelemetryMonitor
@@ -343,8 +348,6 @@ def _tick_figures(ticks: list, t0: float, t1: float, wall: float) -> dict:
 def _release_figures(r, cluster: str, events: list) -> dict:
     """Revocation → GPU free, per revoked session: its own final record's stop time (written after the entry
     returned and dropped its teacher, drafter and optimizer, or on SIGTERM) minus the revocation event's time."""
-    from tailspec.core import state
-    from tailspec.core.state import SessionInfo
 
     free, not_ended, terminated = [], 0, 0
     for _, e in events:
@@ -365,6 +368,7 @@ def _release_figures(r, cluster: str, events: list) -> dict:
 def _client_capacity(url: str, cluster: str, workers: int, seconds: float = 2.0) -> dict:
     """The client's sustained progress-report rate: one thread reporting for `workers` workers as fast as it can
     for `seconds`, then flushed; calls/s (coalesced per worker: latest wins) and entries written to Redis/s."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.scheduler.client import TailspecClient
 
     c = TailspecClient(url, cluster=f"{cluster}-cap", node="cap")
@@ -385,7 +389,7 @@ def _client_capacity(url: str, cluster: str, workers: int, seconds: float = 2.0)
 def _sample_memory(r, url: str, cluster: str, steps: int, per_step: int, lengths: list[int], seed: int,
                    out) -> dict:
     """An hour-equivalent of samples through the client (policy version = RL step), Redis used_memory followed."""
-    from tailspec.core import state
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.scheduler.client import TailspecClient
 
     rng = random.Random(seed)
@@ -413,11 +417,9 @@ def _sample_memory(r, url: str, cluster: str, steps: int, per_step: int, lengths
 
 
 def run(args: argparse.Namespace) -> dict:
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import redis
 
-    from tailspec.core import state
-    from tailspec.core.config import TailspecConfig, TaskConfig
-    from tailspec.core.state import Event, SessionInfo
     from tailspec.redis_server import start_redis
     from tailspec.scheduler.client import TailspecClient
     from tailspec.scheduler.dispatch import warm_ready
@@ -452,6 +454,7 @@ def run(args: argparse.Namespace) -> dict:
     logs.mkdir()
     policy_dir, samples = None, []
     if session == "real":
+        # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
         from tailspec.bench.trainer import policy_samples
 
         policy_dir, samples = policy_samples(args.policy, 160, seed=1, max_new_tokens=128)

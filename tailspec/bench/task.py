@@ -8,6 +8,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tailspec.cli import config_from_args
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", choices=["micro", "micro4", "tiny", "small"])
@@ -19,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from tailspec.cli import config_from_args
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.commands.bench import machine
     from tailspec.commands.task import eval_policy, print_eval
     from tailspec.tasks.policy import get_policy, policy_meta

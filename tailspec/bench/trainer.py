@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tailspec.cli import config_from_args
 from tailspec.core.state import Sample
 
 
@@ -34,6 +35,7 @@ def generate_task_samples(policy_dir: str | Path, n: int, seed: int = 0, tempera
     """n rollout samples of a policy on the built-in task (prompts, sampled responses, exact rewards).
     `max_new_tokens` caps the responses (a capped response is a prefix of a policy sample: still right
     for distillation; its reward is that of the unfinished text, 0)."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.tasks.policy import generate_responses, load_policy
     from tailspec.tasks.runsum import grade, sample_problems
     from tailspec.tasks.tokenizer import decode_response, encode_prompt
@@ -55,6 +57,7 @@ def generate_task_samples(policy_dir: str | Path, n: int, seed: int = 0, tempera
 def policy_samples(preset: str, n: int, seed: int = 0, temperature: float = 1.0,
                    max_new_tokens: int | None = None) -> tuple[Path, list[Sample]]:
     """(policy dir, n rollout samples of the task policy), cached as JSON beside the policy."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.tasks.policy import get_policy
 
     path = get_policy(preset, progress=False)
@@ -84,13 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _trainer_cfg(args, ckdir: str, **kw):
-    from tailspec.cli import config_from_args
-
     cfg = config_from_args(args).trainer
     return cfg.model_copy(update={"checkpoint_dir": ckdir, "lr": args.lr, **kw})
 
 
 def run(args: argparse.Namespace) -> dict:
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.drafter_trainer.samples import SampleBuffer
     from tailspec.drafter_trainer.session import TrainingSession
     from tailspec.drafter_trainer.teacher import Teacher

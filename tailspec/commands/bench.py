@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import platform
 
 from tailspec.bench import BENCHES
+from tailspec.cli import add_config_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from tailspec.cli import add_config_args
-
     p = sub.add_parser("bench", help="run a benchmark (prints figures; --json: last line is one JSON object)")
     bsub = p.add_subparsers(dest="bench_name", metavar="NAME")
     bsub.required = True
@@ -27,13 +27,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def machine() -> str:
     try:
+        # deferred: the CLI imports every command module to build its parser; this loads when the command runs
         import torch
 
         if torch.cuda.is_available():
             return torch.cuda.get_device_name(0)
     except Exception:
         pass
-    import os
 
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 

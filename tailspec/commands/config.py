@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from tailspec.cli import add_config_args, config_from_args
 from tailspec.core.config import dump_config
+from tailspec.core.state import schema_table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from tailspec.cli import add_config_args
-
     p = sub.add_parser("config", help="show the effective configuration or the cluster-state schema")
     csub = p.add_subparsers(dest="config_cmd", metavar="ACTION")
     csub.required = True
@@ -21,14 +21,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from tailspec.cli import config_from_args
-
     print(dump_config(config_from_args(args)), end="")
     return 0
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from tailspec.core.state import schema_table
-
     print(schema_table())
     return 0

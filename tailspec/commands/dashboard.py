@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import threading
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import ValidationError
+
+from tailspec.cli import add_config_args, config_from_args
+from tailspec.core.config import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from tailspec.cli import add_config_args
-
     p = sub.add_parser(
         "dashboard",
         help="serve the web dashboard (read-only JSON API, /metrics) and a Prometheus exporter",
@@ -30,10 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
-    from pydantic import ValidationError
-
-    from tailspec.cli import config_from_args
-    from tailspec.core.config import ConfigError
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.dashboards.server import check_bind, start_dashboard, start_exporter
 
     cfg = config_from_args(args)
@@ -73,7 +74,6 @@ def _run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
 
 def _redacted(url: str) -> str:
     """The Redis URL without its password, for printing."""
-    from urllib.parse import urlsplit, urlunsplit
 
     parts = urlsplit(url)
     if parts.password:

@@ -7,10 +7,10 @@ import json
 import sys
 from pathlib import Path
 
+from tailspec.cli import add_config_args, config_from_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from tailspec.cli import add_config_args
-
     p = sub.add_parser("export", help="export a trained drafter (eagle3 for vLLM/SGLang, or hf)")
     p.add_argument("--format", choices=["eagle3", "hf"], default="eagle3")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (written whole or not at all)")
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tailspec.cli import config_from_args
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.drafter_trainer.export import ExportError, export
     from tailspec.drafter_trainer.model import Eagle3Module
     from tailspec.drafter_trainer.versions import VersionStore
@@ -40,6 +40,7 @@ def _run(args: argparse.Namespace) -> int:
     embedding = None
     target_config = None
     if args.policy:
+        # deferred: the CLI imports every command module to build its parser; this loads when the command runs
         from transformers import AutoConfig, AutoModelForCausalLM
 
         target_config = AutoConfig.from_pretrained(args.policy)

@@ -8,10 +8,11 @@ import signal
 import sys
 import threading
 
+from tailspec.cli import add_config_args, config_from_args
+from tailspec.core.redis_conn import RedisSetupError, check
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from tailspec.cli import add_config_args
-
     p = sub.add_parser("scheduler", help="run the idle-GPU scheduler on this node (single-node mode)")
     ssub = p.add_subparsers(dest="scheduler_cmd", metavar="ACTION")
     ssub.required = True
@@ -49,8 +50,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _cfg(args: argparse.Namespace):
-    from tailspec.cli import config_from_args
-
     cfg = config_from_args(args)
     if getattr(args, "redis", None):
         cfg.cluster.redis_url = args.redis
@@ -60,9 +59,9 @@ def _cfg(args: argparse.Namespace):
 def _redis_refused(url: str) -> str | None:
     """Why Redis refuses `url` for good (password, permission, TLS), or None (reachable, or only down: the
     scheduler rides out an outage)."""
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     import redis
 
-    from tailspec.core.redis_conn import RedisSetupError, check
 
     r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
     try:
@@ -75,6 +74,7 @@ def _redis_refused(url: str) -> str | None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.scheduler.service import run_local
     from tailspec.scheduler.telemetry import TelemetryError
 
@@ -107,6 +107,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _attach(args: argparse.Namespace) -> int:
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.scheduler.attach import attach
 
     cfg = _cfg(args)
@@ -128,6 +129,7 @@ def _attach(args: argparse.Namespace) -> int:
 
 
 def _detach(args: argparse.Namespace) -> int:
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.scheduler.attach import detach
 
     removed = detach(_cfg(args), address=args.address)
@@ -136,6 +138,7 @@ def _detach(args: argparse.Namespace) -> int:
 
 
 def _top(args: argparse.Namespace) -> int:
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     import redis
 
     from tailspec.top import run_top
@@ -145,6 +148,7 @@ def _top(args: argparse.Namespace) -> int:
     try:
         run_top(r, cfg.cluster.name, interval_s=args.interval, once=args.once)
     except redis.exceptions.ConnectionError as e:
+        # deferred: the CLI imports every command module to build its parser; this loads when the command runs
         from tailspec.core.redis_conn import explain, redact
 
         url = cfg.cluster.redis_url

@@ -12,6 +12,7 @@ SWEEP_GPUS = (64, 256, 1024)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.simulate.hardware import GPUS, MODELS
 
     p = sub.add_parser("simulate", help="project RL steps on N GPUs: no SD, frozen drafter, co-trained (projection)")
@@ -46,11 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def scenario_from_args(args: argparse.Namespace):
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.simulate.drafter import DrafterCurve
     from tailspec.simulate.run import Scenario
 
     curve = DrafterCurve()
     if args.acceptance_from:
+        # deferred: the CLI imports every command module to build its parser; this loads when the command runs
         from tailspec.simulate.fit import curve_from_run
 
         curve = curve_from_run(args.acceptance_from)
@@ -80,6 +83,7 @@ def print_summary(s: dict) -> None:
 
 
 def run_sweep(sc) -> list[dict]:
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.simulate.run import simulate
 
     rows = []
@@ -106,10 +110,12 @@ def print_sweep(rows: list[dict]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.simulate.run import simulate
 
     try:
         if args.calibrate:
+            # deferred: the CLI imports every command module to build its parser; this loads when the command runs
             from tailspec.simulate.calibrate import calibrate
 
             c = calibrate(args.calibrate).to_dict()
@@ -129,6 +135,7 @@ def _run(args: argparse.Namespace) -> int:
                 result = proj.summary()
                 print_summary(result)
                 if args.gantt:
+                    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
                     from tailspec.simulate.plot import gantt
 
                     out = proj.gantt["cotrained"]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
+from tailspec.cli import add_config_args, config_from_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from tailspec.cli import add_config_args
-
     p = sub.add_parser("task", help="the built-in synthetic long-tail task")
     tsub = p.add_subparsers(dest="task_cmd", metavar="ACTION")
     tsub.required = True
@@ -43,8 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def resolve_policy(spec: str, cfg) -> str:
     """A directory path as given, or a preset name → the cached (built on first use) policy directory."""
-    from pathlib import Path
 
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.tasks import policy
 
     try:
@@ -54,7 +55,7 @@ def resolve_policy(spec: str, cfg) -> str:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from tailspec.cli import config_from_args
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.tasks.runsum import sample_problems
 
     cfg = config_from_args(args)
@@ -80,6 +81,7 @@ def histogram(values: list[int], bins: int = 12, width: int = 40) -> str:
 
 
 def eval_policy(policy_dir: str, cfg, n: int, temperature: float, seed: int) -> dict:
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.tasks.policy import count_params, evaluate, load_policy
 
     model, tok = load_policy(policy_dir)
@@ -103,8 +105,6 @@ def print_eval(r: dict, out=sys.stdout) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from tailspec.cli import config_from_args
-
     cfg = config_from_args(args)
     r = eval_policy(resolve_policy(args.policy, cfg), cfg, args.n, args.temperature, args.seed)
     print_eval(r)
@@ -115,9 +115,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from tailspec.cli import config_from_args
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.tasks.policy import PRESETS, get_policy, policy_meta
 
     if args.preset not in PRESETS:
