@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tailspec.rollout.vllm_checks import (  # noqa: F401 - re-exported: the backend's public names
+from tailspec.rollout.vllm_checks import (  # also re-exported: the backend's public names
     DrafterMismatch,
     DrafterSpec,
     Schedule,
@@ -128,6 +128,7 @@ class RolloutResult:
 
 
 ProgressFn = Callable[[int, int, int, float], None]  # (active, finished, tokens_done, tokens_per_s)
+StepFn = Callable[[int, "SpecCounters", float], None]  # (requests unfinished before the step, its counters, seconds)
 
 
 def client_progress(client: Any, worker: str, gpus: Sequence[int], total: int | None = None,
@@ -166,6 +167,8 @@ class VllmRollout:
             kw.update(speculative_config=conf, per_request_spec_decode_metrics="summary")
         kw.update(llm_kwargs)
         self.llm = LLM(**kw)
+        self.max_num_seqs = max_num_seqs
+        self.schedule: Schedule | None = conf.get("num_speculative_tokens_per_batch_size") if conf else None
         self.drafter_path = Path(spec.path) if spec is not None and spec.path is not None else None
         self.reloads = 0
 
@@ -204,6 +207,47 @@ class VllmRollout:
             raise DrafterMismatch(f"drafter {path} has other tensors than the live one ({self.drafter_path}): "
                                   f"{diff[:6]}")
 
+    # -- policy weights and the k schedule at run time ----------------------------------------------------
+    def update_policy(self, path: str | Path) -> dict:
+        """Policy-weight sync in place: vLLM's own `reload_weights` (layerwise: restore the packed layers,
+        load the checkpoint's tensors, re-pack) in every worker from the HF directory `path` (same
+        architecture and shapes), then the prefix cache is reset so no KV of the old weights is reused. The
+        drafter is not touched; a drafter that shares the target's embedding sees the new one."""
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        self.llm.reset_prefix_cache()
+        self.policy_dir = Path(path)
+        return {"path": str(path), "total_seconds": time.perf_counter() - t0}
+
+    @property
+    def k_max(self) -> int:
+        return int(self.spec.k) if self.spec is not None else 0
+
+    def set_schedule(self, schedule: Sequence[Sequence[int]]) -> bool:
+        """Replace the batch size -> k schedule of the running engine; call it between engine steps.
+
+        vLLM 0.32 has no API for this: its scheduler expands `num_speculative_tokens_per_batch_size` once, at
+        start, into a dense lookup (`Scheduler.dynamic_sd_lookup`) that it reads at every scheduling step, and
+        the workers draft the k the scheduler hands them (`num_spec_tokens_to_schedule`). When the engine core
+        runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as `in_process_engine()` sets), the lookup is
+        rebuilt with vLLM's own builder and swapped: True. With the engine core in its own process nothing
+        reaches it (no engine-core utility call does this): False, the schedule stays as built. On a CUDA
+        machine build the LLM with a schedule (vLLM then runs piecewise CUDA graphs for the varying verify
+        length) before changing it at run time."""
+        if self.spec is None:
+            raise RuntimeError("this LLM has no drafter: nothing to schedule")
+        checked = check_schedule(schedule, self.k_max)
+        scheduler = getattr(getattr(getattr(self.llm.llm_engine, "engine_core", None), "engine_core", None),
+                            "scheduler", None)
+        if scheduler is None or not hasattr(scheduler, "dynamic_sd_lookup"):
+            return False
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+        scheduler.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
+            checked, vllm_max_batch_size=scheduler.max_num_running_reqs, vllm_num_speculative_tokens=self.k_max)
+        self.schedule = checked
+        return True
+
     def target_digest(self) -> dict:
         return self.llm.collective_rpc("tailspec_target_digest")[0]
 
@@ -216,66 +260,40 @@ class VllmRollout:
 
     # -- generation -------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: Any, *, on_progress: ProgressFn | None = None,
-                 progress_every_s: float = 0.5, trace: list | None = None) -> RolloutResult:
+                 progress_every_s: float = 0.5, trace: list | None = None,
+                 on_step: StepFn | None = None) -> RolloutResult:
         """Generate for token-id prompts (one SamplingParams, or one per prompt), results in prompt order.
         Steps vLLM's engine itself with streamed (delta) outputs, so `on_progress(active, finished,
         tokens_done, tokens_per_s)` is called while it runs (at most every `progress_every_s`, and at the end).
         With `trace` (a list), appends per engine step (requests unfinished before the step, that step's
-        SpecCounters) — what k vLLM used at which batch size."""
+        SpecCounters) — what k vLLM used at which batch size. `on_step(active, counters, seconds)` gets the
+        same per engine step plus the step's wall time (the health guard and the schedule refresh read it);
+        it runs between two engine steps, never inside one. Per-step counters cost one metrics read a step
+        (about 5 ms on the CPU build), so they are read only when `trace` or `on_step` asks for them."""
         from vllm.sampling_params import RequestOutputKind
 
         if not prompts:
             return RolloutResult([], SpecCounters(), 0.0, 0)
-        per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(per) != len(prompts):
-            raise ValueError(f"{len(per)} sampling params for {len(prompts)} prompts")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
+        per = _per_prompt_params(prompts, params)
         engine = self.llm.llm_engine
         before = self.counters()
-        t0 = time.perf_counter()
+        run = _Run(len(prompts), on_progress, progress_every_s)
         index = _submit(engine, prompts, per, RequestOutputKind.DELTA)
-        tokens: list[list[int]] = [[] for _ in prompts]
-        logprobs: list[list[float] | None] = [None] * len(prompts)
-        final: dict[int, Any] = {}
-        steps, last = 0, 0.0
-
-        def report() -> None:
-            n = sum(len(t) for t in tokens)
-            dt = time.perf_counter() - t0
-            on_progress(len(prompts) - len(final), len(final), n, n / dt if dt > 0 else 0.0)
-
         prev = before
         while engine.has_unfinished_requests():
-            active = len(prompts) - len(final)
+            active = run.active
+            t = time.perf_counter()
             outs = engine.step()
-            if trace is not None:
+            seconds = time.perf_counter() - t
+            if trace is not None or on_step is not None:
                 now = self.counters()
-                trace.append((active, now - prev))
+                if trace is not None:
+                    trace.append((active, now - prev))
+                if on_step is not None:
+                    on_step(active, now - prev, seconds)
                 prev = now
-            for out in outs:
-                i = index.get(out.request_id)
-                if i is None:  # another caller's request on the same engine
-                    continue
-                o = out.outputs[0]
-                tokens[i].extend(o.token_ids)
-                if o.logprobs is not None:
-                    logprobs[i] = (logprobs[i] or []) + [float(lp[t].logprob) for lp, t in zip(o.logprobs, o.token_ids)]
-                if out.finished:
-                    final[i] = o
-            steps += 1
-            if on_progress is not None and time.perf_counter() - last >= progress_every_s:
-                last = time.perf_counter()
-                report()
-        seconds = time.perf_counter() - t0
-        if on_progress is not None:
-            report()
-        missing = [i for i in range(len(prompts)) if i not in final]
-        if missing:
-            raise RuntimeError(f"vLLM returned no final output for prompts {missing[:8]}")
-        completions = [_completion(tokens[i], logprobs[i], final[i]) for i in range(len(prompts))]
-        return RolloutResult(completions, self.counters() - before, seconds, steps)
+            run.fold(outs, index)
+        return RolloutResult(run.finish(), self.counters() - before, run.seconds, run.steps)
 
     def close(self) -> None:
         """Shut the engine down (its worker processes, if any) now rather than at interpreter exit."""
@@ -285,6 +303,63 @@ class VllmRollout:
             shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
             if shutdown is not None:
                 shutdown()
+
+
+def _per_prompt_params(prompts: Sequence[Sequence[int]], params: Any) -> list[Any]:
+    per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(per) != len(prompts):
+        raise ValueError(f"{len(per)} sampling params for {len(prompts)} prompts")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+    return per
+
+
+class _Run:
+    """One generate call's outputs as they stream in (delta outputs per engine step), and its progress."""
+
+    def __init__(self, n: int, on_progress: ProgressFn | None, every_s: float):
+        self.n, self.on_progress, self.every_s = n, on_progress, every_s
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[float] | None] = [None] * n
+        self.final: dict[int, Any] = {}
+        self.steps, self.last, self.seconds = 0, 0.0, 0.0
+        self.t0 = time.perf_counter()
+
+    @property
+    def active(self) -> int:
+        return self.n - len(self.final)
+
+    def fold(self, outs: Sequence[Any], index: dict[str, int]) -> None:
+        for out in outs:
+            i = index.get(out.request_id)
+            if i is None:  # another caller's request on the same engine
+                continue
+            o = out.outputs[0]
+            self.tokens[i].extend(o.token_ids)
+            if o.logprobs is not None:
+                lps = [float(lp[t].logprob) for lp, t in zip(o.logprobs, o.token_ids)]
+                self.logprobs[i] = (self.logprobs[i] or []) + lps
+            if out.finished:
+                self.final[i] = o
+        self.steps += 1
+        if self.on_progress is not None and time.perf_counter() - self.last >= self.every_s:
+            self.last = time.perf_counter()
+            self.report()
+
+    def report(self) -> None:
+        n = sum(len(t) for t in self.tokens)
+        dt = time.perf_counter() - self.t0
+        self.on_progress(self.active, len(self.final), n, n / dt if dt > 0 else 0.0)
+
+    def finish(self) -> list[Completion]:
+        self.seconds = time.perf_counter() - self.t0
+        if self.on_progress is not None:
+            self.report()
+        missing = [i for i in range(self.n) if i not in self.final]
+        if missing:
+            raise RuntimeError(f"vLLM returned no final output for prompts {missing[:8]}")
+        return [_completion(self.tokens[i], self.logprobs[i], self.final[i]) for i in range(self.n)]
 
 
 def _submit(engine: Any, prompts: Sequence[Sequence[int]], per: Sequence[Any], delta: Any) -> dict[str, int]:

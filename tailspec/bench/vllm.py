@@ -102,6 +102,66 @@ def cached_drafters(policy_dir: str | Path, cache_dir: str | Path | None = None,
     return {n: root / n for n in names}
 
 
+def perturbed_policy(policy_dir: str | Path, out: str | Path, scale: float = 0.01, seed: int = 1) -> Path:
+    """A copy of the policy directory whose floating-point weights moved by Gaussian noise of `scale` times
+    each tensor's own standard deviation: the next policy version of an RL step, for in-place syncs."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(policy_dir), Path(out)
+    if (out / "model.safetensors").is_file():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    g = torch.Generator().manual_seed(seed)
+    weights = load_file(src / "model.safetensors")
+    for name, t in weights.items():
+        if t.is_floating_point() and t.numel() > 1:
+            weights[name] = (t + scale * t.float().std() * torch.randn(t.shape, generator=g)).to(t.dtype)
+    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+    tmp.rename(out)
+    return out
+
+
+def zeroed_fc(drafter_dir: str | Path, out: str | Path) -> Path:
+    """A copy of an EAGLE-3 export with `fc.weight` zeroed: the drafter a broken weight sync leaves behind
+    (it still loads and runs; it just never predicts the target)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    if not (out / "model.safetensors").is_file():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(drafter_dir, tmp)
+        w = load_file(Path(drafter_dir) / "model.safetensors")
+        w["fc.weight"] = torch.zeros_like(w["fc.weight"])
+        save_file(w, tmp / "model.safetensors", metadata={"format": "pt"})
+        tmp.rename(out)
+    return out
+
+
+def validated_acceptance(drafter_dir: str | Path, policy_dir: str | Path, k: int, n: int = 16,
+                         temperature: float = 1e-3) -> float:
+    """What the version store's validation records for an exported drafter against a policy: expected
+    acceptance length at draft length k on the policy's own greedy responses (temperature ~0: greedy
+    rollouts accept the argmax only)."""
+    from tailspec.drafter_trainer.export import load_export
+    from tailspec.drafter_trainer.teacher import Teacher
+    from tailspec.drafter_trainer.versions import validate
+
+    drafter = load_export(drafter_dir)
+    teacher = Teacher.from_dir(policy_dir, aux_layer_ids=drafter.config.aux_layer_ids)
+    drafter.set_target_embedding(teacher.model.get_input_embeddings())
+    samples = policy_samples(policy_dir, n, seed=7, max_new_tokens=96)
+    return float(validate(drafter, teacher, samples, k=k, temperature=temperature).acceptance_length)
+
+
 def in_process_engine() -> dict:
     """LLM keyword arguments for a small CPU test engine: engine core and worker in this process (starts in
     seconds instead of about a minute on 2 cores), a small explicit KV cache, no torch.compile."""
