@@ -138,11 +138,12 @@ def test_policy_sync_in_place_and_drafter_reload_accept_as_validated(refs, redis
 
 def test_corrupted_drafter_trips_the_guard_outputs_exact_speculation_off_until_a_good_version(
         refs, redis_client, caplog, tmp_path):
+    from tailspec.rollout.health_guard import GuardPolicy
+    from tailspec.rollout.vllm_backend import greedy
+
     from tailspec.bench.vllm import zeroed_fc
     from tailspec.core import state
     from tailspec.core.state import Event
-    from tailspec.rollout.health_guard import GuardPolicy
-    from tailspec.rollout.vllm_backend import greedy
 
     val = validated()
     bad = zeroed_fc(drafters()["trained"], tmp_path / "zeroed-fc")

@@ -5,7 +5,8 @@
    own greedy responses), both exported with `tailspec export --format eagle3`'s code;
 2. vLLM without speculation → reference outputs and tokens/s;
 3. one vLLM with the untrained drafter → acceptance; hot reload of the trained drafter into the SAME
-   engine (timed) → acceptance and tokens/s; outputs compared with the reference token by token.
+   engine (timed) → acceptance and tokens/s; outputs compared with the reference token by token;
+4. the live engine (tailspec.bench.vllm_live): reload on promotion, guard detection, policy sync in place.
 Acceptance length = 1 + accepted / drafts from vLLM's own counters (`llm.get_metrics()`).
 
 Also the kit the vLLM tests share (policy samples, drafter training, export, cached drafters).
@@ -207,6 +208,10 @@ def run(args: argparse.Namespace) -> dict:
     reload = ro.reload_drafter(drafters["trained"])
     tr = ro.generate(prompts, params)
     ro.close()
+    del ro
+    from tailspec.bench.vllm_live import run_live
+
+    live = run_live(policy, drafters, prompts, params, eng, args.k, [c.token_ids for c in ref.completions], out)
     same = all(a.token_ids == b.token_ids == c.token_ids
                for a, b, c in zip(ref.completions, unt.completions, tr.completions))
     print(f"untrained drafter: acceptance length {unt.counters.acceptance_length:.3f}, "
@@ -223,5 +228,6 @@ def run(args: argparse.Namespace) -> dict:
                          "trained": round(tr.tokens_per_s, 2)},
         "reload_s": round(reload["total_seconds"], 4),
         "greedy_identical": same,
+        **live,
         "device": machine(),
     }

@@ -22,11 +22,14 @@ def export_version(info: DrafterVersion, out_root: str | Path | None = None, dty
     that already is an EAGLE-3 export is returned as is."""
     from tailspec.drafter_trainer.export import export
     from tailspec.drafter_trainer.model import Eagle3Module
-    from tailspec.rollout.vllm_checks import EAGLE3_ARCHITECTURES, read_json
+    from tailspec.rollout.vllm_checks import DrafterMismatch
+    from tailspec.rollout.vllm_live import servable_dir
 
     src = Path(info.path)
-    if any(a in EAGLE3_ARCHITECTURES for a in read_json(src, "drafter version").get("architectures") or []):
-        return src
+    try:
+        return servable_dir(info)
+    except DrafterMismatch:
+        pass
     out = Path(out_root) if out_root is not None else src.parent
     dst = out / f"v{info.version:05d}-eagle3"
     if not (dst / "config.json").is_file():
