@@ -115,11 +115,15 @@ def grpo_step(
     max_grad_norm: float = 1.0,
     kl_coef: float = 0.0,
     ref_model: torch.nn.Module | None = None,
+    micro_batch: int | None = 8,
 ) -> StepStats:
     """One GRPO update over `rollouts` (one pass, minibatches; token-level mean of the clipped objective).
 
     `temperature` is the rollout's: the ratio is p_T,new / p_T,old, both at that temperature, with the old
     logprobs from `Rollout.logprobs` (the sampling distribution's). For an unchanged policy it is 1.
+
+    A minibatch's gradient is accumulated over length-sorted parts of `micro_batch` rollouts (None: the
+    minibatch at once); the parts' losses sum to the minibatch's, so the update is the same.
 
     `kl_coef` > 0 adds `kl_coef` x the token mean of the k3 estimate of KL(policy || `ref_model`) (the
     reference evaluated at the same temperature, without gradient). Every response is then trained, those
@@ -136,25 +140,21 @@ def grpo_step(
     losses, clipped, ntok, kl_sum = [], 0.0, 0, 0.0
     for s in range(0, len(trained), minibatch):
         idx = trained[s : s + minibatch]
-        batch = [rollouts[i] for i in idx]
-        ids, attn, resp, old = _pad(batch, pad_id)
-        a = torch.tensor(adv[idx], dtype=torch.float32).unsqueeze(1)
-        new = token_logprobs(model, ids, attn, temperature)
-        ratio = torch.exp(new - old)
-        obj = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * a)
-        n = resp.sum().clamp(min=1)
-        loss = -(obj * resp).sum() / n
-        if kl_coef > 0:
-            kl = _k3_kl(ref_model, ids, attn, resp, new, temperature, n)
-            loss = loss + kl_coef * kl
-            kl_sum += kl.item() * int(resp.sum())
+        n = torch.tensor(float(max(1, sum(len(rollouts[i].response_ids) for i in idx))))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss_sum = 0.0
+        for part in _length_sorted_parts(idx, rollouts, micro_batch or minibatch):
+            obj_sum, kl_part, clipped_part, resp_tokens = _minibatch_part(
+                model, ref_model, [rollouts[i] for i in part], adv[part], pad_id, clip_eps, temperature, kl_coef)
+            loss = -obj_sum / n + (kl_coef * kl_part / n if kl_coef > 0 else 0.0)
+            loss.backward()  # gradients accumulate: the parts' losses sum to the minibatch's loss
+            loss_sum += loss.item()
+            kl_sum += float(kl_part)
+            clipped += clipped_part
+            ntok += resp_tokens
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
-        losses.append(loss.item())
-        clipped += (((ratio - 1).abs() > clip_eps) & resp).sum().item()
-        ntok += int(resp.sum())
+        losses.append(loss_sum)
     model.eval()
     return StepStats(
         loss=float(np.mean(losses)) if losses else 0.0,
@@ -166,14 +166,37 @@ def grpo_step(
     )
 
 
-def _k3_kl(ref_model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor,
-           new: torch.Tensor, temperature: float, n: torch.Tensor) -> torch.Tensor:
-    """The token mean over response tokens of the k3 estimate of KL(policy || reference): r - log r - 1 with
+def _length_sorted_parts(idx: list[int], rollouts: list[Rollout], size: int) -> list[list[int]]:
+    """A minibatch's rollouts in order of length, in parts of `size`: each part is padded to its own longest
+    sequence, not the minibatch's (the lengths are heavy-tailed: padding to the longest of 32 responses wasted
+    most of the update's compute), as RL trainers' dynamic batching does."""
+    order = sorted(idx, key=lambda i: len(rollouts[i].prompt_ids) + len(rollouts[i].response_ids))
+    return [order[s : s + size] for s in range(0, len(order), size)]
+
+
+def _minibatch_part(model: torch.nn.Module, ref_model: torch.nn.Module | None, batch: list[Rollout], adv: np.ndarray,
+                    pad_id: int, clip_eps: float, temperature: float, kl_coef: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    """Over one part of a minibatch: the sum of the clipped objective over response tokens, the sum of the k3
+    KL estimate (0 without kl_coef), the clipped tokens and the response tokens."""
+    ids, attn, resp, old = _pad(batch, pad_id)
+    a = torch.tensor(adv, dtype=torch.float32).unsqueeze(1)
+    new = token_logprobs(model, ids, attn, temperature)
+    ratio = torch.exp(new - old)
+    obj = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * a)
+    kl = _k3_kl_sum(ref_model, ids, attn, resp, new, temperature) if kl_coef > 0 else torch.zeros(())
+    clipped = float((((ratio - 1).abs() > clip_eps) & resp).sum())
+    return (obj * resp).sum(), kl, clipped, int(resp.sum())
+
+
+def _k3_kl_sum(ref_model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor,
+               new: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The sum over response tokens of the k3 estimate of KL(policy || reference): r - log r - 1 with
     r = p_ref / p_new per sampled token (unbiased, always >= 0); the reference without gradient."""
     with torch.no_grad():
         ref = token_logprobs(ref_model, ids, attn, temperature)
     log_r = torch.where(resp, ref - new, torch.zeros_like(new))
-    return ((torch.exp(log_r) - log_r - 1) * resp).sum() / n
+    return ((torch.exp(log_r) - log_r - 1) * resp).sum()
 
 
 def save_policy_weights(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Path:
