@@ -42,6 +42,7 @@ def nemo_rl_check() -> dict:
 
 def calibration(run_dir: str | None) -> dict:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    from tailspec.commands.simulate import run_policy_model
     from tailspec.simulate.calibrate import calibrate
 
     if run_dir is None:
@@ -51,7 +52,7 @@ def calibration(run_dir: str | None) -> dict:
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"the demo run failed: {done.stderr[-2000:]}")
-    return calibrate(run_dir).to_dict()
+    return calibrate(run_dir, model=run_policy_model(run_dir)).to_dict()
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, replace
+from pathlib import Path
 
 SWEEP_MODELS = ("qwen2.5-7b", "qwen3-32b", "qwen3-235b-a22b")
 SWEEP_GPUS = (64, 256, 1024)
@@ -109,6 +110,29 @@ def print_sweep(rows: list[dict]) -> None:
               f"{r['reclaimed_share']:>9.2f}")
 
 
+def run_policy_model(run_dir: str):
+    """The recorded run's policy dimensions: its directory's config.json, else the preset its cache directory
+    is named after (`deep-<hash>`), so a recorded run replays on a machine without the policy cache."""
+    # deferred: the CLI imports every command module to build its parser; these load when a replay runs
+    from tailspec.simulate import hardware as hw
+    from tailspec.simulate.calibrate import load_run, policy_model
+
+    policy = load_run(run_dir)[0]["options"].get("policy")
+    found = policy_model(policy)
+    if found is not None or not policy:
+        return found
+    from tailspec.tasks.policy import PRESETS  # deferred: imports torch
+    from tailspec.tasks.tokenizer import ALPHABET, SPECIALS
+
+    pre = PRESETS.get(Path(policy).name.split("-")[0])
+    if pre is None:
+        return None
+    return hw.model_from_config({"num_hidden_layers": pre.num_layers, "hidden_size": pre.hidden_size,
+                                 "num_attention_heads": pre.num_heads, "num_key_value_heads": pre.num_kv_heads,
+                                 "intermediate_size": pre.intermediate_size,
+                                 "vocab_size": len(ALPHABET) + len(SPECIALS)}, pre.name)
+
+
 def _run(args: argparse.Namespace) -> int:
     # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.simulate.run import simulate
@@ -118,7 +142,7 @@ def _run(args: argparse.Namespace) -> int:
             # deferred: the CLI imports every command module to build its parser; this loads when the command runs
             from tailspec.simulate.calibrate import calibrate
 
-            c = calibrate(args.calibrate).to_dict()
+            c = calibrate(args.calibrate, model=run_policy_model(args.calibrate)).to_dict()
             m, p = c["measured"], c["predicted"]
             print(f"calibration on {args.calibrate} ({c['mode']}, {c['steps']} steps): projection vs measured")
             for k in m:

@@ -5,6 +5,15 @@ as its engine knew it before the step (run.json's warm-up table, corrected by th
 k over the whole run, each worker's mean seconds outside decode steps (set-up, admissions), the RL update's
 mean time and the scheduler's configured delays. It predicts each step's rollout time, the idle GPU-seconds
 the scheduler counts, and the share of them lent; the comparison says how far the model is from the run.
+
+The cost table is timed at warm-up on short contexts, but the native engine's attention grows with the
+context: every row of a step attends over the cache up to the longest running row (`rollout/model_runner.py`,
+rounded up to 64 positions), 4 FLOPs per query, position and head dimension per layer, for the k + 1 verified
+tokens over the target's layers and for each of the k drafter forwards over its one layer. `EngineAttention`
+prices a position of width at the seconds per FLOP of the warm-up table's per-row slope (one more row at k = 0
+costs the FLOPs of one token: 2 per parameter plus attention at the warm-up's width), so a tail of long rows
+at batch 1-2 pays for its context. Prompt lengths come from the task's format (runsum: BOS + 3 tokens per
+number, a well-formed response 8 per number + 3); with another task the context term is off.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import numpy as np
 
 from tailspec.rollout.cost_model import CostModel
 from tailspec.rollout.selector import geometric_tokens
+from tailspec.simulate import hardware as hw
 from tailspec.simulate.drafter import FixedAcceptance
 from tailspec.simulate.lending import Latencies
 from tailspec.simulate.step import StepInputs, run_step
@@ -88,9 +98,128 @@ def measured_acceptance(rows: list[dict], k_max: int) -> FixedAcceptance | None:
     return FixedAcceptance(tokens)
 
 
-def calibrate(run_dir: str | Path, online: bool = True) -> Calibration:
-    """Replay `run_dir`. online: step i's cost tables are the engines' own after step i - 1 (the warm-up
-    table for step 0); False: the warm-up tables throughout."""
+ATTN_BUCKET = 64  # rollout/model_runner.py ModelRunner(attn_bucket=64): attention width rounded up to a multiple
+WARMUP_PROMPTS = 8  # tailspec/demo/worker.py _measure_cost: the warm-up cycles the step's first 8 prompts
+
+
+def runsum_prompt_len(length: float) -> int:
+    """Prompt tokens of a runsum response of `length` tokens (tailspec/tasks/runsum.py): a well-formed
+    main-style response is 8 tokens per number + '#d' + EOS, the prompt BOS + 3 per number ('a3,')."""
+    return 1 + 3 * max(1, round((length - 3) / 8))
+
+
+@dataclass(frozen=True)
+class EngineAttention:
+    """Seconds per step per position of attention width beyond the warm-up table's, for the native engine.
+    A callable `attn_s(cost, b, k)` for `StepInputs.attn_s`."""
+
+    model: hw.ModelSpec
+    seconds_per_flop: float
+    warm: CostModel  # the warm-up table: cost.t / warm.t is the machine's level as the engine knows it now
+
+    @classmethod
+    def from_warmup(cls, model: hw.ModelSpec, warm: CostModel, warm_width: float) -> EngineAttention:
+        """The per-row slope of the warm-up table at k = 0 is one row-token's FLOPs (2 per parameter plus
+        attention at the warm-up's mean width) at the machine's seconds per FLOP."""
+        b0, b1 = warm.buckets[0], warm.buckets[-1]
+        slope = (warm.t(b1, 0) - warm.t(b0, 0)) / (b1 - b0) if b1 > b0 else 0.0
+        return cls(model, max(slope, 0.0) / model.flops_per_token(warm_width), warm)
+
+    def flops_per_position(self, b: int, k: int) -> float:
+        m = self.model
+        return 4 * m.heads * m.head_dim * b * ((k + 1) * m.layers + k)
+
+    def __call__(self, cost: CostModel, b: int, k: int) -> float:
+        return self.seconds_per_flop * self.flops_per_position(b, k) * cost.t(b, k) / self.warm.t(b, k)
+
+
+def policy_model(policy: str | None) -> hw.ModelSpec | None:
+    """The run's policy dimensions from its directory's config.json; None where it is not there (a caller may
+    know them another way: `tailspec.commands.simulate.run_policy_model` also reads the preset's)."""
+    if policy and (Path(policy) / "config.json").exists():
+        return hw.model_from_hf_config(policy)
+    return None
+
+
+def warmup_width(lengths: list[float]) -> float:
+    """Mean attention width of the warm-up: one row at a time through the first prompts' responses."""
+    ls = [x for x in lengths[:WARMUP_PROMPTS] if x > 0]
+    if not ls:
+        return ATTN_BUCKET / 2
+    return sum(runsum_prompt_len(x) * x + x * x / 2 for x in ls) / sum(ls) + ATTN_BUCKET / 2
+
+
+def engine_context(record: dict, rows: list[dict], workers: list[str], warmup: list[CostModel],
+                   model: hw.ModelSpec | None) -> tuple[list[EngineAttention], list[float]] | None:
+    """Per worker, the attention pricing and the warm-up width; None where the run's task or policy is unknown."""
+    model = model or policy_model(record["options"].get("policy"))
+    if model is None or record["config"].get("task", {}).get("name") != "runsum":
+        return None
+    widths = [warmup_width(rows[0]["worker_lengths"].get(w, [])) for w in workers]
+    return [EngineAttention.from_warmup(model, c, wd) for c, wd in zip(warmup, widths)], widths
+
+
+def _lengths(r: dict, workers: list[str]) -> np.ndarray:
+    lengths = [r["worker_lengths"].get(w, []) for w in workers]
+    arr = np.zeros((len(workers), max(len(x) for x in lengths)))
+    for i, x in enumerate(lengths):
+        arr[i, : len(x)] = x
+    return arr
+
+
+def _run_step(inp: StepInputs, ctx: tuple[list[EngineAttention], list[float]] | None):
+    """One replayed step, each worker's attention priced by its own `EngineAttention` when given."""
+    if ctx is None:
+        return run_step(inp)
+    att, widths = ctx
+    prompts = np.vectorize(runsum_prompt_len)(inp.lengths)
+    inp.ctx0 = prompts + ATTN_BUCKET / 2 - np.asarray(widths)[:, None]
+    per = {id(c): a for c, a in zip(inp.costs, att)}
+    inp.attn_s = lambda cost, b, k: per[id(cost)](cost, b, k)
+    return run_step(inp)
+
+
+def _scaled(cost: CostModel, level: float) -> CostModel:
+    return CostModel(list(cost.buckets), list(cost.ks), {key: v * level for key, v in cost.table.items()})
+
+
+def _replay(rows: list[dict], workers: list[str], warmup: list[CostModel], online: bool,
+            ctx: tuple[list[EngineAttention], list[float]] | None, step_inputs) -> dict[str, list[float]]:
+    """Each step's projected rollout seconds, idle and lent GPU-seconds. The cost tables of step i: the
+    warm-up tables (online False); with the context term, the warm-up tables at each worker's machine level,
+    the previous steps' measured decode seconds over their projection at level 1 (the engine's online
+    correction, made context-aware: the engine's own corrected tables fold the long-context steps it ran into
+    their entries, which the context term would count again); without it, the engines' own tables after the
+    previous step."""
+    pred: dict[str, list[float]] = {"rollout_s": [], "idle": [], "lent": []}
+    costs, level = warmup, np.ones(len(workers))
+    measured_sum, base_sum = np.zeros(len(workers)), np.zeros(len(workers))
+    for r in rows:
+        inp = step_inputs(r, costs)
+        out = _run_step(inp, ctx)
+        pred["rollout_s"].append(out.rollout_s)
+        pred["idle"].append(out.idle_gpu_s)
+        pred["lent"].append(out.lent_gpu_s)
+        if not online:
+            continue
+        if ctx is None:
+            after = r.get("worker_cost", {})
+            costs = [CostModel.from_dict(after[w]) if w in after else c for w, c in zip(workers, costs)]
+            continue
+        decode = out.finish - inp.fixed_s - inp.dispatch_s
+        measured_sum += [r["worker_decode_s"][w] for w in workers]
+        base_sum += decode / level
+        level = np.where(base_sum > 0, measured_sum / np.maximum(base_sum, 1e-12), 1.0)
+        costs = [_scaled(c, lv) for c, lv in zip(warmup, level)]
+    return pred
+
+
+def calibrate(run_dir: str | Path, online: bool = True, context: bool = True,
+              model: hw.ModelSpec | None = None) -> Calibration:
+    """Replay `run_dir`. online: step i's costs follow what the steps before it measured (see `_replay`);
+    False: the warm-up tables throughout. context: price the attention width beyond the warm-up's
+    (`EngineAttention`) for the policy `model` (None: the run's policy directory's config.json; neither:
+    off); False: the cost tables alone."""
     record, rows = load_run(run_dir)
     cfg, opts = record["config"], record["options"]
     workers = sorted(record["cost_models"])
@@ -108,25 +237,15 @@ def calibrate(run_dir: str | Path, online: bool = True) -> Calibration:
                     tick_s=sc["tick_s"], startup_s=sc["session_startup_s"],
                     stop_s=mean([r["wait_sessions_s"] for r in lent_rows]) if lent_rows else 0.1)
     train_s = mean([r["train_time_s"] - r["wait_sessions_s"] for r in rows])
-    pred = {"rollout_s": [], "idle": [], "lent": []}
-    costs = warmup
-    for r in rows:
-        lengths = [r["worker_lengths"].get(w, []) for w in workers]
-        n = max(len(x) for x in lengths)
-        arr = np.zeros((len(workers), n))
-        for i, x in enumerate(lengths):
-            arr[i, : len(x)] = x
+
+    def step_inputs(r: dict, costs: list[CostModel]) -> StepInputs:
+        arr = _lengths(r, workers)
         fixed = np.array([r["worker_busy_s"][w] - r["worker_decode_s"][w] for w in workers])
-        out = run_step(StepInputs(arr, min(rc["max_batch"], n), costs, acceptance, fixed, train_s, 1, lat,
-                                  lend=mode == "cotrained", drafter_tokens_per_s=0.0, dispatch_s=dispatch))
-        pred["rollout_s"].append(out.rollout_s)
-        pred["idle"].append(out.idle_gpu_s)
-        pred["lent"].append(out.lent_gpu_s)
-        # the next step is predicted with what each engine's cost model knew when it began: the warm-up table
-        # corrected by the steps it ran so far
-        if online:
-            after = r.get("worker_cost", {})
-            costs = [CostModel.from_dict(after[w]) if w in after else c for w, c in zip(workers, costs)]
+        return StepInputs(arr, min(rc["max_batch"], arr.shape[1]), costs, acceptance, fixed, train_s, 1, lat,
+                          lend=mode == "cotrained", drafter_tokens_per_s=0.0, dispatch_s=dispatch)
+
+    ctx = engine_context(record, rows, workers, warmup, model) if context else None
+    pred = _replay(rows, workers, warmup, online, ctx, step_inputs)
     meas_roll = [r["rollout_time_s"] for r in rows]
     meas_idle = sum(r["idle_gpu_seconds"] for r in rows)
     meas_lent = sum(r["lent_gpu_seconds"] for r in rows)

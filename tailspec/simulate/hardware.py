@@ -8,6 +8,11 @@ tokens per row in one verify forward and runs k forwards of the one-layer drafte
 a `CostModel` table over the engine's own batch buckets and draft lengths: the selector that picks k
 from it is the engine's (`tailspec.rollout.selector`), not a copy.
 
+A speculative step also pays the sampler's passes over k + 1 positions' logits, the K/V writes of every
+scored position, the drafter layer's attention over the context, an EAGLE proposer's first drafter forward
+over the verified positions, and the host work a plain step hides behind the GPU (`Roofline`'s docstring:
+each term, its size and its source). With every such term zero the plain roofline comes back.
+
 Every figure is a projection; the presets' numbers are the vendors' published peaks (dense bf16) and the
 models' published configs.
 """
@@ -105,11 +110,16 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
         c = json.loads(p.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read a model config from {p}: {e}") from e
+    return model_from_config(c, p.parent.name or "custom", str(p))
+
+
+def model_from_config(c: dict, name: str = "custom", where: str = "config") -> ModelSpec:
+    """A ModelSpec from a Hugging Face config's fields."""
     try:
         layers, h, heads = int(c["num_hidden_layers"]), int(c["hidden_size"]), int(c["num_attention_heads"])
         vocab, inter = int(c["vocab_size"]), int(c.get("intermediate_size", 4 * h))
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{p}: not a decoder config (missing or bad {e})") from e
+        raise ValueError(f"{where}: not a decoder config (missing or bad {e})") from e
     kv = int(c.get("num_key_value_heads", heads))
     hd = int(c.get("head_dim") or h // heads)
     attn = h * heads * hd * 2 + 2 * h * kv * hd
@@ -121,10 +131,10 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
         expert_total = 3 * h * moe_inter * experts * layers
         total = layers * attn + expert_total + emb
         active = layers * (attn + 3 * h * moe_inter * per_tok) + emb
-        return ModelSpec(p.parent.name or "custom", layers, h, heads, kv, hd, vocab, total / 1e9, active / 1e9,
+        return ModelSpec(name, layers, h, heads, kv, hd, vocab, total / 1e9, active / 1e9,
                          experts, per_tok, expert_total / 1e9)
     total = layers * (attn + 3 * h * inter) + emb
-    return ModelSpec(p.parent.name or "custom", layers, h, heads, kv, hd, vocab, total / 1e9, total / 1e9)
+    return ModelSpec(name, layers, h, heads, kv, hd, vocab, total / 1e9, total / 1e9)
 
 
 def resolve_model(name: str) -> ModelSpec:
@@ -144,7 +154,31 @@ def resolve_gpu(name: str) -> GpuSpec:
 
 @dataclass(frozen=True)
 class Roofline:
-    """Step costs of one replica (`tp` GPUs) of `model` on `gpu`."""
+    """Step costs of one replica (`tp` GPUs) of `model` on `gpu`.
+
+    Beyond the weights, KV reads and FLOPs of the forwards, a step pays what a speculative engine adds (each
+    term a byte count from the model's shapes, at the same bandwidth; zero them all and a step costs what the
+    plain roofline said):
+    - `sampler_bytes_per_logit`: every scored position's logits over the vocabulary, fp32, written by the
+      lm_head (4 B), read and written once by the softmax into probabilities (8 B) and read by the sampler or
+      the rejection sampler (4 B): 16 B per logit. A plain step scores b positions, a verify b (k + 1) over
+      the target's vocabulary, and the k drafter forwards b each over the draft vocabulary (the rejection
+      sampler needs the draft probabilities too).
+    - `kv_write_share`: the K/V of every scored position written to the cache (rejected drafts' included),
+      in units of a token's KV bytes: the target's over all its layers, the drafter's over its one layer.
+    - `drafter_attention`: the drafter's layer attends over the whole context each forward: it reads its own
+      layer's K/V (and does the attention FLOPs) over it, like one more layer of the target.
+    - `draft_rescore`: an EAGLE proposer's first drafter forward of a step runs over every position the
+      verify scored (k + 1 per row, to put the accepted tokens' features into the drafter's cache), the next
+      k - 1 over one token per row (this matters only where the drafter is compute-bound).
+    - `draft_overhead_s`: the launches and host work of one drafter forward (with CUDA graphs).
+    - `spec_host_s`: the host's per-step work (scheduling, inputs for k + 1 positions per row, acceptance
+      bookkeeping) that a plain step hides behind the GPU with asynchronous scheduling and a speculative step
+      does not: vLLM refused async scheduling with speculative decoding (PR 19970) until 0.14 (PR 31998), and
+      its first support overlaps that work only with drafting, not with the verify (PR 24799). Default 0.97
+      ms: what overlapping it saved per step in vLLM PR 25872 (Llama-3.1-8B + EAGLE-3, k = 4, concurrency 1,
+      L20: mean inter-token latency 28.14 -> 27.17 ms). 0 for an engine that overlaps it.
+    """
 
     model: ModelSpec
     gpu: GpuSpec
@@ -154,11 +188,19 @@ class Roofline:
     step_overhead_s: float = 0.5e-3  # launches, sampling, scheduling per decode step (with CUDA graphs)
     draft_overhead_s: float = 0.1e-3  # the same per drafter forward
     allreduce_s: float = 10e-6  # one all-reduce's latency with tensor parallelism (two per layer)
+    sampler_bytes_per_logit: float = 16.0  # fp32 logits: lm_head write 4 + softmax read/write 8 + sampler read 4
+    kv_write_share: float = 1.0  # K/V written per scored position, in a token's KV bytes
+    drafter_attention: float = 1.0  # share of the context the drafter layer attends over per forward (reads + FLOPs)
+    draft_rescore: bool = True  # the first drafter forward of a step over the k + 1 verified positions per row
+    spec_host_s: float = 0.97e-3  # host work per speculative step not overlapped with the GPU (vLLM PR 25872)
+    draft_vocab: int = 32_000  # an EAGLE-3 drafter's draft vocabulary (SpecForge / vLLM default)
 
     def __post_init__(self) -> None:
         if self.tp < 1 or not 0 < self.bandwidth_efficiency <= 1 or not 0 < self.flops_efficiency <= 1:
             raise ValueError(f"need tp >= 1 and efficiencies in (0, 1], got tp={self.tp}, "
                              f"{self.bandwidth_efficiency}, {self.flops_efficiency}")
+        if min(self.sampler_bytes_per_logit, self.kv_write_share, self.drafter_attention, self.spec_host_s) < 0:
+            raise ValueError("speculation cost terms must be >= 0")
 
     def _forward(self, bytes_: float, flops: float) -> float:
         bw = self.gpu.hbm_tb_s * 1e12 * self.bandwidth_efficiency
@@ -167,18 +209,36 @@ class Roofline:
         return max(bytes_ / bw, flops / peak) / self.tp + comm
 
     def verify_s(self, batch: int, k: int, context: float) -> float:
-        """One target forward scoring k + 1 tokens for each of `batch` rows at mean context `context`."""
+        """One target forward scoring k + 1 tokens for each of `batch` rows at mean context `context`, its
+        K/V writes and the sampler's passes over its logits."""
+        m = self.model
         tokens = batch * (k + 1)
-        bytes_ = self.model.weight_bytes_read(tokens) + batch * context * self.model.kv_bytes_per_token
-        return self._forward(bytes_, tokens * self.model.flops_per_token(context)) + self.step_overhead_s
+        bytes_ = (m.weight_bytes_read(tokens) + batch * context * m.kv_bytes_per_token
+                  + tokens * (self.kv_write_share * m.kv_bytes_per_token + self.sampler_bytes_per_logit * m.vocab))
+        return self._forward(bytes_, tokens * m.flops_per_token(context)) + self.step_overhead_s
 
-    def draft_s(self, batch: int) -> float:
-        """One drafter forward (one token per row); the drafter runs on every GPU of the replica's TP group."""
-        p = self.model.drafter_params
-        return self._forward(p * 2 * self.tp, 2 * p * batch * self.tp) + self.draft_overhead_s
+    @property
+    def drafter_kv_bytes_per_token(self) -> float:
+        """K and V of the drafter's one layer (the target's KV heads and head size), bf16."""
+        return 2 * self.model.kv_heads * self.model.head_dim * 2
+
+    def draft_s(self, batch: int, context: float = 0.0, tokens_per_row: int = 1) -> float:
+        """One drafter forward over `tokens_per_row` tokens per row at mean context `context`; the drafter runs
+        on every GPU of the replica's TP group (not sharded), so its time is one GPU's."""
+        p, m = self.model.drafter_params, self.model
+        tokens = batch * tokens_per_row
+        kv = self.drafter_kv_bytes_per_token
+        seen = context * self.drafter_attention
+        bytes_ = (p * 2 + batch * seen * kv
+                  + tokens * (self.kv_write_share * kv + self.sampler_bytes_per_logit * min(m.vocab, self.draft_vocab)))
+        flops = tokens * (2 * p + 4 * m.heads * m.head_dim * seen)
+        return self._forward(bytes_ * self.tp, flops * self.tp) + self.draft_overhead_s
 
     def step_s(self, batch: int, k: int, context: float) -> float:
-        return self.verify_s(batch, k, context) + k * self.draft_s(batch)
+        if k == 0:
+            return self.verify_s(batch, 0, context)
+        first = self.draft_s(batch, context, k + 1 if self.draft_rescore else 1)
+        return self.verify_s(batch, k, context) + first + (k - 1) * self.draft_s(batch, context) + self.spec_host_s
 
     def cost_model(self, max_batch: int, k_max: int, context: float) -> CostModel:
         """The t(b, k) table the engine would measure at warm-up, over its own buckets and strategies."""

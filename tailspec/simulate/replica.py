@@ -11,6 +11,8 @@ seconds per token of progress, g(b) = t(b, k_b) / E[tokens | k_b], over progress
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from tailspec.rollout.cost_model import CostModel
@@ -36,16 +38,21 @@ def k_by_batch(cost: CostModel, acceptance: FixedAcceptance | None, max_batch: i
     return [0] + [sel.best(b) for b in range(1, max_batch + 1)]
 
 
+def ks_by_batch(cost: CostModel, acceptance: FixedAcceptance | None, max_batch: int,
+                fixed_k: int | None = None) -> list[int]:
+    """k at each batch size 0..max_batch: the adaptive selector's, or `fixed_k` at every batch size."""
+    if fixed_k is not None and acceptance is not None:
+        if not 0 <= fixed_k <= acceptance.k_max:
+            raise ValueError(f"fixed k={fixed_k} outside 0..{acceptance.k_max}")
+        return [fixed_k] * (max_batch + 1)
+    return k_by_batch(cost, acceptance, max_batch)
+
+
 def seconds_per_token(cost: CostModel, acceptance: FixedAcceptance | None, max_batch: int,
                       fixed_k: int | None = None) -> np.ndarray:
     """g[b]: wall seconds per token of per-row progress at batch b (g[0] = 0); k from the adaptive selector,
     or `fixed_k` at every batch size."""
-    if fixed_k is not None and acceptance is not None:
-        if not 0 <= fixed_k <= acceptance.k_max:
-            raise ValueError(f"fixed k={fixed_k} outside 0..{acceptance.k_max}")
-        ks = [fixed_k] * (max_batch + 1)
-    else:
-        ks = k_by_batch(cost, acceptance, max_batch)
+    ks = ks_by_batch(cost, acceptance, max_batch, fixed_k)
     tokens = acceptance.token_table() if acceptance is not None else [1.0]
     g = np.zeros(max_batch + 1)
     for b in range(1, max_batch + 1):
@@ -53,33 +60,63 @@ def seconds_per_token(cost: CostModel, acceptance: FixedAcceptance | None, max_b
     return g
 
 
-def finish_times(lengths: np.ndarray, max_batch: int, g: np.ndarray) -> np.ndarray:
+def width_seconds_per_token(attn_s: Callable[[CostModel, int, int], float], cost: CostModel,
+                            acceptance: FixedAcceptance | None, max_batch: int,
+                            fixed_k: int | None = None) -> np.ndarray:
+    """h[b]: seconds per token of per-row progress per position of attention width at batch b (h[0] = 0);
+    `attn_s(cost, b, k)` is one step's seconds per position of width."""
+    ks = ks_by_batch(cost, acceptance, max_batch, fixed_k)
+    tokens = acceptance.token_table() if acceptance is not None else [1.0]
+    h = np.zeros(max_batch + 1)
+    for b in range(1, max_batch + 1):
+        h[b] = attn_s(cost, b, ks[b]) / tokens[ks[b]]
+    return h
+
+
+def finish_times(lengths: np.ndarray, max_batch: int, g: np.ndarray, h: np.ndarray | None = None,
+                 ctx0: np.ndarray | None = None) -> np.ndarray:
     """Decode seconds until each request finishes. `lengths` [replicas, requests] in arrival order (0 pads
-    a replica with fewer requests); `g` from `seconds_per_token` (length >= max_batch + 1)."""
+    a replica with fewer requests); `g` from `seconds_per_token` (length >= max_batch + 1). With `h` (from
+    `width_seconds_per_token`) and `ctx0` (each request's attention width at its first step, same shape as
+    lengths), every step also pays h(b) per position of the width of its longest running row."""
     lengths = np.asarray(lengths, dtype=float)
     if lengths.ndim != 2:
         raise ValueError(f"lengths must be [replicas, requests], got shape {lengths.shape}")
     r, n = lengths.shape
     m = min(max_batch, n)
+    wide = h is not None and ctx0 is not None
+    h = h if wide else np.zeros_like(g)
+    c0 = np.asarray(ctx0, dtype=float) if wide else np.zeros_like(lengths)
     rows = np.arange(r)
-    done = lengths.copy()  # progress at which each request finishes
+    out = np.empty_like(lengths)
     free = lengths[:, :m].copy()  # per slot: progress at which it frees
     holder = np.tile(np.arange(m), (r, 1))  # per slot: the request in it
-    last_start = np.zeros(r)
+    off = c0[:, :m].copy()  # per slot: width of its row minus progress (constant while it runs)
+    area = np.zeros(r)  # integral over progress of max(off) over the running rows, up to `last`
+    last = np.zeros(r)
     for q in range(m, n):  # admissions while requests wait: the batch stays full
         slot = free.argmin(axis=1)
         start = free[rows, slot]
-        done[:, q] = start + lengths[:, q]
-        free[rows, slot] = done[:, q]
+        # the request leaving the slot finishes here, at full batch: g(m) p + h(m) (p^2 / 2 + area)
+        if wide:
+            area += (start - last) * off.max(axis=1)
+            out[rows, holder[rows, slot]] = g[m] * start + h[m] * (start**2 / 2 + area)
+            off[rows, slot] = c0[:, q] - start
+        else:
+            out[rows, holder[rows, slot]] = g[m] * start
+        last = start
+        free[rows, slot] = start + lengths[:, q]
         holder[rows, slot] = q
-        last_start = start
-    # Up to the last admission the batch is m (full): those requests take g[m] per token of progress. The m
-    # requests still in the slots then finish in order of progress, the batch shrinking by one at each.
-    out = g[m] * done
+    # The m requests still in the slots then finish in order of progress, the batch shrinking by one at each;
+    # while j of them are done the widest running row is the widest of the rest (a reverse running max).
     order = np.argsort(free, axis=1, kind="stable")
     tail = np.take_along_axis(free, order, axis=1)
-    seg = np.diff(tail, axis=1, prepend=last_start[:, None])
-    per_seg = g[m - np.arange(m)]  # batch m, m-1, ..., 1
-    t_tail = g[m] * last_start[:, None] + np.cumsum(seg * per_seg[None, :], axis=1)
-    out[rows[:, None], np.take_along_axis(holder, order, axis=1)] = t_tail
+    prev = np.concatenate([last[:, None], tail[:, :-1]], axis=1)
+    per_g, per_h = g[m - np.arange(m)], h[m - np.arange(m)]  # batch m, m-1, ..., 1
+    seg = (tail - prev) * per_g[None, :]
+    if wide:
+        widest = np.maximum.accumulate(np.take_along_axis(off, order, axis=1)[:, ::-1], axis=1)[:, ::-1]
+        seg = seg + per_h[None, :] * ((tail**2 - prev**2) / 2 + widest * (tail - prev))
+    t0 = g[m] * last + h[m] * (last**2 / 2 + area)
+    out[rows[:, None], np.take_along_axis(holder, order, axis=1)] = t0[:, None] + np.cumsum(seg, axis=1)
     return out

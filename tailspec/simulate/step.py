@@ -12,6 +12,7 @@ Every GPU-second of the step is in exactly one state (`STATES`), so the states s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -19,7 +20,7 @@ import numpy as np
 from tailspec.rollout.cost_model import CostModel
 from tailspec.simulate.drafter import FixedAcceptance
 from tailspec.simulate.lending import Latencies, Lending, decide
-from tailspec.simulate.replica import finish_times, seconds_per_token
+from tailspec.simulate.replica import finish_times, seconds_per_token, width_seconds_per_token
 
 STATES = ("decode", "tail_idle", "lent_starting", "lent_training", "reclaiming", "train", "pool_idle")
 
@@ -40,6 +41,11 @@ class StepInputs:
     train_gpus: int = 0  # async: GPUs of the training pool (sync: every GPU trains)
     dispatch_s: float = 0.0  # rollout phase start → the replicas start (and last finish → phase end)
     fixed_k: int | None = None  # one draft length at every batch size instead of the adaptive selector
+    # the native engine's context-dependent attention (calibration): attn_s(cost, b, k) seconds per step per
+    # position of attention width beyond the cost table's, and each request's width at its first step minus
+    # the table's ([replicas, requests]); None: the cost table alone
+    attn_s: Callable[[CostModel, int, int], float] | None = None
+    ctx0: np.ndarray | None = None
 
 
 @dataclass
@@ -67,7 +73,11 @@ def run_step(inp: StepInputs) -> StepOut:
         groups.setdefault(id(c), []).append(i)
     for idx in groups.values():
         g = seconds_per_token(costs[idx[0]], inp.acceptance, inp.max_batch, inp.fixed_k)
-        finish[idx] = finish_times(inp.lengths[idx], inp.max_batch, g).max(axis=1)
+        h = ctx0 = None
+        if inp.attn_s is not None and inp.ctx0 is not None:
+            h = width_seconds_per_token(inp.attn_s, costs[idx[0]], inp.acceptance, inp.max_batch, inp.fixed_k)
+            ctx0 = inp.ctx0[idx]
+        finish[idx] = finish_times(inp.lengths[idx], inp.max_batch, g, h, ctx0).max(axis=1)
     finish = finish + inp.fixed_s + inp.dispatch_s
     rollout_end = float(finish.max()) + inp.dispatch_s
     train_end = inp.train_s if inp.pipeline == "async" else 0.0
