@@ -5,8 +5,9 @@
 policy (`phase.policy_path`), samples come from the cluster's sample stream, checkpoints and versions live
 under `trainer.checkpoint_dir`. It trains while `ctx.should_continue()` (the lease renewal) holds, reports
 progress through `ctx.report(step, loss, tokens)`, and proposes candidates to the version store:
-- first, the lineage head if it was never proposed (a session that was revoked had no time left to
-  validate; validation needs the GPU, so it runs while a lease is held);
+- first, the lineage head if it was never proposed and holds `trainer.propose_min_steps` steps more than the
+  last head proposed (a session that was revoked had no time left to validate; validation needs the GPU, so
+  it runs while a lease is held);
 - then every `trainer.validate_every_s` of training, right after the session's merge.
 Every session contributes to one drafter lineage (drafter_trainer/lineage.py): it starts from the head,
 merges its work into it (fenced by its lease) and proposes heads, not private copies.
@@ -16,6 +17,8 @@ Validation is itself interruptible by the stop check, so the stop deadline holds
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -64,24 +67,30 @@ class Contributor:
         self.root = Path(tc.checkpoint_dir)
         self.store = VersionStore(self.root / "versions", redis, cfg.cluster.name)
         self.lineage = Lineage(self.root / "lineage", redis, cfg.cluster.name, fence=fence, outer_lr=tc.merge_outer_lr)
+        self.validate_s = 0.0  # time spent validating candidates (whole or cut short by a stop)
         self.session = TrainingSession(
             tc, teacher, buffer, checkpoint_dir=self.root / "checkpoints", should_continue=should_continue,
             on_step=on_step, reader=self.reader, session_id=session_id, lineage=self.lineage,
             merge_every_steps=tc.merge_every_steps or None)
 
-    def proposed_head(self) -> int:
+    def proposed_head(self) -> tuple[int, int]:
+        """(number, optimizer steps) of the lineage head last proposed; (0, 0) when none."""
         try:
             raw = self.redis.get(state.key(self.cfg.cluster.name, "drafter_proposed")) if self.redis is not None \
                 else (self.root / PROPOSED).read_text()
-            return int(raw) if raw is not None else 0
+            if raw is None:
+                return 0, 0
+            parts = (raw.decode() if isinstance(raw, bytes) else raw).split()
+            return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
         except (OSError, ValueError):
-            return 0
+            return 0, 0
 
-    def _mark_proposed(self, number: int) -> None:
+    def _mark_proposed(self, number: int, steps: int) -> None:
+        value = f"{number} {steps}"
         if self.redis is not None:
-            self.redis.set(state.key(self.cfg.cluster.name, "drafter_proposed"), number)
+            self.redis.set(state.key(self.cfg.cluster.name, "drafter_proposed"), value)
         else:
-            write_text_atomic(self.root / PROPOSED, str(number))
+            write_text_atomic(self.root / PROPOSED, value)
 
     def propose(self) -> DrafterVersion | None:
         """Validate the lineage head (this session's drafter right after its merge) as a candidate, unless
@@ -90,10 +99,12 @@ class Contributor:
         tc = self.cfg.trainer
         holdout = list(self.buffer.holdout)[-tc.validation_samples:]
         head = s.base
-        if head is None or head.steps == 0 or head.number <= self.proposed_head() or not holdout:
+        if head is None or not holdout or not worth_proposing(head.number, head.steps, self.proposed_head(),
+                                                              tc.propose_min_steps):
             return None
         if s.fenced_out or s.unmerged_steps:  # the drafter is not the head's weights
             return None
+        t0 = time.monotonic()
         try:
             info = self.store.propose(s.drafter, self.teacher, holdout, tc.validation_k, session_id=s.session_id,
                                       note=f"lineage head {head.number} ({head.steps} steps)", check=s.check_continue,
@@ -104,7 +115,9 @@ class Contributor:
         except ValueError as e:  # e.g. no held-out sample long enough yet
             log.info("candidate not validated: %s", e)
             return None
-        self._mark_proposed(head.number)
+        finally:
+            self.validate_s += time.monotonic() - t0
+        self._mark_proposed(head.number, head.steps)
         return info
 
     def run(self, max_seconds: float | None = None, max_steps: int | None = None) -> SessionResult:
@@ -123,6 +136,14 @@ class Contributor:
 
     def close(self) -> None:
         self.session.close()
+
+
+def worth_proposing(number: int, steps: int, proposed: tuple[int, int], min_steps: int) -> bool:
+    """Is lineage head `number` (with `steps` optimizer steps) a candidate, given the head last proposed
+    (`proposed`: number, steps)? Not when it was proposed already, holds no training, or holds fewer than
+    `min_steps` steps more than the last one proposed (trainer.propose_min_steps)."""
+    last_number, last_steps = proposed
+    return steps > 0 and number > last_number and steps - last_steps >= min_steps
 
 
 def _merge(a: SessionResult, b: SessionResult) -> SessionResult:
@@ -185,6 +206,7 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
     # and leave early if the GPU was taken back meanwhile.
     if not ctx.should_continue():
         return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": "should_continue", "stop_latency_s": 0.0}
+    t_start = time.monotonic()
     device, dtype = device_and_dtype()
     if not fits(ctx, cfg, phase.policy_path, dtype):
         return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": ctx.stop_reason, "stop_latency_s": 0.0}
@@ -194,8 +216,14 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
     trainer = Contributor(cfg, teacher, make_buffer(cfg), redis=r, should_continue=ctx.should_continue,
                       on_step=lambda step, loss, tokens: ctx.report(step, loss, tokens),
                       session_id=ctx.session_id, fence=Fence(ctx.node, ctx.gpu, ctx.lease_token))
+    t_ready = time.monotonic()
     try:
         res = trainer.run(max_steps=max_steps)
+        # One line per session in its log: where a lend's seconds went.
+        print(f"tailspec session {ctx.session_id}: ready in {t_ready - t_start:.2f} s, {res.steps} steps "
+              f"({trainer.session.partial_steps} cut short) in {res.train_seconds:.2f} s, {res.merges} merges, "
+              f"validating {trainer.validate_s:.2f} s, {time.monotonic() - t_start:.2f} s in all; stop: {res.stop_reason}",
+              file=sys.stderr, flush=True)
     finally:
         trainer.close()
         del teacher, trainer

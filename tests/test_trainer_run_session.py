@@ -96,3 +96,12 @@ def test_run_session_without_policy_says_so(redis_client, redis_url, tmp_path):
                          config=cfg.model_dump(mode="json"), require_heartbeat=False)
     with pytest.raises(ValueError, match="policy_path"):
         run_session(ctx)
+
+
+def test_a_head_is_proposed_once_and_only_with_enough_new_steps():
+    from tailspec.sessions import worth_proposing
+
+    assert worth_proposing(3, 7, (0, 0), 1)
+    assert not worth_proposing(3, 7, (3, 7), 1)  # proposed already
+    assert not worth_proposing(1, 0, (0, 0), 1)  # no training
+    assert not worth_proposing(5, 11, (3, 7), 5) and worth_proposing(6, 12, (3, 7), 5)

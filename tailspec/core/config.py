@@ -147,6 +147,10 @@ class TrainerConfig(_Section):
     promotion_level: float = Field(0.05, gt=0, lt=0.5, description="a candidate is promoted when the one-sided "
                                    "(1 - level) lower confidence bound of its paired gain is above zero")
     promotion_min_pairs: int = Field(16, ge=2, le=1_000_000, description="held-out samples a promotion test needs at least")
+    propose_min_steps: int = Field(
+        1, ge=1, le=1_000_000_000, description="a lineage head is proposed (validated) only when it holds at least this "
+        "many optimizer steps more than the last head proposed: on lends shorter than a validation, validating every "
+        "merged step would spend the lent time validating instead of training")
 
     @model_validator(mode="after")
     def _weights_ordered(self) -> "TrainerConfig":

@@ -285,7 +285,8 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("drafter_counter", "drafter:counter", "counter", "drafter trainer (versions)", None,
                 "INCR source of drafter version numbers"),
         KeySpec("drafter_proposed", "drafter:proposed", "string", "drafter trainer (sessions)", None,
-                "lineage head number last proposed as a candidate (skips proposing one head twice)"),
+                "'NUMBER STEPS': lineage head last proposed as a candidate and its optimizer steps (skips proposing "
+                "one head twice, and heads with fewer than trainer.propose_min_steps new steps)"),
         KeySpec("drafter_health", "history:drafter_health", "stream", "drafter trainer / RL loop", DrafterHealth,
                 "current drafter's acceptance on the newest samples beside its value at promotion"),
         KeySpec("lineage_head", "lineage:head", "string", "drafter trainer (lineage)", LineageHead,

@@ -59,11 +59,16 @@ log = logging.getLogger("tailspec.demo")
 #   step): a session starved past its stop deadline and killed loses at most one step, and concurrent
 #   contributors see each other's work 2 steps late (measured: merging every 10 steps cost 0.31 of acceptance
 #   length against one session, every 2 steps 0.20; BENCHMARKS.md, cotrain).
+# - propose a head only once it holds 5 steps more than the last one proposed: a paired validation (~1.3 s on one
+#   core) is longer than most lends, so proposing every merged head spent the lent time validating (a run with
+#   4.7 lent GPU-s merged 4 steps);
+# - lr 6e-4: this one-layer drafter's progress is limited by steps x lr, not by gradient noise (120 steps at lr
+#   3e-4 / 4.5e-4 / 6e-4 gave acceptance 3.37 / 3.99 / 4.17; BENCHMARKS.md, cotrain), and a lend holds few steps;
 # - hold out a quarter of the samples: a session validates on its buffer's held-out share of ~2 policy
 #   versions' 64 samples each, and at 0.1 that was 12-18 samples, below the paired test's 16; training is
 #   short of seconds, not of samples.
 DEMO_TRAINER = {"batch_size": 8, "micro_batch_size": 2, "validate_every_s": 5.0, "merge_every_steps": 2,
-                "holdout_fraction": 0.25}
+                "holdout_fraction": 0.25, "propose_min_steps": 5, "lr": 6e-4}
 # Lend when the expected tail exceeds this (scheduler.session_startup_s; see Demo.config).
 DEMO_SESSION_STARTUP_S = 0.3
 
