@@ -24,6 +24,7 @@ directory `ROOT/v<N>` in the drafter format plus `version.json`, an entry in the
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import time
@@ -147,29 +148,57 @@ def decide(gains: Sequence[float], level: float = 0.05, min_pairs: int = 16) -> 
 
 
 def _teacher_batches(teacher: Teacher, samples: Sequence[Sample], batch_size: int,
-                     check: Callable[[], None] | None) -> Iterator[tuple[Any, Any]]:
-    """(batch, teacher output) per `batch_size` samples, taken in order of length so a batch pads little (the
+                     check: Callable[[], None] | None) -> Iterator[tuple[Any, Any, list[Sample]]]:
+    """(batch, teacher output, its samples) per `batch_size` samples, taken in order of length so a batch pads little (the
     teacher's forward and the drafter's unroll grow with the padded width; scores are per sample, so the order
     does not change them); `check` runs before each (a session's stop check)."""
     ordered = sorted(samples, key=lambda x: len(x.prompt_ids) + len(x.response_ids))
     for s in range(0, len(ordered), batch_size):
         if check is not None:
             check()
-        batch = collate(ordered[s : s + batch_size]).to(teacher.device)
-        yield batch, teacher(batch)
+        part = ordered[s : s + batch_size]
+        batch = collate(part).to(teacher.device)
+        yield batch, teacher(batch), part
+
+
+def sample_key(sample: Sample) -> str:
+    """A held-out sample's identity across processes (its policy version and tokens)."""
+    h = hashlib.blake2b(digest_size=10)
+    h.update(f"{sample.policy_version}|{sample.prompt_ids}|{sample.response_ids}".encode())
+    return h.hexdigest()
+
+
+Score = tuple[float, float, int]  # (candidate, current, anchors) of one held-out sample
+
+
+def pick_holdout(holdout: Sequence[Sample], done: dict[str, Score], n: int | None) -> list[Sample]:
+    """Up to `n` held-out samples (oldest first in `holdout`): those a resumed validation scored already, then
+    the newest others. Without the first rule a validation that spans RL steps would chase the newest samples
+    and never finish: each step brings as many new held-out samples as a lend can score."""
+    if n is None or len(holdout) <= n:
+        return list(holdout)
+    scored = [x for x in holdout if sample_key(x) in done][-n:]
+    others = [x for x in holdout if sample_key(x) not in done]
+    left = n - len(scored)
+    return scored + (others[-left:] if left > 0 else [])
 
 
 @torch.no_grad()
 def validate_paired(candidate: Eagle3Module, current: Eagle3Module, teacher: Teacher, samples: Sequence[Sample],
                     k: int = 4, batch_size: int = 32, temperature: float = 1.0,
-                    check: Callable[[], None] | None = None) -> Paired:
-    """Per held-out sample scores of both drafters from ONE teacher forward per batch (same anchors)."""
+                    check: Callable[[], None] | None = None, done: dict[str, Score] | None = None,
+                    on_batch: Callable[[dict[str, Score]], None] | None = None) -> Paired:
+    """Per held-out sample scores of both drafters from ONE teacher forward per batch (same anchors).
+
+    Resumable: samples whose scores are in `done` (by sample_key) are not scored again, and `on_batch` gets each
+    batch's new scores as soon as they exist, so a validation cut short by a stop keeps what it finished."""
+    done = dict(done or {})
+    todo = [x for x in samples if sample_key(x) not in done]
     modes = (candidate.training, current.training)
     candidate.eval()
     current.eval()
-    cand, cur, weights = [], [], []
     try:
-        for batch, out in _teacher_batches(teacher, samples, batch_size, check):
+        for batch, out, part in _teacher_batches(teacher, todo, batch_size, check):
             scores = []
             for d in (candidate, current):
                 alpha, valid = acceptance_rates(d, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
@@ -177,15 +206,18 @@ def validate_paired(candidate: Eagle3Module, current: Eagle3Module, teacher: Tea
                 e = expected_length(alpha).double() * valid
                 scores.append((e.sum(1) / valid.sum(1).clamp(min=1)).tolist())
             counts = valid.sum(1).tolist()
-            cand += [x for x, c in zip(scores[0], counts) if c > 0]
-            cur += [x for x, c in zip(scores[1], counts) if c > 0]
-            weights += [int(c) for c in counts if c > 0]
+            new = {sample_key(x): (a, b, int(c)) for x, a, b, c in zip(part, scores[0], scores[1], counts)}
+            done.update(new)
+            if on_batch is not None:
+                on_batch(new)
     finally:
         candidate.train(modes[0])
         current.train(modes[1])
-    if not cand:
+    rows = [done[sample_key(x)] for x in samples]
+    rows = [r for r in rows if r[2] > 0]
+    if not rows:
         raise ValueError(f"no held-out sample is long enough to validate at k={k}")
-    return Paired(cand, cur, weights, k)
+    return Paired([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], k)
 
 
 # A session validating on a lent GPU checks its lease before each teacher batch; batches of 4 held-out samples
@@ -214,7 +246,7 @@ def validate(drafter: Eagle3Module, teacher: Teacher, samples: Sequence[Sample],
     drafter.eval()
     total_e, total_a, n = 0.0, torch.zeros(k, dtype=torch.float64), 0
     try:
-        for batch, out in _teacher_batches(teacher, samples, batch_size, check):
+        for batch, out, _ in _teacher_batches(teacher, samples, batch_size, check):
             alpha, valid = acceptance_rates(drafter, out.aux, out.logits, batch.ids, batch.lengths,
                                             batch.prompt_lens, k, temperature)
             e = expected_length(alpha)
@@ -322,10 +354,45 @@ class VersionStore:
                 return drafter, older
             raise
 
+    def _progress(self, identity: str | None) -> tuple[dict[str, Score], Callable[[dict[str, Score]], None] | None]:
+        """The paired scores already computed for validation `identity` (lineage head, baseline version, k) and a
+        callback that adds a batch's: a validation longer than a lend is finished by the next sessions (on any
+        GPU) instead of starting over in each. Each pair was scored under one teacher, the policy of its session,
+        so a pair stays a fair comparison of the two drafters when the policy has moved on since; the held-out
+        set itself moves to the newest samples, and scores of samples that left it are not used."""
+        if self.redis is None or identity is None:
+            return {}, None
+        key = self._key("drafter_validation")
+        raw = self.redis.hgetall(key)
+        fields = {(a.decode() if isinstance(a, bytes) else a): (b.decode() if isinstance(b, bytes) else b)
+                  for a, b in raw.items()}
+        done: dict[str, Score] = {}
+        if fields.get("id") == identity:
+            for f, v in fields.items():
+                try:
+                    c, b, n = v.split()
+                    done[f] = (float(c), float(b), int(n))
+                except ValueError:
+                    continue  # the "id" field, or a damaged entry: scored again
+        else:
+            pipe = self.redis.pipeline()
+            pipe.delete(key)
+            pipe.hset(key, "id", identity)
+            pipe.execute()
+
+        def on_batch(new: dict[str, Score]) -> None:
+            try:
+                self.redis.hset(key, mapping={f: f"{c!r} {b!r} {n}" for f, (c, b, n) in new.items()})
+            except Exception as e:  # progress is an optimisation: a lost batch is scored again
+                log.warning("validation progress not saved: %s", e)
+
+        return done, on_batch
+
     def propose(self, candidate: Eagle3Module, teacher: Teacher, holdout: Sequence[Sample], k: int = 4,
                 session_id: str | None = None, note: str | None = None,
                 check: Callable[[], None] | None = None, level: float = 0.05, min_pairs: int = 16,
-                lineage_head: int | None = None, lineage_steps: int | None = None) -> DrafterVersion:
+                lineage_head: int | None = None, lineage_steps: int | None = None,
+                max_samples: int | None = None) -> DrafterVersion:
         """Score the candidate and the current version on `holdout` (paired), save and record the candidate,
         and promote it if the paired test says it is better — by compare-and-swap against the version it
         was scored against. Also records the current version's acceptance now (staleness)."""
@@ -339,14 +406,18 @@ class VersionStore:
                 note = f"{note or ''} current version {cur_info.version} unreadable: {e}".strip()
                 cur = None
         if cur is not None:
+            done, on_batch = self._progress(f"{lineage_head}:{cur_info.version}:{k}" if lineage_head is not None else None)
+            holdout = pick_holdout(holdout, done, max_samples)
             paired = validate_paired(candidate, cur, teacher, holdout, k, check=check,
-                                     batch_size=CHECKED_BATCH if check is not None else 32)
+                                     batch_size=CHECKED_BATCH if check is not None else 32, done=done,
+                                     on_batch=on_batch)
             cand_len, baseline = paired.mean("candidate"), paired.mean("current")
             d = decide(paired.gains, level, min_pairs)
             self.record_health(DrafterHealth(
                 drafter_version=cur_info.version, policy_version=teacher.policy_version, acceptance_length=baseline,
                 at_promotion=cur_info.acceptance_length, samples=len(paired.current), source="validation"))
         else:
+            holdout = pick_holdout(holdout, {}, max_samples)
             v = validate(candidate, teacher, holdout, k, check=check,
                          batch_size=CHECKED_BATCH if check is not None else 32)
             cand_len, baseline = v.acceptance_length, None

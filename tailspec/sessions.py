@@ -97,7 +97,7 @@ class Contributor:
         that head was proposed already or holds no training since the last proposal."""
         s = self.session
         tc = self.cfg.trainer
-        holdout = list(self.buffer.holdout)[-tc.validation_samples:]
+        holdout = list(self.buffer.holdout)  # the store picks tc.validation_samples of them (pick_holdout)
         head = s.base
         if head is None or not holdout or not worth_proposing(head.number, head.steps, self.proposed_head(),
                                                               tc.propose_min_steps):
@@ -109,7 +109,8 @@ class Contributor:
             info = self.store.propose(s.drafter, self.teacher, holdout, tc.validation_k, session_id=s.session_id,
                                       note=f"lineage head {head.number} ({head.steps} steps)", check=s.check_continue,
                                       level=tc.promotion_level, min_pairs=tc.promotion_min_pairs,
-                                      lineage_head=head.number, lineage_steps=head.steps)
+                                      lineage_head=head.number, lineage_steps=head.steps,
+                                      max_samples=tc.validation_samples)
         except StopRequested:
             return None
         except ValueError as e:  # e.g. no held-out sample long enough yet

@@ -157,3 +157,65 @@ def test_a_session_validating_checks_its_lease_between_small_teacher_batches(tra
         store.propose(better, teacher, holdout, k=3, check=check)
     assert len(calls) == 2  # stopped before the second batch of CHECKED_BATCH samples
     assert store.current().version == 1  # nothing half-proposed
+
+
+def test_a_validation_cut_short_is_resumed_not_restarted(trained, tmp_path, redis_client):
+    """Scores of the batches finished before a stop are kept (by sample key), and the next validation of the
+    same head and baseline scores only the rest: the result equals one uninterrupted run's.
+    Through the store: a stop after the first batch leaves its scores in Redis; another identity starts over."""
+    from tailspec.drafter_trainer.loss import StopRequested
+    from tailspec.drafter_trainer.versions import sample_key, validate_paired
+
+    teacher, holdout, untrained, better = trained
+    samples = holdout[:24]
+    ref = validate_paired(better, untrained, teacher, samples, k=3, batch_size=4)
+    saved: dict = {}
+    batches = 0
+
+    def stop_after_two():
+        nonlocal batches
+        batches += 1
+        if batches > 2:
+            raise StopRequested("revoked")
+
+    with pytest.raises(StopRequested):
+        validate_paired(better, untrained, teacher, samples, k=3, batch_size=4, check=stop_after_two,
+                        on_batch=saved.update)
+    assert len(saved) == 8 and set(saved) <= {sample_key(x) for x in samples}
+    scored = []
+    resumed = validate_paired(better, untrained, teacher, samples, k=3, batch_size=4, done=saved,
+                              on_batch=lambda new: scored.extend(new))
+    assert len(scored) == 16  # only the samples not scored before the stop
+    assert resumed.candidate == pytest.approx(ref.candidate) and resumed.current == pytest.approx(ref.current)
+    assert resumed.weights == ref.weights
+
+    store = VersionStore(tmp_path / "v", redis_client, "resume")
+    store.propose(untrained, teacher, samples, k=3)  # v1: the baseline
+    calls = 0
+
+    def stop_after_one():
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise StopRequested("revoked")
+
+    with pytest.raises(StopRequested):
+        store.propose(better, teacher, samples, k=3, check=stop_after_one, lineage_head=7)
+    key = state.key("resume", "drafter_validation")
+    assert redis_client.hget(key, "id") == b"7:1:3" and redis_client.hlen(key) == 1 + 4
+    done, _ = store._progress("7:1:3")
+    assert len(done) == 4
+    done, _ = store._progress("8:1:3")  # another head: starts over
+    assert done == {} and redis_client.hlen(key) == 1
+
+
+def test_a_resumed_validation_keeps_the_samples_it_scored():
+    from tailspec.drafter_trainer.versions import pick_holdout, sample_key
+
+    samples = synthetic_samples(10, seed=4)
+    assert pick_holdout(samples, {}, None) == samples and pick_holdout(samples, {}, 20) == samples
+    assert pick_holdout(samples, {}, 4) == samples[-4:]  # the newest
+    done = {sample_key(x): (2.0, 1.5, 3) for x in samples[2:5]}
+    got = pick_holdout(samples, done, 4)
+    assert got == samples[2:5] + samples[-1:]  # what was scored, then the newest of the rest
+    assert pick_holdout(samples, done, 2) == samples[3:5]

@@ -287,6 +287,9 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("drafter_proposed", "drafter:proposed", "string", "drafter trainer (sessions)", None,
                 "'NUMBER STEPS': lineage head last proposed as a candidate and its optimizer steps (skips proposing "
                 "one head twice, and heads with fewer than trainer.propose_min_steps new steps)"),
+        KeySpec("drafter_validation", "drafter:validation", "hash", "drafter trainer (versions)", None,
+                "paired scores of the validation in progress: field id = 'HEAD:BASELINE:K', one field "
+                "per held-out sample key = 'CANDIDATE CURRENT ANCHORS' (resumed by the next session)"),
         KeySpec("drafter_health", "history:drafter_health", "stream", "drafter trainer / RL loop", DrafterHealth,
                 "current drafter's acceptance on the newest samples beside its value at promotion"),
         KeySpec("lineage_head", "lineage:head", "string", "drafter trainer (lineage)", LineageHead,
