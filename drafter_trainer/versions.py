@@ -23,207 +23,31 @@ directory `ROOT/v<N>` in the drafter format plus `version.json`, an entry in the
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
-import torch
 from pydantic import ValidationError
 from tailspec.drafter_trainer.files import DrafterFileError, read_json_object
-from tailspec.drafter_trainer.loss import acceptance_rates, expected_length
 from tailspec.drafter_trainer.model import Eagle3Module
-from tailspec.drafter_trainer.teacher import Teacher, collate
+from tailspec.drafter_trainer.teacher import Teacher
+from tailspec.drafter_trainer.validation import (
+    CHECKED_BATCH,
+    Decision,
+    Score,
+    decide,
+    pick_holdout,
+    validate,
+    validate_paired,
+)
 
 from tailspec.core import state
 from tailspec.core.atomic import file_lock, write_text_atomic
 from tailspec.core.state import DrafterHealth, DrafterVersion, Sample
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Validation:
-    acceptance_length: float  # mean over valid anchors of E_k
-    alpha: list[float]  # mean per-position acceptance probability α_1..α_k
-    anchors: int
-    k: int
-
-
-@dataclass
-class Paired:
-    candidate: list[float]  # per held-out sample: mean expected acceptance length over its anchors
-    current: list[float]
-    weights: list[int]  # anchors per sample
-    k: int
-
-    @property
-    def gains(self) -> list[float]:
-        return [a - b for a, b in zip(self.candidate, self.current)]
-
-    @property
-    def anchors(self) -> int:
-        return sum(self.weights)
-
-    def mean(self, which: str) -> float:
-        """Anchor-weighted mean: the same figure `validate` reports."""
-        xs = self.candidate if which == "candidate" else self.current
-        return sum(x * w for x, w in zip(xs, self.weights)) / self.anchors
-
-
-@dataclass
-class Decision:
-    promote: bool
-    pairs: int
-    gain_mean: float
-    gain_lcb: float
-    reason: str
-
-
-def t_cdf(t: float, df: float) -> float:
-    """Student t distribution function (regularized incomplete beta; no scipy in the core install)."""
-    x = df / (df + t * t)
-    tail = 0.5 * _betai(df / 2.0, 0.5, x)
-    return 1.0 - tail if t > 0 else tail
-
-
-@functools.lru_cache(maxsize=256)
-def t_ppf(p: float, df: float) -> float:
-    """Quantile of Student t by bisection on t_cdf (|error| < 1e-9); cached: a run asks for few (p, df)."""
-    lo, hi = -1e3, 1e3
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if t_cdf(mid, df) < p:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
-
-
-def _betai(a: float, b: float, x: float) -> float:
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    ln = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(ln) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(ln) * _betacf(b, a, 1.0 - x) / b
-
-
-def _betacf(a: float, b: float, x: float) -> float:
-    # Lentz's continued fraction for the incomplete beta function.
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):
-        m2 = 2 * m
-        for num in (m * (b - m) * x / ((a + m2 - 1) * (a + m2)), -(a + m) * (a + b + m) * x / ((a + m2) * (a + m2 + 1))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
-
-
-def decide(gains: Sequence[float], level: float = 0.05, min_pairs: int = 16) -> Decision:
-    """Promote when the one-sided (1 − level) lower confidence bound of the mean paired gain is > 0."""
-    n = len(gains)
-    mean = sum(gains) / n if n else 0.0
-    if n < max(2, min_pairs):
-        return Decision(False, n, mean, float("-inf"), f"too few held-out samples ({n} < {min_pairs})")
-    sd = math.sqrt(sum((g - mean) ** 2 for g in gains) / (n - 1))
-    lcb = mean - t_ppf(1.0 - level, n - 1) * sd / math.sqrt(n)
-    if lcb > 0:
-        return Decision(True, n, mean, lcb, f"paired gain {mean:+.4f}, {100 * (1 - level):.0f}% lower bound {lcb:+.4f} > 0")
-    return Decision(False, n, mean, lcb, f"paired gain {mean:+.4f}, {100 * (1 - level):.0f}% lower bound {lcb:+.4f} <= 0")
-
-
-def _teacher_batches(teacher: Teacher, samples: Sequence[Sample], batch_size: int,
-                     check: Callable[[], None] | None) -> Iterator[tuple[Any, Any, list[Sample]]]:
-    """(batch, teacher output, its samples) per `batch_size` samples, taken in order of length so a batch pads little (the
-    teacher's forward and the drafter's unroll grow with the padded width; scores are per sample, so the order
-    does not change them); `check` runs before each (a session's stop check)."""
-    ordered = sorted(samples, key=lambda x: len(x.prompt_ids) + len(x.response_ids))
-    for s in range(0, len(ordered), batch_size):
-        if check is not None:
-            check()
-        part = ordered[s : s + batch_size]
-        batch = collate(part).to(teacher.device)
-        yield batch, teacher(batch), part
-
-
-def sample_key(sample: Sample) -> str:
-    """A held-out sample's identity across processes (its policy version and tokens)."""
-    h = hashlib.blake2b(digest_size=10)
-    h.update(f"{sample.policy_version}|{sample.prompt_ids}|{sample.response_ids}".encode())
-    return h.hexdigest()
-
-
-Score = tuple[float, float, int]  # (candidate, current, anchors) of one held-out sample
-
-
-def pick_holdout(holdout: Sequence[Sample], done: dict[str, Score], n: int | None) -> list[Sample]:
-    """Up to `n` held-out samples (oldest first in `holdout`): those a resumed validation scored already, then
-    the newest others. Without the first rule a validation that spans RL steps would chase the newest samples
-    and never finish: each step brings as many new held-out samples as a lend can score."""
-    if n is None or len(holdout) <= n:
-        return list(holdout)
-    scored = [x for x in holdout if sample_key(x) in done][-n:]
-    others = [x for x in holdout if sample_key(x) not in done]
-    left = n - len(scored)
-    return scored + (others[-left:] if left > 0 else [])
-
-
-@torch.no_grad()
-def validate_paired(candidate: Eagle3Module, current: Eagle3Module, teacher: Teacher, samples: Sequence[Sample],
-                    k: int = 4, batch_size: int = 32, temperature: float = 1.0,
-                    check: Callable[[], None] | None = None, done: dict[str, Score] | None = None,
-                    on_batch: Callable[[dict[str, Score]], None] | None = None) -> Paired:
-    """Per held-out sample scores of both drafters from ONE teacher forward per batch (same anchors).
-
-    Resumable: samples whose scores are in `done` (by sample_key) are not scored again, and `on_batch` gets each
-    batch's new scores as soon as they exist, so a validation cut short by a stop keeps what it finished."""
-    done = dict(done or {})
-    todo = [x for x in samples if sample_key(x) not in done]
-    modes = (candidate.training, current.training)
-    candidate.eval()
-    current.eval()
-    try:
-        for batch, out, part in _teacher_batches(teacher, todo, batch_size, check):
-            scores = []
-            for d in (candidate, current):
-                alpha, valid = acceptance_rates(d, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
-                                                k, temperature)
-                e = expected_length(alpha).double() * valid
-                scores.append((e.sum(1) / valid.sum(1).clamp(min=1)).tolist())
-            counts = valid.sum(1).tolist()
-            new = {sample_key(x): (a, b, int(c)) for x, a, b, c in zip(part, scores[0], scores[1], counts)}
-            done.update(new)
-            if on_batch is not None:
-                on_batch(new)
-    finally:
-        candidate.train(modes[0])
-        current.train(modes[1])
-    rows = [done[sample_key(x)] for x in samples]
-    rows = [r for r in rows if r[2] > 0]
-    if not rows:
-        raise ValueError(f"no held-out sample is long enough to validate at k={k}")
-    return Paired([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], k)
-
-
-# A session validating on a lent GPU checks its lease before each teacher batch; batches of 4 held-out samples
-# of similar length bound how long a revoked session keeps it, and pad less than 8 (32 samples of the deep
-# policy on one core: 2.3 s in batches of 8, 1.3 s in batches of 4, both sorted; 3.9 s unsorted in 8).
-CHECKED_BATCH = 4
 
 
 # KEYS: drafter:current. ARGV: expected version (-1 = none), new record. 1 = swapped.
@@ -235,29 +59,6 @@ if cur ~= tonumber(ARGV[1]) then return 0 end
 redis.call('SET', KEYS[1], ARGV[2])
 return 1
 """
-
-
-@torch.no_grad()
-def validate(drafter: Eagle3Module, teacher: Teacher, samples: Sequence[Sample], k: int = 4,
-             batch_size: int = 32, temperature: float = 1.0, check: Callable[[], None] | None = None) -> Validation:
-    """Expected acceptance length at chain length k on `samples` (see loss.acceptance_rates). `check` is
-    called between batches (a session's stop check: it raises to abandon the validation)."""
-    was_training = drafter.training
-    drafter.eval()
-    total_e, total_a, n = 0.0, torch.zeros(k, dtype=torch.float64), 0
-    try:
-        for batch, out, _ in _teacher_batches(teacher, samples, batch_size, check):
-            alpha, valid = acceptance_rates(drafter, out.aux, out.logits, batch.ids, batch.lengths,
-                                            batch.prompt_lens, k, temperature)
-            e = expected_length(alpha)
-            total_e += float(e[valid].double().sum())
-            total_a += alpha[valid].double().sum(0).cpu()
-            n += int(valid.sum())
-    finally:
-        drafter.train(was_training)
-    if n == 0:
-        raise ValueError(f"no held-out sample is long enough to validate at k={k}")
-    return Validation(total_e / n, (total_a / n).tolist(), n, k)
 
 
 def _read_version(f: Path) -> DrafterVersion:

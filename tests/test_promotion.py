@@ -12,7 +12,8 @@ import pytest
 import torch
 from tailspec.drafter_trainer.session import TrainingSession
 from tailspec.drafter_trainer.teacher import Teacher
-from tailspec.drafter_trainer.versions import VersionStore, decide, t_cdf, t_ppf
+from tailspec.drafter_trainer.validation import decide, t_cdf, t_ppf
+from tailspec.drafter_trainer.versions import VersionStore
 
 from tailspec.core import state
 from tailspec.core.state import DrafterHealth, DrafterVersion
@@ -139,7 +140,7 @@ def test_racing_proposers_never_both_win(trained, tmp_path, redis_client, backen
 def test_a_session_validating_checks_its_lease_between_small_teacher_batches(trained, tmp_path, redis_client):
     """A revoked session stops within one small teacher batch of its validation, not one batch of all samples."""
     from tailspec.drafter_trainer.loss import StopRequested
-    from tailspec.drafter_trainer.versions import CHECKED_BATCH
+    from tailspec.drafter_trainer.validation import CHECKED_BATCH
 
     teacher, holdout, untrained, better = trained
     holdout = holdout[:32]  # one batch of the unchecked size; four of CHECKED_BATCH
@@ -164,7 +165,7 @@ def test_a_validation_cut_short_is_resumed_not_restarted(trained, tmp_path, redi
     same head and baseline scores only the rest: the result equals one uninterrupted run's.
     Through the store: a stop after the first batch leaves its scores in Redis; another identity starts over."""
     from tailspec.drafter_trainer.loss import StopRequested
-    from tailspec.drafter_trainer.versions import sample_key, validate_paired
+    from tailspec.drafter_trainer.validation import sample_key, validate_paired
 
     teacher, holdout, untrained, better = trained
     samples = holdout[:24]
@@ -210,7 +211,7 @@ def test_a_validation_cut_short_is_resumed_not_restarted(trained, tmp_path, redi
 
 
 def test_a_resumed_validation_keeps_the_samples_it_scored():
-    from tailspec.drafter_trainer.versions import pick_holdout, sample_key
+    from tailspec.drafter_trainer.validation import pick_holdout, sample_key
 
     samples = synthetic_samples(10, seed=4)
     assert pick_holdout(samples, {}, None) == samples and pick_holdout(samples, {}, 20) == samples

@@ -9,7 +9,7 @@ import torch
 from tailspec.drafter_trainer.samples import SampleBuffer
 from tailspec.drafter_trainer.session import TrainingSession
 from tailspec.drafter_trainer.teacher import Teacher
-from tailspec.drafter_trainer.versions import validate
+from tailspec.drafter_trainer.validation import validate
 
 from tailspec.core.config import TrainerConfig
 

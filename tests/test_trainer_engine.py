@@ -11,7 +11,7 @@ from tailspec.drafter_trainer.export import export, load_export
 from tailspec.drafter_trainer.samples import SampleBuffer
 from tailspec.drafter_trainer.session import TrainingSession
 from tailspec.drafter_trainer.teacher import Teacher
-from tailspec.drafter_trainer.versions import validate
+from tailspec.drafter_trainer.validation import validate
 
 from tailspec.core.state import Sample
 from tests.test_trainer_model import make_target

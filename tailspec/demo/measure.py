@@ -132,7 +132,7 @@ def measure_acceptance(model, frozen_path: str, current: DrafterVersion | None, 
     with the current policy as teacher (the same samples for both)."""
     from tailspec.drafter_trainer.model import Eagle3Module
     from tailspec.drafter_trainer.teacher import Teacher
-    from tailspec.drafter_trainer.versions import validate
+    from tailspec.drafter_trainer.validation import validate
 
     held = samples[:: max(1, len(samples) // n)][:n]
     emb = model.get_input_embeddings()
