@@ -55,6 +55,8 @@ class Counters(_View):
     sessions_preempted: int = 0
     sessions_declined: int = Field(0, description="sessions that declined a lent GPU (teacher, drafter and optimizer "
                                    "would not fit its free memory): the GPU went back untouched")
+    drafter_guard_trips: int = Field(0, description="times a rollout worker's drafter health guard tripped (live "
+                                     "acceptance below the floor after a load or a weight sync): speculation off there")
 
 
 class RolloutPoint(_View):

@@ -56,6 +56,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "tailspec_sessions_preempted": ("counter", "sessions stopped because the GPU was reclaimed"),
     "tailspec_sessions_declined": ("counter", "sessions that declined a lent GPU: its free memory could not hold "
                                    "teacher + drafter + optimizer"),
+    "tailspec_drafter_guard_trips": ("counter", "drafter health guard trips on the rollout workers (live acceptance "
+                                     "below the floor after a drafter load or a policy-weight sync)"),
     "tailspec_sessions": ("gauge", "session records by status"),
     "tailspec_session_stop_latency_seconds": ("histogram", "revocation → session stopped and GPU freed"),
     "tailspec_drafter_training_loss": ("gauge", "training loss of the latest session on each GPU"),
@@ -210,6 +212,7 @@ class StateCollector(Collector):
             ("tailspec_idle_gpu_seconds", c.idle_gpu_seconds), ("tailspec_lent_gpu_seconds", c.lent_gpu_seconds),
             ("tailspec_sessions_started", c.sessions_started), ("tailspec_sessions_stopped", c.sessions_stopped),
             ("tailspec_sessions_preempted", c.sessions_preempted), ("tailspec_sessions_declined", c.sessions_declined),
+            ("tailspec_drafter_guard_trips", c.drafter_guard_trips),
         ]:
             m = _family(name)
             m.add_metric([], value)

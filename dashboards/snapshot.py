@@ -43,7 +43,7 @@ from .api import (
 )
 
 COUNTER_FIELDS = ("idle_gpu_seconds", "lent_gpu_seconds", "sessions_started", "sessions_stopped",
-                  "sessions_preempted", "sessions_declined")
+                  "sessions_preempted", "sessions_declined", "drafter_guard_trips")
 MAX_WINDOW_S = 86_400.0
 
 
@@ -146,6 +146,7 @@ class Reader:
             idle_gpu_seconds=idle, lent_gpu_seconds=lent, reclaimed_share=reclaimed_share(idle, lent),
             sessions_started=int(vals["sessions_started"]), sessions_stopped=int(vals["sessions_stopped"]),
             sessions_preempted=int(vals["sessions_preempted"]), sessions_declined=int(vals["sessions_declined"]),
+            drafter_guard_trips=int(vals["drafter_guard_trips"]),
         )
 
     def sessions(self) -> list[SessionInfo]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tailspec.core import state
 from tailspec.rollout.strategy import ChooseK, StepRecord
 
 
@@ -160,3 +161,10 @@ def guarded(choose_k: ChooseK, guard: HealthGuard,
         return k if guard.speculate else 0
 
     return hook
+
+
+def count_trip(redis, cluster: str) -> None:
+    """Count a tripped guard in the cluster's counters (`tailspec_drafter_guard_trips_total` on /metrics, the
+    Grafana dashboard's guard panel), beside the `drafter_guard` event the rollout side records for every
+    verdict."""
+    redis.hincrby(state.key(cluster, "counters"), "drafter_guard_trips", 1)

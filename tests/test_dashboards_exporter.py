@@ -84,6 +84,12 @@ def test_values_move_through_a_lending_cycle(redis_client, exporter):
     assert m[("tailspec_session_stop_latency_seconds_count", ())] == 1.0
     w.add("sessions_declined", 1)  # what the scheduler counts when a session's footprint did not fit
     assert scrape(exporter.url)[("tailspec_sessions_declined_total", ())] == 1.0
+    assert m[("tailspec_drafter_guard_trips_total", ())] == 0.0
+    from tailspec.rollout.health_guard import count_trip
+
+    count_trip(redis_client, w.cluster)  # what a rollout worker counts when its drafter health guard trips
+    count_trip(redis_client, w.cluster)
+    assert scrape(exporter.url)[("tailspec_drafter_guard_trips_total", ())] == 2.0
 
 
 def test_stop_latency_histogram_matches_an_independent_count(redis_client, exporter):
