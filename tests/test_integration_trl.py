@@ -129,3 +129,21 @@ def test_finished_counter_counts_rows_whose_newest_token_ends_them():
     assert seen == [(3, 0, 3), (2, 1, 3), (1, 2, 3), (0, 3, 3)]
     with pytest.raises(ValueError):
         FinishedCounter(lambda *a: None, stop_ids=[])
+
+
+def test_a_run_hung_in_teardown_after_its_summaries_is_killed_and_used(tmp_path, monkeypatch):
+    """Every summary written, the process still alive past the grace: killed (whole group), exit code 0; with no
+    summary the deadline still raises, naming the log."""
+    import subprocess
+
+    from tailspec.bench import attach
+
+    monkeypatch.setattr(attach, "TEARDOWN_GRACE_S", 0.5)
+    summary, log = tmp_path / "s.json", tmp_path / "run.log"
+    log.write_text("")
+    proc = subprocess.Popen(["sh", "-c", f"echo '{{}}' > {summary}; sleep 60"], start_new_session=True)
+    assert attach._wait(proc, [summary], 30.0, log) == 0 and proc.poll() is not None
+    proc = subprocess.Popen(["sh", "-c", "sleep 60"], start_new_session=True)
+    with pytest.raises(RuntimeError, match="still going"):
+        attach._wait(proc, [tmp_path / "never.json"], 1.0, log)
+    assert proc.poll() is not None

@@ -80,27 +80,51 @@ def run_trl(out: Path, *, ranks: int, steps: int, seed: int, dataset: str, polic
     """One torchrun of the TRL recipe (attached when `url` is given); each rank's JSON summary, rank 0 first.
 
     Past `timeout_s` the whole process group (launcher and ranks) is killed and the error carries the log's
-    tail, where every rank printed its stacks shortly before (--stack-dump-after): a hang names its place."""
+    tail, where every rank printed its stacks shortly before (--stack-dump-after): a hang names its place.
+    A run whose every rank wrote its summary but did not exit within TEARDOWN_GRACE_S is killed and its summaries
+    used, with a warning: on a loaded machine a rank has hung in interpreter teardown (no Python frame left,
+    a native destructor) after its work was done and written."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
            str(_free_port()), "-m", "tailspec.integrations.trl_example", "--steps", str(steps), "--seed", str(seed),
            "--dataset", dataset, "--policy", policy, "--pin-cores", "--out", str(out),
            "--stack-dump-after", str(max(1.0, timeout_s - 15.0))]
     cmd += ["--redis", url, "--cluster", cluster, "--shared-dir", str(shared)] if url else ["--no-tailspec"]
     log = out.with_suffix(".log")
+    paths = [out] + [out.with_name(f"{out.stem}.rank{r}{out.suffix}") for r in range(1, ranks)]
+    for p in paths:
+        p.unlink(missing_ok=True)  # a summary left by an earlier run must not count as this one's
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        rc = _wait(proc, paths, timeout_s, log)
+    if rc != 0:
+        raise RuntimeError(f"TRL run failed (exit {rc}); last lines of {log}:\n{_tail(log, 30)}")
+    return [json.loads(p.read_text()) for p in paths]
+
+
+TEARDOWN_GRACE_S = 30.0
+
+
+def _wait(proc: subprocess.Popen, summaries: list[Path], timeout_s: float, log: Path) -> int:
+    """The run's exit code; 0 for a run killed in teardown after every summary was written (run_trl's doc)."""
+    deadline, written_at = time.monotonic() + timeout_s, None
+    while (rc := proc.poll()) is None:
+        now = time.monotonic()
+        if written_at is None and all(p.exists() for p in summaries):
+            written_at = now
+        if written_at is not None and now - written_at > TEARDOWN_GRACE_S:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            print(f"warning: every rank wrote its summary but the run had not exited {TEARDOWN_GRACE_S:.0f} s later "
+                  f"(teardown hang); killed. Log: {log}", file=sys.stderr)
+            return 0
+        if now > deadline:
             os.killpg(proc.pid, signal.SIGKILL)  # torchrun's ranks too, not only the launcher
             proc.wait()
             raise RuntimeError(f"TRL run still going after {timeout_s:.0f} s, killed; last lines of {log}:\n"
-                               f"{_tail(log, 80)}") from None
-    if rc != 0:
-        raise RuntimeError(f"TRL run failed (exit {rc}); last lines of {log}:\n{_tail(log, 30)}")
-    paths = [out] + [out.with_name(f"{out.stem}.rank{r}{out.suffix}") for r in range(1, ranks)]
-    return [json.loads(p.read_text()) for p in paths]
+                               f"{_tail(log, 80)}")
+        time.sleep(0.2)
+    return rc
 
 
 def _tail(path: Path, n: int) -> str:
