@@ -46,7 +46,9 @@ def test_dashboard_command_serves_page_api_and_exporter(redis_client, redis_url)
         assert e.value.code == 404
     finally:
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 0
+        # It must exit cleanly; how fast is not this test's business (a clean-clone CI run beside the TRL test
+        # took over 10 s to get the signal handled).
+        assert proc.wait(timeout=60) == 0
 
 
 def test_dashboard_command_refuses_remote_bind_without_flag(redis_url):
