@@ -205,11 +205,8 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from tailspec.commands.bench import machine
-    from tailspec.rollout import cost_model
-    from tailspec.rollout.acceptance import AcceptanceTracker
     from tailspec.rollout.engine import Engine
     from tailspec.rollout.selector import AdaptiveSelector, beg_selector, fixed_selector, threshold_selector
-    from tailspec.rollout.sequence import SamplingParams
 
     out = sys.stderr if args.json else sys.stdout
     cfg = config_from_args(args)
@@ -225,77 +222,13 @@ def run(args: argparse.Namespace) -> dict:
 
     t_start = time.perf_counter()
     pool_prompts = _prompts(tok, 512, 11, cfg.task)
-    warm = make_engine(max(batches), 0)
-    acceptance = AcceptanceTracker(k_max=k_max)  # warmed by the same real steps that time the cost table
-    cost = cost_model.measure(warm, pool_prompts, buckets=cost_model.default_buckets(max(batches)), ks=ks,
-                              steps=6, temperature=args.temperature, passes=2, on_step=acceptance.observe)
-    print(f"cost model measured in {time.perf_counter() - t_start:.1f}s (ms per step):", file=out)
-    print("  b \\ k " + "".join(f"{k:>8}" for k in cost.ks), file=out)
-    for b in cost.buckets:
-        print(f"  {b:>5} " + "".join(f"{cost.table[(b, k)] * 1e3:8.2f}" for k in cost.ks), file=out)
-
-    starts = [(list(p), args.max_tokens) for p in pool_prompts[:256]]
-    if args.start == "mid":
-        t0 = time.perf_counter()
-        starts = _mid_response(make_engine, pool_prompts[:256], args.max_tokens, max_seq, args.temperature, seed=7)
-        print(f"per-batch runs start mid-response ({time.perf_counter() - t0:.1f}s to write 256 responses; mean depth "
-              f"{statistics.mean(len(p) - len(q) for (p, _), q in zip(starts, pool_prompts)):.0f} tokens)", file=out)
-
+    cost, acceptance = _cost_table(make_engine, pool_prompts, batches, ks, k_max, args, out, t_start)
+    starts = _starts(make_engine, pool_prompts, max_seq, args, out)
     adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=cfg.rollout.epsilon, seed=0)
     policies = {f"k{k}": fixed_selector(k) for k in ks}
     policies |= {"adaptive": adaptive, "beg": beg_selector(k_max), "threshold": threshold_selector(min(4, k_max))}
-
-    per_batch = []
-    for b in batches:
-        n_req = max(4 * b, b + 8)
-        steps = max(args.steps, -(-args.rows // b))
-        runs: dict[str, list[float]] = {name: [] for name in policies}
-        adaptive_mix: Counter = Counter()
-        for rep in range(args.repeats):
-            chosen = starts[(rep * n_req) % 256:][:n_req]
-            chosen = (chosen * (n_req // max(len(chosen), 1) + 1))[:n_req]
-            prompts = [p for p, _ in chosen]
-            params = [SamplingParams(max_tokens=max(1, left), temperature=args.temperature, seed=1000 * rep + i)
-                      for i, (_, left) in enumerate(chosen)]
-            for name, pol in policies.items():
-                runs[name].append(_steady_tps(make_engine, pol, b, prompts, params, args.warmup, steps,
-                                              mix=adaptive_mix if name == "adaptive" else None))
-        med = {name: statistics.median(v) for name, v in runs.items()}
-        oracle_k = max(ks, key=lambda k: med[f"k{k}"])
-        row = {
-            "batch": b, "oracle_k": oracle_k, "oracle_tps": round(med[f"k{oracle_k}"], 1),
-            "adaptive_tps": round(med["adaptive"], 1), "beg_tps": round(med["beg"], 1),
-            "threshold_tps": round(med["threshold"], 1), "nospec_tps": round(med["k0"], 1),
-            "fixed_tps": {str(k): round(med[f"k{k}"], 1) for k in ks},
-            "adaptive_k": adaptive.best(b),
-            # what the selector expects of each candidate now, to hold against the measured fixed_tps
-            "adaptive_predicted_tps": {str(k): round(v, 1) for k, v in adaptive.scores(b).items()},
-            "adaptive_k_mix": {str(k): n for k, n in sorted(adaptive_mix.items())},  # k of its timed steps
-        }
-        per_batch.append(row)
-        print(f"batch {b:>3}: " + "  ".join(f"{n}={v:.0f}" for n, v in med.items())
-              + f"  (tok/s; oracle k={oracle_k}, adaptive ran k {row['adaptive_k_mix']}, now picks k={row['adaptive_k']})",
-              file=out)
-
-    longtail = {}
-    if args.longtail_n > 0:
-        lt_prompts = _prompts(tok, args.longtail_n, 12345, cfg.task)
-        lt_params = [SamplingParams(max_tokens=min(args.max_tokens, max_seq - len(p)), temperature=args.longtail_temperature,
-                                    seed=i) for i, p in enumerate(lt_prompts)]
-        names = ["nospec", "adaptive", "beg", "threshold"]
-        pols = {"nospec": policies["k0"], "adaptive": adaptive, "beg": policies["beg"], "threshold": policies["threshold"]}
-        times: dict[str, list[float]] = {n: [] for n in names}
-        tokens: dict[str, int] = {}
-        for _ in range(args.repeats):
-            for n in names:
-                s, ntok = _rollout_s(make_engine, pols[n], lt_prompts, lt_params)
-                times[n].append(s)
-                tokens[n] = ntok
-        med_t = {n: statistics.median(v) for n, v in times.items()}
-        longtail = {n: round(med_t["nospec"] / med_t[n], 3) for n in ("adaptive", "beg", "threshold")}
-        print(f"long-tail rollout of {args.longtail_n} requests ({tokens['nospec']} tokens, T={args.longtail_temperature}): "
-              + "  ".join(f"{n}={med_t[n]:.2f}s" for n in names) + f"  speedup vs nospec {longtail}", file=out)
-
+    per_batch = [_batch_row(make_engine, policies, adaptive, starts, b, ks, args, out) for b in batches]
+    longtail = _longtail(make_engine, policies, tok, max_seq, cfg, args, out) if args.longtail_n > 0 else {}
     result = {
         "device": machine(), "target": args.target, "drafter": drafter_label, "temperature": args.temperature,
         "repeats": args.repeats, "steps": args.steps, "rows": args.rows, "ks": ks, "start": args.start,
@@ -313,3 +246,93 @@ def run(args: argparse.Namespace) -> dict:
         result["graph_pool"] = _graph_pool_section(target, cost, device)
     print(f"adaptive schedule: {result['adaptive_schedule']}; total {result['seconds']}s on {machine()}", file=out)
     return result
+
+
+def _cost_table(make_engine, pool_prompts, batches: list[int], ks: list[int], k_max: int, args, out, t_start: float):
+    """The cost model measured on a warm engine, and the acceptance tracker warmed by the same steps."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    from tailspec.rollout import cost_model
+    from tailspec.rollout.acceptance import AcceptanceTracker
+
+    warm = make_engine(max(batches), 0)
+    acceptance = AcceptanceTracker(k_max=k_max)  # warmed by the same real steps that time the cost table
+    cost = cost_model.measure(warm, pool_prompts, buckets=cost_model.default_buckets(max(batches)), ks=ks,
+                              steps=6, temperature=args.temperature, passes=2, on_step=acceptance.observe)
+    print(f"cost model measured in {time.perf_counter() - t_start:.1f}s (ms per step):", file=out)
+    print("  b \\ k " + "".join(f"{k:>8}" for k in cost.ks), file=out)
+    for b in cost.buckets:
+        print(f"  {b:>5} " + "".join(f"{cost.table[(b, k)] * 1e3:8.2f}" for k in cost.ks), file=out)
+    return cost, acceptance
+
+
+def _starts(make_engine, pool_prompts, max_seq: int, args, out) -> list[tuple[list[int], int]]:
+    """The per-batch runs' requests: (tokens so far, tokens left), at their prompts or, with --start mid, at a
+    random depth of a response the policy wrote."""
+    starts = [(list(p), args.max_tokens) for p in pool_prompts[:256]]
+    if args.start == "mid":
+        t0 = time.perf_counter()
+        starts = _mid_response(make_engine, pool_prompts[:256], args.max_tokens, max_seq, args.temperature, seed=7)
+        print(f"per-batch runs start mid-response ({time.perf_counter() - t0:.1f}s to write 256 responses; mean depth "
+              f"{statistics.mean(len(p) - len(q) for (p, _), q in zip(starts, pool_prompts)):.0f} tokens)", file=out)
+    return starts
+
+
+def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list[int], args, out) -> dict:
+    """Every policy at batch b, round robin inside each repeat; medians over repeats, the oracle's k among them."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    from tailspec.rollout.sequence import SamplingParams
+
+    n_req = max(4 * b, b + 8)
+    steps = max(args.steps, -(-args.rows // b))
+    runs: dict[str, list[float]] = {name: [] for name in policies}
+    adaptive_mix: Counter = Counter()
+    for rep in range(args.repeats):
+        chosen = starts[(rep * n_req) % 256:][:n_req]
+        chosen = (chosen * (n_req // max(len(chosen), 1) + 1))[:n_req]
+        prompts = [p for p, _ in chosen]
+        params = [SamplingParams(max_tokens=max(1, left), temperature=args.temperature, seed=1000 * rep + i)
+                  for i, (_, left) in enumerate(chosen)]
+        for name, pol in policies.items():
+            runs[name].append(_steady_tps(make_engine, pol, b, prompts, params, args.warmup, steps,
+                                          mix=adaptive_mix if name == "adaptive" else None))
+    med = {name: statistics.median(v) for name, v in runs.items()}
+    oracle_k = max(ks, key=lambda k: med[f"k{k}"])
+    row = {
+        "batch": b, "oracle_k": oracle_k, "oracle_tps": round(med[f"k{oracle_k}"], 1),
+        "adaptive_tps": round(med["adaptive"], 1), "beg_tps": round(med["beg"], 1),
+        "threshold_tps": round(med["threshold"], 1), "nospec_tps": round(med["k0"], 1),
+        "fixed_tps": {str(k): round(med[f"k{k}"], 1) for k in ks},
+        "adaptive_k": adaptive.best(b),
+        # what the selector expects of each candidate now, to hold against the measured fixed_tps
+        "adaptive_predicted_tps": {str(k): round(v, 1) for k, v in adaptive.scores(b).items()},
+        "adaptive_k_mix": {str(k): n for k, n in sorted(adaptive_mix.items())},  # k of its timed steps
+    }
+    print(f"batch {b:>3}: " + "  ".join(f"{n}={v:.0f}" for n, v in med.items())
+          + f"  (tok/s; oracle k={oracle_k}, adaptive ran k {row['adaptive_k_mix']}, now picks k={row['adaptive_k']})",
+          file=out)
+    return row
+
+
+def _longtail(make_engine, policies: dict, tok, max_seq: int, cfg, args, out) -> dict[str, float]:
+    """One long-tail rollout to completion under each policy; speedup of each over no speculation."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    from tailspec.rollout.sequence import SamplingParams
+
+    lt_prompts = _prompts(tok, args.longtail_n, 12345, cfg.task)
+    lt_params = [SamplingParams(max_tokens=min(args.max_tokens, max_seq - len(p)), temperature=args.longtail_temperature,
+                                seed=i) for i, p in enumerate(lt_prompts)]
+    names = ["nospec", "adaptive", "beg", "threshold"]
+    pols = {"nospec": policies["k0"], "adaptive": policies["adaptive"], "beg": policies["beg"],
+            "threshold": policies["threshold"]}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    tokens: dict[str, int] = {}
+    for _ in range(args.repeats):
+        for n in names:
+            s, ntok = _rollout_s(make_engine, pols[n], lt_prompts, lt_params)
+            times[n].append(s)
+            tokens[n] = ntok
+    med_t = {n: statistics.median(v) for n, v in times.items()}
+    longtail = {n: round(med_t["nospec"] / med_t[n], 3) for n in ("adaptive", "beg", "threshold")}
+    print(f"long-tail rollout of {args.longtail_n} requests ({tokens['nospec']} tokens, T={args.longtail_temperature}): "
+          + "  ".join(f"{n}={med_t[n]:.2f}s" for n in names) + f"  speedup vs nospec {longtail}", file=out)
+    return longtail

@@ -26,8 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from tailspec.cli import config_from_args
 from tailspec.core import state
 from tailspec.core.state import DrafterVersion, Event, PhaseInfo, Sample
@@ -76,7 +74,10 @@ def rollouts(model, tok, cfg, n: int, seed: int, version: int, max_seq_len: int 
 
 def move_policy(policy_dir: Path, cfg, args, out: Path) -> tuple[Path, list[float]]:
     """v1: GRPO steps from v0 on its own rollouts; returns (v1 directory, mean reward per step)."""
-    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    # deferred: torch and the models (torch alone is seconds of `tailspec --help`); the CLI imports every bench
+    # module to build its parser
+    import torch
+
     from tailspec.rl import grpo_step, save_policy_weights
     from tailspec.tasks.policy import load_policy
 
@@ -175,7 +176,10 @@ def _wait_sessions(procs: list[subprocess.Popen], r, cluster: str, t0: float) ->
 
 
 def run(args: argparse.Namespace) -> dict:
-    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    # deferred: torch and the models (torch alone is seconds of `tailspec --help`); the CLI imports every bench
+    # module to build its parser
+    import torch
+
     from tailspec.demo.bootstrap import bootstrap_drafter, load_samples
     from tailspec.demo.run import apply_demo_trainer
     from tailspec.drafter_trainer.checkpoint import load_checkpoint

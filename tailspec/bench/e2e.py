@@ -8,16 +8,19 @@ compares the last third of the steps, where a frozen drafter is stalest.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from tailspec.cli import config_from_args
+from tailspec.demo.options import DemoOptions
+from tailspec.demo.report import tail_idle_share
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tailspec.demo.options import DemoOptions
-
     d = DemoOptions()
     p.add_argument("--steps", type=int, default=d.steps, help=f"RL steps per run (default {d.steps}, the demo's)")
     p.add_argument("--workers", type=int, default=d.workers,
@@ -33,17 +36,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from tailspec.cli import config_from_args
-    from tailspec.commands.bench import machine
-    from tailspec.demo.report import tail_idle_share
-    from tailspec.demo.run import Demo, DemoOptions
-
     cfg = config_from_args(args)
     out = print_to = sys.stderr if args.json else sys.stdout
     tmp = None if args.out else tempfile.TemporaryDirectory(prefix="tailspec-bench-e2e-")
     root = Path(args.out or tmp.name)
-    runs = {}
-    demos = {}
+    runs, demos = _run_modes(args, cfg, root, out, print_to)
+    step = {m: _mean_after(rows, "step_time_s", args.skip_first) for m, rows in runs.items()}
+    result = _result(args, runs, demos, step)
+    result.update(drafter_cost_ratio(demos["cotrained"]))
+    print(f"step time (mean, steps {args.skip_first}+): " +
+          ", ".join(f"{m} {v:.1f}s" for m, v in step.items()) +
+          f"; co-trained speedup {result['speedup_vs_nospec']['cotrained']:.2f}x, frozen "
+          f"{result['speedup_vs_nospec']['frozen']:.2f}x; co-trained / frozen over the last third "
+          f"{result['speedup_vs_frozen_last_third']:.2f}x; reclaimed share {result['reclaimed_share']:.2f}; "
+          f"{result['promotions']} promotions; tail idle share {result['tail_idle_share']:.2f}; "
+          f"drafter step / target forward {result['drafter_cost_ratio']}", file=out)
+    first, last = result["acceptance_first_last"]["frozen"]
+    if first is not None and last is not None:
+        print(f"frozen drafter on each step's samples: {first:.2f} -> {last:.2f} "
+              f"({result['frozen_acceptance_change']:+.1%}); alternative style share "
+              f"{runs['frozen'][0].alt_style_share:.2f} -> {runs['frozen'][-1].alt_style_share:.2f}, accuracy "
+              f"{runs['frozen'][0].accuracy:.2f} -> {runs['frozen'][-1].accuracy:.2f}", file=out)
+    if tmp is not None:
+        tmp.cleanup()
+    return result
+
+
+def _run_modes(args: argparse.Namespace, cfg, root: Path, out, print_to) -> tuple[dict, dict]:
+    """The demo's RL loop with no SD, a frozen drafter and co-training, same seeds: each mode's rows and demo."""
+    # deferred: the RL loop loads torch and every component; the CLI imports every bench module to build its parser
+    from tailspec.demo.run import Demo
+
+    runs, demos = {}, {}
     for mode in ("nospec", "frozen", "cotrained"):
         opts = DemoOptions(steps=args.steps, workers=args.workers, mode=mode, seed=args.seed, policy=args.policy,
                            prompts_per_step=args.prompts, group_size=args.group, run_dir=root / mode,
@@ -56,25 +80,32 @@ def run(args: argparse.Namespace) -> dict:
             f" acc {r.accuracy:.2f} alt {r.alt_style_share:.2f}"
             + (f" frozen {r.acceptance_frozen:.2f}" if r.acceptance_frozen is not None else ""), file=print_to))
         runs[mode] = rows
+    return runs, demos
 
-    def mean_of(rows, attr):
-        # The mean, not the median: the three runs share seeds, so step i does the same work in every mode
-        # and the means compare the same total work; steps differ a lot in length (the long tail), and a
-        # median picks a different step in each mode.
-        xs = [getattr(r, attr) for r in rows[args.skip_first:]] or [getattr(r, attr) for r in rows]
-        return statistics.fmean(xs)
 
-    step = {m: mean_of(rows, "step_time_s") for m, rows in runs.items()}
+def _mean_after(rows, attr: str, skip_first: int) -> float:
+    # The mean, not the median: the three runs share seeds, so step i does the same work in every mode
+    # and the means compare the same total work; steps differ a lot in length (the long tail), and a
+    # median picks a different step in each mode.
+    xs = [getattr(r, attr) for r in rows[skip_first:]] or [getattr(r, attr) for r in rows]
+    return statistics.fmean(xs)
+
+
+def _result(args: argparse.Namespace, runs: dict, demos: dict, step: dict[str, float]) -> dict:
+    """The bench's JSON; `step`: each mode's mean step time over the steps after --skip-first."""
+    # deferred: a cycle (tailspec.commands.bench imports this module to build its parser)
+    from tailspec.commands.bench import machine
+
     third = max(1, len(runs["frozen"]) // 3)
     last_third = {m: statistics.fmean(r.step_time_s for r in rows[-third:]) for m, rows in runs.items()}
     wall = {m: sum(r.step_time_s + r.measure_s for r in rows) for m, rows in runs.items()}
     measured = {m: sum(r.measure_s for r in rows) for m, rows in runs.items()}
-    rollout = {m: mean_of(rows, "rollout_time_s") for m, rows in runs.items()}
-    co = runs["cotrained"]
+    rollout = {m: _mean_after(rows, "rollout_time_s", args.skip_first) for m, rows in runs.items()}
+    co, fr = runs["cotrained"], runs["frozen"]
     idle = sum(r.idle_gpu_seconds for r in co)
     lent = sum(r.lent_gpu_seconds for r in co)
     placement = demos["cotrained"].placement
-    result = {
+    return {
         "device": machine(),
         "policy": args.policy,
         "steps": args.steps,
@@ -88,15 +119,14 @@ def run(args: argparse.Namespace) -> dict:
         "last_third_step_time_s": {m: round(v, 3) for m, v in last_third.items()},
         "rollout_speedup_vs_nospec": {m: round(rollout["nospec"] / rollout[m], 3) for m in ("frozen", "cotrained")},
         "acceptance_first_last": {
-            "frozen": [runs["frozen"][0].acceptance_frozen, runs["frozen"][-1].acceptance_frozen],
+            "frozen": [fr[0].acceptance_frozen, fr[-1].acceptance_frozen],
             "cotrained": [co[0].acceptance_cotrained, co[-1].acceptance_cotrained],
         },
         "frozen_on_cotrained_samples_first_last": [co[0].acceptance_frozen, co[-1].acceptance_frozen],
         # the drift: the frozen drafter's acceptance on each step's own samples, last ÷ first − 1 (frozen run)
-        "frozen_acceptance_change": relative_change(runs["frozen"][0].acceptance_frozen,
-                                                    runs["frozen"][-1].acceptance_frozen),
+        "frozen_acceptance_change": relative_change(fr[0].acceptance_frozen, fr[-1].acceptance_frozen),
         "acceptance_curves": {
-            "frozen": {r.step: r.acceptance_frozen for r in runs["frozen"] if r.acceptance_frozen is not None},
+            "frozen": {r.step: r.acceptance_frozen for r in fr if r.acceptance_frozen is not None},
             "cotrained": {r.step: r.acceptance_cotrained for r in co if r.acceptance_cotrained is not None},
         },
         "promotions": demos["cotrained"].promotions,
@@ -117,23 +147,6 @@ def run(args: argparse.Namespace) -> dict:
         "reward_agreement": reward_agreement(runs, args.prompts * args.group),
         "logprob_max_abs_diff": max(r.logprob_max_abs_diff for rows in runs.values() for r in rows),
     }
-    result.update(drafter_cost_ratio(demos["cotrained"]))
-    print(f"step time (mean, steps {args.skip_first}+): " +
-          ", ".join(f"{m} {v:.1f}s" for m, v in step.items()) +
-          f"; co-trained speedup {result['speedup_vs_nospec']['cotrained']:.2f}x, frozen "
-          f"{result['speedup_vs_nospec']['frozen']:.2f}x; co-trained / frozen over the last third "
-          f"{result['speedup_vs_frozen_last_third']:.2f}x; reclaimed share {result['reclaimed_share']:.2f}; "
-          f"{result['promotions']} promotions; tail idle share {result['tail_idle_share']:.2f}; "
-          f"drafter step / target forward {result['drafter_cost_ratio']}", file=out)
-    first, last = result["acceptance_first_last"]["frozen"]
-    if first is not None and last is not None:
-        print(f"frozen drafter on each step's samples: {first:.2f} -> {last:.2f} "
-              f"({result['frozen_acceptance_change']:+.1%}); alternative style share "
-              f"{runs['frozen'][0].alt_style_share:.2f} -> {runs['frozen'][-1].alt_style_share:.2f}, accuracy "
-              f"{runs['frozen'][0].accuracy:.2f} -> {runs['frozen'][-1].accuracy:.2f}", file=out)
-    if tmp is not None:
-        tmp.cleanup()
-    return result
 
 
 def relative_change(first: float | None, last: float | None) -> float | None:
@@ -143,14 +156,15 @@ def relative_change(first: float | None, last: float | None) -> float | None:
 def drafter_cost_ratio(demo) -> dict:
     """One EAGLE-3 drafter step ÷ one target forward at batch 1 (`tailspec bench engine`'s timing) for the
     run's policy and first drafter: the miniature's cost ratio, which a GPU deployment's is a few percent."""
+    if demo.frozen_path is None:
+        return {"drafter_cost_ratio": None}
+    # deferred: torch and the models; the CLI imports every bench module to build its parser
+    import torch
+
     from tailspec.bench.engine import drafter_cost
     from tailspec.drafter_trainer.model import Eagle3Module
     from tailspec.tasks.runsum import sample_problems
     from tailspec.tasks.tokenizer import encode_prompt
-
-    if demo.frozen_path is None:
-        return {"drafter_cost_ratio": None}
-    import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(len(demo.placement.cpus[0]) if demo.placement.cpus else 1)  # a worker's cores
@@ -169,8 +183,6 @@ def reward_agreement(runs: dict, n: int) -> dict:
     every step, |mean reward of a mode − no SD's| ≤ 2 standard errors of the difference of two means of n
     rewards in [0, 1], each with variance at most p(1 − p) (p: the two modes' pooled mean; reward here is
     0/1, so this is the binomial bound). Returns the largest gap, its bound, and whether every step holds."""
-    import math
-
     base = runs["nospec"]
     worst, bound_at, ok = 0.0, 0.0, True
     for m in ("frozen", "cotrained"):

@@ -23,8 +23,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +59,9 @@ def _load(spec: str, dtype: torch.dtype, device: str):
 
 def _hf_generate(model, prompts, params, batch: int, pad_id: int, eos_id: int, assistant=None) -> tuple[int, float]:
     """Static batches of `batch` prompts (left-padded), each run until its longest row ends."""
+    # deferred: torch (seconds of `tailspec --help`); the CLI imports every bench module to build its parser
+    import torch
+
     dev = next(model.parameters()).device
     tokens = 0
     t0 = time.perf_counter()
@@ -85,6 +90,9 @@ def _hf_generate(model, prompts, params, batch: int, pad_id: int, eos_id: int, a
 
 def _engine_run(engine, prompts, params) -> tuple[int, float, float, int]:
     """(tokens, seconds, tokens per target forward, decode steps) of one run to completion."""
+    # deferred: torch (seconds of `tailspec --help`); the CLI imports every bench module to build its parser
+    import torch
+
     dev = engine.device
     steps0 = engine.steps
     t0 = time.perf_counter()
@@ -101,6 +109,9 @@ def memory_floor(model, device: str, nbytes: int | None = None, repeats: int = 1
     """The bandwidth floor of one decode step: the target's weight bytes over the measured copy bandwidth
     (bytes read + written per second by a large device-to-device copy). Every decode step reads every weight
     once, so no step can be faster than this on the device; the measured step time is set beside it."""
+    # deferred: torch (seconds of `tailspec --help`); the CLI imports every bench module to build its parser
+    import torch
+
     dev = torch.device(device)
     nbytes = nbytes or ((512 << 20) if dev.type == "cuda" else (128 << 20))
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
@@ -143,7 +154,9 @@ def drafter_cost(model, eagle, batches, prompts, *, steps: int = 24, calls: int 
 
 def _batch_cost(model, eagle, b: int, prompts, steps: int, calls: int, repeats: int, temperature: float) -> dict:
     """`drafter_cost` at one batch size."""
-    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    # deferred: torch (seconds of `tailspec --help`); the CLI imports every bench module to build its parser
+    import torch
+
     from tailspec.rollout.drafters import Eagle3Proposer, _draw
     from tailspec.rollout.engine import Engine
     from tailspec.rollout.sampling import step_uniforms_from
@@ -199,6 +212,9 @@ def _cost_section(model, eagle, tok, batches: list[int], args, log) -> dict:
     """The JSON's `drafter_cost_ratio` (batch 1), `drafter_cost_ratios` {batch: ratio} and `drafter_cost`
     (per-batch times, which drafter), printed as one line per batch. Without --eagle3 the drafter is a
     fresh EAGLE-3 head of the shape `tailspec train` builds for this target (the full vocabulary)."""
+    # deferred: torch (seconds of `tailspec --help`); the CLI imports every bench module to build its parser
+    import torch
+
     empty = {"drafter_cost_ratio": None, "drafter_cost_ratios": {}, "drafter_cost": None}
     if args.cost_repeats <= 0:
         return empty
@@ -330,7 +346,9 @@ def _summary(rows: list[dict], batches: list[int]) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    # deferred: torch (seconds of `tailspec --help`); the CLI imports every bench module to build its parser
+    import torch
+
     from tailspec.commands.bench import machine
 
     if args.threads:

@@ -368,7 +368,7 @@ def summarize(injections: list[Injection], kinds: list[str], steps_done: dict[in
 def run(args: argparse.Namespace) -> dict:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.commands.bench import machine
-    from tailspec.demo.run import Demo, DemoOptions
+    from tailspec.demo.run import DemoOptions
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = sorted(set(kinds) - set(KINDS))
@@ -385,25 +385,8 @@ def run(args: argparse.Namespace) -> dict:
                        run_dir=Path(args.out or tmp.name) / "run", dashboard=False, export=False, plots=False,
                        live=False, redis_aof=True, schedulers=2,
                        max_worker_restarts=args.per_kind * kinds.count("worker") + 1)
-    holder: dict[str, Drill] = {}
-
-    class DrilledDemo(Demo):
-        def start_services(self) -> None:
-            super().start_services()
-            holder["drill"] = Drill(self, args, kinds)
-            holder["drill"].thread.start()
-
-        def stop_services(self) -> None:  # the last checks need the services up
-            d = holder.get("drill")
-            if d is not None:
-                d.finished.set()
-                d.thread.join(timeout=120)
-                holder["final_orphans"] = d.orphan_leases()
-                holder["final_corrupt"] = corrupt_dirs(Path(self.cfg.trainer.checkpoint_dir))
-            super().stop_services()
-
-    demo = DrilledDemo(opts, cfg)
-    demo.should_stop = lambda: "drill" in holder and holder["drill"].should_stop()
+    holder: dict[str, Any] = {}  # the drill, and the last checks made before the services stop
+    demo = _drilled_demo(opts, cfg, args, kinds, holder)
     print(f"faults: {args.steps} steps, {', '.join(kinds)} x {args.per_kind}; {demo.placement.note}", file=out)
     t0 = time.time()
     rows, error = [], None
@@ -439,3 +422,29 @@ def run(args: argparse.Namespace) -> dict:
     if tmp is not None:
         tmp.cleanup()
     return result
+
+
+def _drilled_demo(opts, cfg, args: argparse.Namespace, kinds: list[str], holder: dict):
+    """The demo with the drill started as its services come up and its last checks made before they stop."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    from tailspec.demo.run import Demo
+
+    class DrilledDemo(Demo):
+        def start_services(self) -> None:
+            super().start_services()
+            holder["drill"] = Drill(self, args, kinds)
+            holder["drill"].thread.start()
+
+        def stop_services(self) -> None:  # the last checks need the services up
+            d = holder.get("drill")
+            if d is not None:
+                d.finished.set()
+                d.thread.join(timeout=120)
+                holder["final_orphans"] = d.orphan_leases()
+                holder["final_corrupt"] = corrupt_dirs(Path(self.cfg.trainer.checkpoint_dir))
+            super().stop_services()
+
+    demo = DrilledDemo(opts, cfg)
+    demo.should_stop = lambda: "drill" in holder and holder["drill"].should_stop()
+    return demo
+

@@ -10,15 +10,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from tailspec.cli import add_config_args, config_from_args
+from tailspec.demo.options import DemoOptions
+from tailspec.demo.report import write_report
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from tailspec.cli import add_config_args
-    from tailspec.demo.options import DemoOptions
-
     p = sub.add_parser("demo", help="RL with long-tail rollouts, idle-GPU drafter co-training, export (the main job)")
     p.add_argument("--steps", type=int, default=DemoOptions.steps, help=f"RL steps (default {DemoOptions.steps})")
     p.add_argument("--workers", type=int, default=DemoOptions.workers,
@@ -45,8 +54,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def options_from_args(args: argparse.Namespace):
-    from tailspec.demo.options import DemoOptions
-
     mode = "nospec" if args.no_spec else "frozen" if args.frozen_drafter else "cotrained"
     return DemoOptions(steps=args.steps, workers=args.workers, mode=mode, seed=args.seed, policy=args.policy,
                        prompts_per_step=args.prompts, group_size=args.group, redis_url=args.redis,
@@ -72,9 +79,6 @@ def step_cells(r) -> list[str]:
 
 
 def step_table(rows=()):
-    from rich import box
-    from rich.table import Table
-
     table = Table(title="RL steps", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1))
     for col in STEP_COLUMNS:
         table.add_column(col, justify="right", no_wrap=True)
@@ -104,32 +108,27 @@ class _ConsoleLog:
     their own (a plain stderr handler would write into the middle of the table's last line)."""
 
     def __init__(self, console):
-        import logging
-
         class Handler(logging.Handler):
             def emit(self, record):
-                from rich.text import Text
-
                 try:
                     console.print(Text(self.format(record), style="dim"), overflow="fold")
                 except Exception:  # noqa: BLE001 — logging's own contract: a record never breaks the run
                     self.handleError(record)
 
-        self.logging = logging
         self.handler = Handler()
         self.handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         self.saved: list = []
 
     def __enter__(self):
-        root = self.logging.getLogger()
-        self.saved = [h for h in root.handlers if type(h) is self.logging.StreamHandler]
+        root = logging.getLogger()
+        self.saved = [h for h in root.handlers if type(h) is logging.StreamHandler]
         for h in self.saved:
             root.removeHandler(h)
         root.addHandler(self.handler)
         return self
 
     def __exit__(self, *exc):
-        root = self.logging.getLogger()
+        root = logging.getLogger()
         root.removeHandler(self.handler)
         for h in self.saved:
             root.addHandler(h)
@@ -138,6 +137,7 @@ class _ConsoleLog:
 def announcing_demo(opts, cfg, on_started):
     """A Demo that calls `on_started(demo)` as soon as its services are up (the live dashboard's address is
     known then), before the first drafter is trained and the first step runs."""
+    # deferred: the RL loop loads torch and every component; the CLI imports every command to build its parser
     from tailspec.demo.run import Demo
 
     class AnnouncingDemo(Demo):
@@ -149,19 +149,16 @@ def announcing_demo(opts, cfg, on_started):
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from rich.console import Console, Group
-    from rich.live import Live
-    from rich.text import Text
+    # deferred: transformers, torch and the models (seconds of imports); the CLI imports every command to build
+    # its parser
+    from transformers.utils import logging as hf_logging
 
-    from tailspec.cli import config_from_args
     from tailspec.demo.services import place_workers
     from tailspec.tasks.policy import policy_meta, resolve_policy
 
     console = Console()
     cfg = config_from_args(args)
     opts = options_from_args(args)
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # the demo's own table is the progress display
     problem = _refused(opts, cfg)
     if problem:
@@ -176,7 +173,13 @@ def _demo(args: argparse.Namespace) -> int:
     for line in intro_lines(placement.note, policy_meta(path)):
         console.print(line, overflow="fold")
     opts.policy = str(path)
+    rows, demo = _run_live(console, opts, cfg)
+    _summary(console, demo, opts, rows)
+    return 0
 
+
+def _run_live(console: Console, opts, cfg) -> tuple[list, Any]:
+    """The demo run under the live step table and a status line below it; its rows and the demo."""
     table = step_table()
     status = {"text": "starting services…"}
 
@@ -209,8 +212,7 @@ def _demo(args: argparse.Namespace) -> int:
         status["text"] = "starting redis, the scheduler and the workers…"
         live.refresh()
         rows = demo.run(on_row=on_row, on_progress=on_progress)
-    _summary(console, demo, opts, rows)
-    return 0
+    return rows, demo
 
 
 def _refused(opts, cfg) -> str | None:
@@ -225,8 +227,6 @@ def _refused(opts, cfg) -> str | None:
 
 def _summary(console, demo, opts, rows) -> None:
     """The run's report file, its closing lines, and one JSON line on stdout for scripts."""
-    from tailspec.demo.report import write_report
-
     meta = {"mode": opts.mode, "policy": opts.policy, "workers": opts.workers, "placement": demo.placement.note,
             "prompts_per_step": opts.prompts_per_step,
             "group_size": opts.group_size, "dashboard": demo.dashboard_url,
