@@ -16,6 +16,7 @@ from tailspec.core.state import (
     DrafterVersion,
     Event,
     GpuState,
+    GuardStatus,
     LineageHead,
     PhaseInfo,
     SessionInfo,
@@ -97,6 +98,9 @@ class StateView(_View):
     drafter_health: list[DrafterHealth] = Field(
         default_factory=list, description="current drafter's acceptance on the newest samples beside its value "
         "at promotion, oldest first (recent ones)")
+    drafter_guard: list[GuardStatus] = Field(
+        default_factory=list, description="each rollout worker's latest drafter health-guard verdict, by worker; "
+        "a tripped one decodes without speculation until another version loads and is judged healthy")
     samples: SampleStreamView | None = None
     bad_payloads: int = Field(0, description="malformed state entries skipped while reading")
 

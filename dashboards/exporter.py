@@ -58,6 +58,8 @@ METRICS: dict[str, tuple[str, str]] = {
                                    "teacher + drafter + optimizer"),
     "tailspec_drafter_guard_trips": ("counter", "drafter health guard trips on the rollout workers (live acceptance "
                                      "below the floor after a drafter load or a policy-weight sync)"),
+    "tailspec_drafter_guard_speculation_off": ("gauge", "rollout workers whose latest drafter health-guard "
+                                               "verdict tripped: decoding without speculation there"),
     "tailspec_sessions": ("gauge", "session records by status"),
     "tailspec_session_stop_latency_seconds": ("histogram", "revocation → session stopped and GPU freed"),
     "tailspec_drafter_training_loss": ("gauge", "training loss of the latest session on each GPU"),
@@ -220,6 +222,9 @@ class StateCollector(Collector):
         share = _family("tailspec_reclaimed_share_ratio")
         share.add_metric([], c.reclaimed_share or 0.0)
         yield share
+        off = _family("tailspec_drafter_guard_speculation_off")
+        off.add_metric([], sum(g.tripped for g in view.drafter_guard))
+        yield off
 
     def _sessions(self, view, sessions) -> Iterable[Metric]:
         by_status = _family("tailspec_sessions", ["status"])

@@ -156,7 +156,8 @@ def _version_panels(L: Layout) -> None:
     L.panel("timeseries", "Latest candidate: paired gain lower bound", [("tailspec_drafter_promotion_gain_lcb", "bound")],
             w=12, desc="Promoted only when above 0 (one-sided paired t test).")
     L.panel("stat", "Drafter lineage", [("tailspec_lineage_steps", "steps"), ("tailspec_lineage_merges", "merges")], w=6)
-    L.panel("stat", "Drafter health guard trips", [("tailspec_drafter_guard_trips_total", "trips")], w=6,
+    L.panel("stat", "Drafter health guard", [("tailspec_drafter_guard_trips_total", "trips"),
+                                              ("tailspec_drafter_guard_speculation_off", "workers off now")], w=6,
             desc="A rollout worker's live acceptance fell below the floor after a drafter load or a policy-weight "
                  "sync: speculation is off there until a good version loads (event log: drafter_guard).")
     L.panel("stat", "Sample stream", [("tailspec_samples_stream_length", "entries"),

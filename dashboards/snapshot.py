@@ -21,6 +21,7 @@ from tailspec.core.state import (
     GpuState,
     GpuStatus,
     GpuTelemetry,
+    GuardStatus,
     LineageHead,
     PhaseInfo,
     RolloutStats,
@@ -190,6 +191,12 @@ class Reader:
     def events(self, limit: int = 30) -> list[Event]:
         return [e for _, e in reversed(self._stream("events", Event, count=limit, newest=True))]
 
+    def drafter_guard(self) -> list[GuardStatus]:
+        """Every rollout worker's latest health-guard verdict, by worker name."""
+        k = self.key("drafter_guard")
+        out = [g for _, raw in sorted(self.r.hgetall(k).items()) if (g := self._decode(GuardStatus, raw, k))]
+        return out
+
     def lineage(self) -> LineageHead | None:
         k = self.key("lineage_head")
         return self._decode(LineageHead, self.r.get(k), k)
@@ -263,6 +270,7 @@ def read_state(r: Any, cluster: str, sessions_limit: int | None = 50,
         events=rd.events(),
         lineage=rd.lineage(),
         drafter_health=rd.drafter_health(),
+        drafter_guard=rd.drafter_guard(),
         samples=rd.samples(),
         bad_payloads=rd.bad,
     )

@@ -163,6 +163,17 @@ def guarded(choose_k: ChooseK, guard: HealthGuard,
     return hook
 
 
+def record_verdict(redis, cluster: str, worker: str, verdict: Verdict, backend: str = "native") -> None:
+    """Publish `worker`'s latest verdict (the web dashboard's guard banner reads these: a tripped worker decodes
+    without speculation until a later verdict on another version says healthy) and count a trip."""
+    status = state.GuardStatus(worker=worker, backend=backend, tripped=verdict.tripped, version=verdict.version,
+                               event=verdict.event, live=verdict.live, validated=verdict.validated,
+                               steps=verdict.steps, reason=verdict.reason)
+    redis.hset(state.key(cluster, "drafter_guard"), worker, state.encode(status))
+    if verdict.tripped:
+        count_trip(redis, cluster)
+
+
 def count_trip(redis, cluster: str) -> None:
     """Count a tripped guard in the cluster's counters (`tailspec_drafter_guard_trips_total` on /metrics, the
     Grafana dashboard's guard panel), beside the `drafter_guard` event the rollout side records for every

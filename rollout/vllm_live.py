@@ -41,7 +41,7 @@ from typing import Any
 
 from tailspec.rollout.acceptance import AcceptanceTracker
 from tailspec.rollout.cost_model import CostModel, default_buckets, default_ks
-from tailspec.rollout.health_guard import GuardPolicy, HealthGuard, Verdict, chain_alpha, count_trip
+from tailspec.rollout.health_guard import GuardPolicy, HealthGuard, Verdict, chain_alpha, record_verdict
 from tailspec.rollout.selector import AdaptiveSelector
 from tailspec.rollout.strategy import StepRecord
 from tailspec.rollout.vllm_backend import (
@@ -295,11 +295,11 @@ class LiveVllm:
             log.info("%s: %s", self.worker, v.message())
             self.good_path = self.ro.drafter_path
         self._event("drafter_guard", asdict(v))
-        if v.tripped and self.redis is not None:
+        if self.redis is not None:
             try:  # best effort, as the event
-                count_trip(self.redis, self.cluster)
-            except Exception as e:  # noqa: BLE001 - a lost count must not fail the rollout
-                log.warning("guard trip not counted: %s", e)
+                record_verdict(self.redis, self.cluster, self.worker, v, backend="vllm")
+            except Exception as e:  # noqa: BLE001 - a lost status must not fail the rollout
+                log.warning("guard verdict not recorded: %s", e)
         if self.on_verdict is not None:
             self.on_verdict(v)
 

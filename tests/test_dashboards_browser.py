@@ -151,3 +151,41 @@ def test_page_matches_api_during_a_simulated_run(redis_client, redis_url, page_f
     finally:
         stop_sim.set()
         srv.stop()
+
+
+@pytest.mark.slow
+def test_guard_banner_names_the_workers_with_speculation_off(redis_client, redis_url, page_factory):
+    """Two workers' guards trip (what rollout/health_guard.record_verdict publishes): the banner names both and
+    the version; a healthy verdict on another version for one of them takes it off the banner; none left, gone."""
+    from tailspec.rollout.health_guard import Verdict, record_verdict
+
+    open_page, problems = page_factory
+    w = StateWriter(redis_client, cluster=CLUSTER)
+    w.populate()
+
+    def verdict(tripped: bool, version: int) -> Verdict:
+        return Verdict(tripped=tripped, version=version, event="policy_sync", live=1.01 if tripped else 2.4,
+                       validated=2.6, steps=16, reason="live 1.01 <= floor 1.05" if tripped else "")
+
+    srv = start_dashboard(redis_url, CLUSTER)
+    try:
+        page = open_page(srv.url + "/?refresh=250")
+        page.wait_for_function("() => Number(document.body.dataset.ticks) >= 1", timeout=20_000)
+        assert page.locator("#guard-banner").is_hidden()  # nothing tripped yet
+        record_verdict(redis_client, CLUSTER, "rollout-1", verdict(True, 7))
+        record_verdict(redis_client, CLUSTER, "rollout-0", verdict(True, 7))
+        record_verdict(redis_client, CLUSTER, "rollout-2", verdict(False, 7))
+        page.wait_for_function("() => document.getElementById('guard-banner').dataset.workers === "
+                               "'rollout-0,rollout-1'", timeout=10_000)
+        text = page.locator("#guard-banner").inner_text()
+        assert page.locator("#guard-banner").is_visible()
+        assert "speculation off on 2 rollout workers" in text and "v7 after policy_sync" in text, text
+        assert "rollout-2" not in text
+        record_verdict(redis_client, CLUSTER, "rollout-0", verdict(False, 8))  # a healthy version loaded there
+        page.wait_for_function("() => document.getElementById('guard-banner').dataset.workers === 'rollout-1'",
+                               timeout=10_000)
+        record_verdict(redis_client, CLUSTER, "rollout-1", verdict(False, 8))
+        page.wait_for_function("() => document.getElementById('guard-banner').hidden", timeout=10_000)
+        assert not problems, problems
+    finally:
+        srv.stop()

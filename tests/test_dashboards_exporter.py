@@ -85,11 +85,23 @@ def test_values_move_through_a_lending_cycle(redis_client, exporter):
     w.add("sessions_declined", 1)  # what the scheduler counts when a session's footprint did not fit
     assert scrape(exporter.url)[("tailspec_sessions_declined_total", ())] == 1.0
     assert m[("tailspec_drafter_guard_trips_total", ())] == 0.0
-    from tailspec.rollout.health_guard import count_trip
+    from tailspec.rollout.health_guard import Verdict, record_verdict
 
-    count_trip(redis_client, w.cluster)  # what a rollout worker counts when its drafter health guard trips
-    count_trip(redis_client, w.cluster)
-    assert scrape(exporter.url)[("tailspec_drafter_guard_trips_total", ())] == 2.0
+    def verdict(tripped: bool, version: int) -> Verdict:
+        return Verdict(tripped=tripped, version=version, event="policy_sync", live=1.0 if tripped else 2.4,
+                       validated=2.5, steps=16, reason="live 1.00 <= floor 1.05" if tripped else "")
+
+    # what rollout workers publish when their drafter health guard judges a window
+    record_verdict(redis_client, w.cluster, "w0", verdict(True, 3))
+    record_verdict(redis_client, w.cluster, "w1", verdict(True, 3))
+    record_verdict(redis_client, w.cluster, "w2", verdict(False, 3))
+    m = scrape(exporter.url)
+    assert m[("tailspec_drafter_guard_trips_total", ())] == 2.0
+    assert m[("tailspec_drafter_guard_speculation_off", ())] == 2.0
+    record_verdict(redis_client, w.cluster, "w0", verdict(False, 4))  # a good version loaded on w0
+    m = scrape(exporter.url)
+    assert m[("tailspec_drafter_guard_trips_total", ())] == 2.0  # a counter: trips stay counted
+    assert m[("tailspec_drafter_guard_speculation_off", ())] == 1.0
 
 
 def test_stop_latency_histogram_matches_an_independent_count(redis_client, exporter):

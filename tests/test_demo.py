@@ -408,6 +408,9 @@ def test_worker_health_guard_trips_on_a_broken_drafter_and_decodes_exactly(micro
         events = [state.decode(Event, f[b"data"]) for _, f in redis.Redis.from_url(redis_url).xrange(
             state.key("cfgtest", "events"))]
         assert any(e.kind == "drafter_guard" and e.detail["tripped"] and e.detail["version"] == 1 for e in events)
+        status = state.decode(state.GuardStatus, redis.Redis.from_url(redis_url).hget(
+            state.key("cfgtest", "drafter_guard"), w.name))  # what the dashboard's guard banner reads
+        assert status.tripped and status.version == 1 and status.event == "load" and status.worker == w.name
 
         synced = item.model_copy(update={"policy_version": 1})  # new weights, same drafter version
         res = w.run_item(synced)

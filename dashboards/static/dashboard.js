@@ -242,6 +242,22 @@
   }
 
   // ---- state → tables and cards -----------------------------------------------------------------
+  // Workers whose latest drafter health-guard verdict tripped decode without speculation (outputs stay exact,
+  // rollouts run slower) until another version loads and is judged healthy: say so above everything else.
+  function renderGuard(st) {
+    const off = (st.drafter_guard || []).filter((g) => g.tripped);
+    const banner = $("guard-banner");
+    banner.hidden = !off.length;
+    banner.dataset.workers = off.map((g) => g.worker).join(",");
+    if (!off.length) return;
+    banner.textContent = `Drafter health guard: speculation off on ${off.length} rollout worker` +
+      (off.length > 1 ? "s" : "") + " — " + off.map((g) =>
+        `${g.worker}: drafter ${g.version == null ? "" : "v" + g.version} after ${g.event}, ` +
+        `${fmtNum(g.live)} tokens/forward` + (g.validated == null ? "" : ` (validated ${fmtNum(g.validated)})`) +
+        `, ${fmtAgo(g.ts, st.now)}`).join("; ") +
+      ". Outputs stay exact; speculation comes back when a healthy version loads.";
+  }
+
   function renderState(st) {
     $("cluster").textContent = "cluster " + st.cluster;
     $("phase").textContent = st.phase
@@ -257,6 +273,7 @@
       hb.className = st.scheduler_heartbeat_age_s > 10 ? "pill bad" : "pill";
     }
 
+    renderGuard(st);
     const c = st.counters;
     $("idle-seconds").textContent = fmtGpuSeconds(c.idle_gpu_seconds);
     $("lent-seconds").textContent = fmtGpuSeconds(c.lent_gpu_seconds);

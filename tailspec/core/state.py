@@ -205,6 +205,22 @@ class DrafterHealth(_Payload):
     ts: float = Field(default_factory=time.time)
 
 
+class GuardStatus(_Payload):
+    """A rollout worker's latest drafter health-guard verdict (rollout/health_guard.py). While `tripped`,
+    speculation is off on that worker until another drafter version loads and is judged healthy."""
+
+    worker: str
+    backend: str = Field("native", description="native engine or vllm")
+    tripped: bool
+    version: int | None = Field(None, description="the drafter version judged")
+    event: str = Field(description="what armed the guard: load, reload, policy_sync, rollback")
+    live: float = Field(description="tokens per target forward over the window")
+    validated: float | None = Field(None, description="tokens per forward the validation predicts at the window's k")
+    steps: int = Field(ge=0, description="speculative decode steps in the window")
+    reason: str = ""
+    ts: float = Field(default_factory=time.time)
+
+
 class RolloutStats(_Payload):
     """Per-phase rollout figures a worker publishes (strategy mix, acceptance, speed)."""
 
@@ -292,6 +308,8 @@ KEYS: dict[str, KeySpec] = {
                 "per held-out sample key = 'CANDIDATE CURRENT ANCHORS' (resumed by the next session)"),
         KeySpec("drafter_health", "history:drafter_health", "stream", "drafter trainer / RL loop", DrafterHealth,
                 "current drafter's acceptance on the newest samples beside its value at promotion"),
+        KeySpec("drafter_guard", "drafter:guard", "hash", "rollout worker", GuardStatus,
+                "each rollout worker's latest health-guard verdict: field = worker name"),
         KeySpec("lineage_head", "lineage:head", "string", "drafter trainer (lineage)", LineageHead,
                 "head of the drafter lineage; replaced only by a fenced compare-and-swap merge"),
         KeySpec("lineage_contributions", "lineage:contributions", "hash", "drafter trainer (lineage)", None,
@@ -300,7 +318,7 @@ KEYS: dict[str, KeySpec] = {
                 "per-phase rollout figures, field 'data'"),
         KeySpec("counters", "counters", "hash", "scheduler", None,
                 "float counters: idle_gpu_seconds, lent_gpu_seconds, sessions_started, sessions_stopped, "
-                "sessions_preempted, sessions_declined"),
+                "sessions_preempted, sessions_declined, drafter_guard_trips"),
         KeySpec("events", "history:events", "stream", "any", Event, "capped event log, field 'data'"),
         KeySpec("scheduler_heartbeat", "scheduler:heartbeat", "string", "scheduler (leader)", None,
                 "time.time() of the leading scheduler's last loop, PX-expiring; written with the leader key's "

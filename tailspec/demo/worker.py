@@ -275,7 +275,7 @@ class Worker:
         from dataclasses import asdict
 
         from tailspec.core.state import Event
-        from tailspec.rollout.health_guard import count_trip
+        from tailspec.rollout.health_guard import record_verdict
 
         d = asdict(v)
         self.verdicts.append(d)
@@ -284,8 +284,7 @@ class Worker:
         try:  # best effort: the dashboards' event log; the verdict also travels with the work result
             state.append(self.r, state.key(self.cluster, "events"),
                          Event(kind="drafter_guard", detail={"worker": self.name, **d}))
-            if v.tripped:
-                count_trip(self.r, self.cluster)
+            record_verdict(self.r, self.cluster, self.name, v)
         except Exception as e:  # noqa: BLE001 - a lost event must not fail the rollout
             log.warning("drafter_guard event not recorded: %s", e)
 
