@@ -207,3 +207,26 @@ def test_schedule_refreshed_from_the_cost_model_after_a_load_and_a_batch_mix_cha
         assert len(live.refreshes) == n + 1 and live.refreshes[-1]["reason"] == "batch_mix"
     finally:
         live.ro.close()
+
+
+def test_engine_core_in_its_own_process_rolls_back_to_the_last_healthy_drafter(redis_url, tmp_path):
+    """vLLM's default engine core runs in its own process, where the k schedule cannot be changed at run time:
+    a tripped guard then reloads the last drafter it found healthy before the next call (speculation on, the
+    good drafter's acceptance), outputs exact throughout. Run in a process of its own: the multiprocess engine
+    must not meet the in-process ones of this module."""
+    import json
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, str(here / "vllm_rollback_run.py"), redis_url, str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, cwd=here.parent,
+                          env={**__import__("os").environ, "PYTHONPATH": str(here)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["healthy_first"] and out["schedule_settable"] is False, out
+    assert out["tripped"] == {"tripped": True, "version": 2, "event": "reload"}, out
+    assert out["drafter_after_trip"] == out["bad"] and out["drafter_after_rollback"] == out["good"], out
+    assert out["rollback_loads"] == ["reload", "rollback"], out
+    assert out["acceptance"]["after_rollback"] > 2.0 > out["acceptance"]["tripped_call"], out
+    assert out["tokens_equal"] and out["guard_status_tripped"] is False, out  # healthy again after the rollback
