@@ -1,0 +1,246 @@
+"""The driver side of tailspec attached to verl: phase calls, the policy the teacher loads, drafter reloads into
+every vLLM replica, and the batch's samples. `tailspec.integrations.verl.TailspecAgentLoopManager` calls
+`before_rollout` and `after_rollout` around each training batch's generation; this module needs no verl
+import (it reads verl's output batch by its documented keys), so its logic runs anywhere.
+
+- **Policy for the teacher.** verl's actor weights live sharded in its training workers; verl itself writes a
+  whole HF directory (`<trainer.default_local_dir>/global_step_<M>/actor/huggingface`) at every checkpoint
+  whose `actor.checkpoint.save_contents` includes `hf_model`. Before each batch the newest such directory not
+  yet published is published as policy version M (`PolicyPublisher`: temp dir, fsync, rename; files are
+  hard-linked where the filesystem allows, so verl's checkpoint rotation cannot pull them from under a
+  session); before the first checkpoint, the base model (`actor_rollout_ref.model.path`) is version 0. The
+  teacher therefore lags the actor by up to `trainer.save_freq` steps.
+- **Drafter reload.** `LiveVllm` (rollout.vllm_live) is the promotion watcher, over `VerlReplicas`: a
+  promoted version is exported once (`export_version`), checked against the live drafter, and loaded into every
+  replica through tailspec's vLLM worker extension (`collective_rpc("tailspec_reload_drafter")` on verl's
+  server actor), then each replica's prefix cache is reset — before the batch's first request, never during
+  one. verl's engine core runs in its own process, so the k schedule stays as started.
+- **Phases.** "rollout" with the generating policy version (step − 1: verl's step N generates with the weights
+  of N − 1 updates) and the newest published policy; when the batch is back, "train", then `wait_reclaimed`
+  before verl's next GPU work (log-probs, the actor update).
+- **Samples.** With agent-loop rewards (`rm_scores` in the batch: verl's streaming reward loop), each
+  trajectory's prompt and response ids (attention mask) and summed reward go to the sample stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from tailspec.core import state
+from tailspec.core.state import DrafterVersion
+from tailspec.integrations.policy import PolicyPublisher
+from tailspec.integrations.verl_config import VerlSettings
+from tailspec.integrations.vllm import export_version
+from tailspec.rollout.vllm_checks import (
+    DrafterMismatch,
+    DrafterSpec,
+    aux_layer_ids,
+    eagle3_problems,
+    read_json,
+    safetensors_shapes,
+)
+from tailspec.rollout.vllm_live import LiveVllm
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+RemoteCall = Callable[[list[Any]], list[Any]]  # waits for a list of Ray object refs (ray.get)
+
+
+def check_reloadable(policy_dir: Path, live: Path, new: Path) -> None:
+    """The checks VllmRollout makes before a reload: the new export fits the target, has the live drafter's
+    aux layers and exactly its tensors (`t2d` aside: vLLM has none). DrafterMismatch names what differs."""
+    problems = eagle3_problems(read_json(policy_dir, "policy"), new)
+    if problems:
+        raise DrafterMismatch(f"drafter {new} does not fit target {policy_dir}: " + "; ".join(problems))
+    if aux_layer_ids(read_json(live, "drafter")) != aux_layer_ids(read_json(new, "drafter")):
+        raise DrafterMismatch(f"aux layer ids of {new} differ from the live drafter's ({live})")
+    old = {k: v for k, v in safetensors_shapes(live).items() if k != "t2d"}
+    cur = {k: v for k, v in safetensors_shapes(new).items() if k != "t2d"}
+    if old != cur:
+        raise DrafterMismatch(f"drafter {new} has other tensors than the live one ({live}): "
+                              f"{sorted(set(old.items()) ^ set(cur.items()))[:6]}")
+
+
+class VerlReplicas:
+    """verl's vLLM server replicas in the shape `LiveVllm` drives (`spec`, `k_max`, `reload_drafter`,
+    `set_schedule`): every call goes to every replica's server actor."""
+
+    def __init__(self, servers: Callable[[], dict[str, Any]], call: RemoteCall, policy_dir: str | Path,
+                 drafter_path: str | Path, k: int, max_num_seqs: int):
+        self.servers, self.call = servers, call
+        self.policy_dir, self.drafter_path = Path(policy_dir), Path(drafter_path)
+        self.spec = DrafterSpec("eagle3", self.drafter_path, k=k)
+        self.max_num_seqs = max_num_seqs
+        self.schedule = None
+        self.reloads = 0
+
+    @property
+    def k_max(self) -> int:
+        return int(self.spec.k)
+
+    def reload_drafter(self, path: str | Path) -> dict:
+        path = Path(path)
+        check_reloadable(self.policy_dir, self.drafter_path, path)
+        t0 = time.perf_counter()
+        handles = list(self.servers().values())
+        self.call([h.collective_rpc.remote("tailspec_reload_drafter", args=(str(path),)) for h in handles])
+        self.call([h.clear_kv_cache.remote() for h in handles])  # no prefix state of the old drafter is reused
+        self.drafter_path = path
+        self.reloads += 1
+        return {"replicas": len(handles), "total_seconds": time.perf_counter() - t0}
+
+    def set_schedule(self, schedule: Any) -> bool:
+        return False  # verl's engine core runs in the server's own process: the schedule stays as started
+
+
+@dataclass
+class VerlStats:
+    """What the attachment did, for tests and logs (wall-clock times, time.time())."""
+
+    waits: list[dict] = field(default_factory=list)
+    published: list[int] = field(default_factory=list)
+    samples: int = 0
+    samples_dropped: int = 0
+    loads: list[dict] = field(default_factory=list)  # per batch: the balancer's per-replica counts
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or links refused
+        shutil.copy2(src, dst)
+
+
+def copy_tree(src: Path) -> Callable[[Path], None]:
+    def write(tmp: Path) -> None:
+        for f in sorted(src.rglob("*")):
+            target = tmp / f.relative_to(src)
+            if f.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _link_or_copy(f, target)
+    return write
+
+
+def newest_hf_checkpoint(root: str | Path) -> tuple[int, Path] | None:
+    """verl's newest `global_step_<M>/actor/huggingface` with a config.json under `root`, or None."""
+    root = Path(root)
+    best = None
+    if root.is_dir():
+        for d in root.iterdir():
+            m = _STEP_DIR.match(d.name)
+            hf = d / "actor" / "huggingface"
+            if m and (hf / "config.json").is_file() and (best is None or int(m.group(1)) > best[0]):
+                best = (int(m.group(1)), hf)
+    return best
+
+
+class VerlAttach:
+    """The tailspec side of verl's driver (module doc). `balancer` is the load balancer actor's handle (None:
+    no per-replica progress, no reload targets); `call` waits for Ray object refs."""
+
+    def __init__(self, settings: VerlSettings, client: Any, *, model_dir: str | Path, checkpoint_root: str | Path,
+                 balancer: Any = None, call: RemoteCall | None = None, max_num_seqs: int = 256):
+        self.settings, self.client, self.balancer = settings, client, balancer
+        self.call = call or _ray_get
+        self.model_dir, self.checkpoint_root = Path(model_dir), Path(checkpoint_root)
+        self.publisher = PolicyPublisher(settings.policy_root) if settings.policy_root else None
+        self.stats = VerlStats()
+        self.live: LiveVllm | None = None
+        if settings.drafter_path is not None and balancer is not None:
+            replicas = VerlReplicas(self._servers, self.call, self.model_dir, settings.drafter_path,
+                                    settings.drafter_k, max_num_seqs)
+            self.live = LiveVllm(replicas, redis=client.r, cluster=settings.cluster, prepare=export_version,
+                                 version=self._started_version(), worker=settings.worker_prefix)
+
+    def _started_version(self) -> DrafterVersion | None:
+        """The promoted record the replicas were started with, so the first poll does not reload it again."""
+        v = self.settings.drafter_version
+        if v is None:
+            return None
+        cur = state.get(self.client.r, state.key(self.settings.cluster, "drafter_current"), DrafterVersion)
+        return cur if cur is not None and cur.version == v else None
+
+    def _servers(self) -> dict[str, Any]:
+        return self.call([self.balancer.tailspec_servers.remote()])[0]
+
+    def _balancer(self, method: str, *args: Any) -> Any:
+        if self.balancer is None:
+            return None
+        return self.call([getattr(self.balancer, method).remote(*args)])[0]
+
+    # -- the policy the teacher loads ------------------------------------------------------------------
+    def publish_policy(self) -> tuple[int, Path] | None:
+        """Publish verl's newest HF checkpoint if it is newer than the last published one (the base model
+        before any); returns the latest published (version, path)."""
+        if self.publisher is None:
+            return None
+        latest = self.publisher.latest()
+        found = newest_hf_checkpoint(self.checkpoint_root)
+        if found is not None and (latest is None or found[0] > latest[0]):
+            self.publisher.publish(found[0], copy_tree(found[1]))
+            self.stats.published.append(found[0])
+        elif latest is None and (self.model_dir / "config.json").is_file():
+            self.publisher.publish(0, copy_tree(self.model_dir))
+            self.stats.published.append(0)
+        return self.publisher.latest()
+
+    # -- around one batch's generation ------------------------------------------------------------------
+    def before_rollout(self, step: int) -> None:
+        latest = self.publish_policy()
+        if self.live is not None:
+            self.live.poll()  # replicas are idle: between two generation calls
+        self.client.set_phase("rollout", step, policy_version=max(step - 1, 0),
+                              policy_path=str(latest[1]) if latest else None)
+        self._balancer("tailspec_begin", step)
+
+    def after_rollout(self, step: int, out: Any) -> None:
+        loads = self._balancer("tailspec_end")
+        if loads is not None:
+            self.stats.loads.append(loads)
+        self.client.set_phase("train", step, policy_version=max(step - 1, 0))
+        w = self.client.wait_reclaimed(timeout_s=self.settings.reclaim_timeout_s)
+        self.stats.waits.append({"step": step, "waited_s": w.waited_s, "reclaimed": w.reclaimed,
+                                 "held": list(w.held), "error": w.error, "returned_at": time.time()})
+        if self.settings.submit_samples:
+            self.submit(out, max(step - 1, 0))
+
+    def submit(self, out: Any, policy_version: int) -> int:
+        """The batch's trajectories with their agent-loop rewards; without `rm_scores` (rewards computed
+        after the batch, e.g. by a reward model on its own pool) nothing is submitted."""
+        batch = out.batch
+        if "rm_scores" not in batch.keys():  # noqa: SIM118 - TensorDict refuses `in` on itself
+            return 0
+        prompts, responses, mask = batch["prompts"], batch["responses"], batch["attention_mask"].bool()
+        rewards = batch["rm_scores"].sum(dim=-1)
+        plen = prompts.shape[1]
+        samples = []
+        for i in range(prompts.shape[0]):
+            r = float(rewards[i])
+            if math.isnan(r):  # no reward to learn from
+                self.stats.samples_dropped += 1
+                continue
+            samples.append({"prompt_ids": prompts[i][mask[i, :plen]].tolist(),
+                            "response_ids": responses[i][mask[i, plen:]].tolist(),
+                            "reward": r, "policy_version": policy_version})
+        accepted = self.client.submit_samples(samples) if samples else 0
+        self.stats.samples += accepted
+        self.stats.samples_dropped += len(samples) - accepted
+        return accepted
+
+
+def _ray_get(refs: list[Any]) -> list[Any]:
+    return ray.get(refs)
