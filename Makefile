@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test install install-test redis browser clean bench vllm-env test-vllm test-deepspeed test-faults
+.PHONY: demo test install install-test redis browser clean bench vllm-env test-vllm test-deepspeed test-faults test-verl
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -84,3 +84,14 @@ test-vllm: vllm-env redis
 test-deepspeed: install-test
 	$(BIN)/pip install -q -e '.[dev,deepspeed]'
 	$(BIN)/python -m pytest -q tests/test_trainer_deepspeed.py
+
+# The verl adapter's tests (tests/test_integration_verl.py, marked `verl`; ~3 min on 2 cores, each Ray actor
+# imports verl). verl 0.9.1 goes in without its dependencies: they would replace transformers 5.24 with 5.10
+# and pull wandb / tensorboard; these are the ones its imported modules need (torch stays as pinned).
+VERL_DEPS := verl==0.9.1 tensordict==0.10.0 omegaconf==2.3.0 hydra-core==1.3.8 antlr4-python3-runtime==4.9.3 \
+	codetiming==1.4.0 cachetools==8.0.2 pyvers==0.2.3 orjson==3.13.0 cloudpickle==3.1.3 importlib_metadata==10.2.0 \
+	zipp==4.1.2 uvicorn==0.54.0 fastapi==0.115.12 starlette==0.46.2
+
+test-verl: install-test redis
+	$(BIN)/pip install -q --no-deps $(VERL_DEPS)
+	$(BIN)/python -m pytest -q -m verl tests/test_integration_verl.py

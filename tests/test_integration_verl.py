@@ -290,3 +290,28 @@ def test_attach_without_balancer_still_sets_phases(redis_url, redis_client, tmp_
     assert (phase.phase, phase.step, phase.policy_version) == ("rollout", 4, 3)
     assert phase.policy_path == str(tmp_path / "policy" / "policy-v00000000")
     client.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_verl_gpu_worker_extension_in_a_real_vllm_engine():
+    """GPU only, never run on the CPU machine this was written on (verl's extension module imports vLLM, and
+    verl drives vLLM on CUDA): the combined worker extension inside a real vLLM engine started with the
+    adapter's speculative_config. verl's policy sync leaves the EAGLE-3 drafter alone, and tailspec's reload
+    through the same class changes the drafter's weights while greedy outputs stay identical."""
+    from tailspec.rollout.vllm_backend import DrafterSpec, VllmRollout, greedy
+    from vllm_helpers import drafters, prompts, tiny
+
+    d = drafters()
+    assert vc.drafter_speculative_config(d["untrained"], tiny(), 3)["method"] == "eagle3"
+    ro = VllmRollout(tiny(), DrafterSpec("eagle3", d["untrained"], k=3), max_model_len=256, max_num_seqs=8,
+                     worker_extension_cls=vc.WORKER_EXTENSION)
+    try:
+        assert ro.llm.collective_rpc("_use_mtp_drafter_weight_sync") == [False]  # verl's method, same worker
+        before, digest = ro.generate(prompts(), greedy(32)), ro.drafter_digest()
+        ro.reload_drafter(d["trained"])
+        after = ro.generate(prompts(), greedy(32))
+        assert ro.drafter_digest()["sha256"] != digest["sha256"]
+        assert [c.token_ids for c in before.completions] == [c.token_ids for c in after.completions]
+    finally:
+        ro.close()
