@@ -31,6 +31,7 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import redis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tailspec.core.config import ConfigError
@@ -352,8 +353,6 @@ def serve(app: App, host: str = "127.0.0.1", port: int = 0, allow_remote: bool =
 
 
 def redis_client(url: str) -> Any:
-    import redis
-
     return redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
 
 

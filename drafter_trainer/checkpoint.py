@@ -28,7 +28,7 @@ from tailspec.drafter_trainer.files import (
     read_json_object,
     read_tensors,
 )
-from tailspec.drafter_trainer.model import Eagle3Module
+from tailspec.drafter_trainer.model import CONFIG_NAME, WEIGHTS_NAME, Eagle3Module
 
 from tailspec.core.atomic import write_dir_atomic, write_text_atomic
 
@@ -86,8 +86,6 @@ def write_checkpoint_dir(path: str | Path, drafter: Eagle3Module, optimizer_stat
     meta = {"format_version": 1, "config": drafter.config.to_dict(), "extra": {}}
 
     def write(tmp: Path) -> None:
-        from tailspec.drafter_trainer.model import CONFIG_NAME, WEIGHTS_NAME
-
         save_file(tensors, str(tmp / WEIGHTS_NAME))
         meta["weights_crc32"] = file_crc32(tmp / WEIGHTS_NAME)
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2))

@@ -62,6 +62,7 @@ class DeepSpeedBackend:
     name = "deepspeed"
 
     def __init__(self, drafter: torch.nn.Module, params: list[torch.nn.Parameter], cfg: TrainerConfig):
+        # deferred: DeepSpeed, an optional extra (seconds to import); only trainer.backend=deepspeed needs it
         try:
             import deepspeed
         except ImportError as e:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tailspec.drafter_trainer.files import (
     DrafterFileError,
@@ -180,8 +181,6 @@ def load_export(path: str | Path, target_embedding: nn.Module | None = None) -> 
 
 
 def _tensor_names(f: Path) -> list[str]:
-    from safetensors import SafetensorError, safe_open
-
     try:
         with safe_open(str(f), framework="pt") as h:
             return list(h.keys())

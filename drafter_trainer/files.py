@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 
 class DrafterFileError(ValueError):
@@ -82,8 +83,6 @@ def read_tensors(path: str | Path, device: str | torch.device = "cpu", crc: Any 
     """The tensors of a safetensors file, checked: its CRC-32 (when recorded), its header, and with `expect`
     (name → (shape, dtype)) exactly those names and shapes, dtypes of the same kind (any float for a float,
     else equal); every floating tensor finite."""
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
     if not path.is_file():
         raise DrafterFileError(f"{path}: missing")

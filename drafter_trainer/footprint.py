@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
 
 from tailspec.core.config import TrainerConfig
 
@@ -76,8 +77,6 @@ def checkpoint_params(policy_dir: str | Path) -> int:
 
 def drafter_trainable_params(target_config, cfg: TrainerConfig) -> int:
     """Trainable parameters of the EAGLE-3 drafter this config would build for the target (meta device)."""
-    from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
-
     dcfg = Eagle3Config.from_target(target_config, draft_vocab_size=cfg.draft_vocab_size)
     with torch.device("meta"):
         d = Eagle3Module(dcfg)
@@ -87,6 +86,8 @@ def drafter_trainable_params(target_config, cfg: TrainerConfig) -> int:
 def session_footprint(policy_dir: str | Path, cfg: TrainerConfig, dtype: torch.dtype = torch.float32,
                       margin: float = 0.2) -> Footprint:
     """The GPU memory a session distilling from `policy_dir` with trainer config `cfg` needs (see module doc)."""
+    # deferred: transformers (seconds to import); the drafter_trainer modules load without it, and only
+    # reading the policy's config needs it
     from transformers import AutoConfig
 
     tc = AutoConfig.from_pretrained(str(policy_dir))

@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 from tailspec.drafter_trainer.checkpoint import load_latest, save_checkpoint
+from tailspec.drafter_trainer.deepspeed_backend import DeepSpeedBackend
 from tailspec.drafter_trainer.lineage import DUPLICATE, FENCED, Lineage, MergeResult, snapshot
 from tailspec.drafter_trainer.loss import StopRequested, step_token_counts, ttt_loss
 from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module, vocab_maps_from_counts
@@ -99,8 +100,6 @@ def make_backend(params: list[torch.nn.Parameter], drafter: Eagle3Module, cfg: T
     if cfg.backend == "torch":
         return TorchBackend(params, cfg)
     if cfg.backend == "deepspeed":
-        from tailspec.drafter_trainer.deepspeed_backend import DeepSpeedBackend
-
         return DeepSpeedBackend(drafter, params, cfg)
     raise ValueError(f"trainer.backend {cfg.backend!r} is not one of torch, deepspeed")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from tailspec.drafter_trainer.model import capture_aux
+from tailspec.drafter_trainer.model import capture_aux, default_aux_layer_ids
 from torch import nn
 
 from tailspec.core.state import Sample
@@ -74,7 +74,8 @@ class Teacher:
     @classmethod
     def from_dir(cls, path: str | Path, aux_layer_ids: Sequence[int] | None = None, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, policy_version: int = 0) -> "Teacher":
-        from tailspec.drafter_trainer.model import default_aux_layer_ids
+        # deferred: transformers (seconds to import); session, validation and versions import this module,
+        # and only loading a teacher from a directory needs it
         from transformers import AutoModelForCausalLM
 
         path = Path(path)

@@ -21,6 +21,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tailspec.rollout.sequence import SamplingParams
+
 
 def default_buckets(max_batch: int) -> list[int]:
     """Batch buckets: 1, 2, 4, 8, then every 8 up to 32, then every 16 (nano-vllm / TLT capture lists)."""
@@ -263,8 +265,6 @@ class _Feed:
 
     def top_up(self, b: int) -> None:
         """Queue requests until `b` are running or waiting."""
-        from tailspec.rollout.sequence import SamplingParams
-
         eng = self.engine
         while eng.slots.n + len(eng.waiting) < b:
             p = self.prompts[self.admitted % len(self.prompts)]
@@ -276,6 +276,7 @@ class _Feed:
 def _time_bucket(engine, feed: _Feed, b: int, ks: list[int], n_steps: int, settle: int, block: int,
                  on_step) -> dict[int, list[float]]:
     """Step seconds per k at batch b: the strategies take turns, `settle` untimed then `block` timed steps each."""
+    # deferred: a cycle (tailspec.rollout.selector imports this module)
     from tailspec.rollout.selector import fixed_selector
 
     times: dict[int, list[float]] = {k: [] for k in ks}

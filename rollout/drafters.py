@@ -22,7 +22,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tailspec.rollout.model_runner import ModelRunner, qkv_rope_tables, rope, signed_sin, unit_rms_norm
+from tailspec.rollout.model_runner import (
+    ModelRunner,
+    check_supported,
+    qkv_rope_tables,
+    rope,
+    signed_sin,
+    unit_rms_norm,
+)
 from tailspec.rollout.sampling import DRAFT, process, sample, uniforms
 from tailspec.rollout.slots import Batch
 
@@ -122,8 +129,6 @@ class DraftModelProposer(Proposer):
         self.lag = 1
 
     def check_fits(self, target_config: Any) -> None:
-        from tailspec.rollout.model_runner import check_supported
-
         problems = []
         if int(self.model.config.vocab_size) != int(target_config.vocab_size):
             problems.append(f"vocab_size: draft model {self.model.config.vocab_size}, target {target_config.vocab_size}")

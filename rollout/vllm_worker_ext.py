@@ -14,6 +14,9 @@ import hashlib
 import os
 import time
 
+import torch
+from safetensors.torch import load_file
+
 # Tensors of an exported drafter that a reload never writes: `t2d` is not a vLLM parameter, and the token
 # embedding is the target's (vLLM shares the module when the drafter ships none or an identical copy).
 _SKIP_ALWAYS = ("t2d", "embed_tokens")
@@ -28,8 +31,6 @@ def _weights_file(path: str) -> str:
 
 def _digest(module) -> dict:
     """sha256 over every parameter and buffer (name, dtype, shape, bytes) of `module`."""
-    import torch
-
     h = hashlib.sha256()
     n = nonempty = 0
     for name, t in sorted(list(module.named_parameters()) + list(module.named_buffers()), key=lambda x: x[0]):
@@ -55,8 +56,8 @@ class TailspecWorkerExtension:
         """Load drafter weights from `path` (a directory with model.safetensors, or the file) into the live
         draft model, in place. The target's modules are never written: tensors of modules the drafter shares
         with the target (embedding; lm_head when the export shipped none) are refused or skipped."""
-        import torch
-        from safetensors.torch import load_file
+        # deferred: vLLM (an optional extra, seconds to import): loaded already in the vLLM worker this runs
+        # in, and the module stays importable without it
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
