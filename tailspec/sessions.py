@@ -18,22 +18,26 @@ from __future__ import annotations
 
 import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tailspec.core import state
 from tailspec.core.atomic import write_text_atomic
 from tailspec.core.config import TailspecConfig
 from tailspec.core.state import DrafterVersion, PhaseInfo
+from tailspec.drafter_trainer.footprint import GIB, session_footprint
 from tailspec.drafter_trainer.lineage import Fence, Lineage
 from tailspec.drafter_trainer.loss import StopRequested
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
 from tailspec.drafter_trainer.session import SessionResult, TrainingSession
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.drafter_trainer.versions import VersionStore
+from tailspec.scheduler.telemetry import free_memory
 
 log = logging.getLogger(__name__)
 PROPOSED = "PROPOSED_HEAD"
@@ -164,10 +168,6 @@ def warm_up() -> None:
     """Run once in a pre-started session process (scheduler.warm_sessions): the first `from_pretrained` in a
     process pays seconds of lazy imports and set-up (3.3 s vs 0.03 s for the tiny policy on a CPU), which
     would otherwise come out of the lent GPU's time."""
-    import tempfile
-
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     cfg = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1)
     with tempfile.TemporaryDirectory(prefix="tailspec-warm-") as tmp:
@@ -181,9 +181,6 @@ def fits(ctx: Any, cfg: TailspecConfig, policy_path: str, dtype: torch.dtype) ->
     simulation on simulated GPUs). When it does not fit the session declines: lease released, reason and
     figures in its record, nothing touched. Unknown free memory (no NVML, no telemetry) is not a reason to
     decline; the figure is recorded as absent."""
-    from tailspec.drafter_trainer.footprint import GIB, session_footprint
-    from tailspec.scheduler.telemetry import free_memory
-
     need = session_footprint(policy_path, cfg.trainer, dtype)
     free, source = free_memory(ctx.redis, cfg.cluster.name, ctx.node, ctx.gpu,
                                simulated_mem=int(cfg.scheduler.simulated_gpu_mem_gib * GIB))

@@ -12,6 +12,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rich.live import Live
+from rich.table import Table
+
 from tailspec.core.state import PhaseInfo, SchedulerLeader
 from tailspec.dashboards.snapshot import Reader
 
@@ -151,8 +154,6 @@ _STATE_STYLE = {
 
 
 def render_rich(snap: Snapshot, cluster: str) -> Any:
-    from rich.table import Table
-
     title = f"tailspec top — {cluster}" + (" — [bold red]SIMULATED telemetry[/]" if snap.simulated else "")
     t = Table(title=title, caption=" | ".join(_header(snap, cluster)[1:]))
     for col in ["GPU", "STATE", "UTIL%", "MEM GiB", "POWER W", "WORKER", "LEASE", "SESSION", "STEP", "LOSS"]:
@@ -169,8 +170,6 @@ def run_top(r: Any, cluster: str, interval_s: float = 0.5, once: bool = False) -
     if once:
         print(render_text(gather(r, cluster), cluster))
         return
-    from rich.live import Live
-
     with Live(
         render_rich(gather(r, cluster), cluster), refresh_per_second=max(1, int(1 / interval_s))
     ) as live:

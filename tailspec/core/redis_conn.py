@@ -22,6 +22,8 @@ from tailspec.core.config import ConfigError
 def connect(url: str, *, timeout_s: float | None = None, outage_s: float = 15.0) -> Any:
     """A redis.Redis for `url` whose commands are retried through an outage of up to ~`outage_s` seconds.
     `timeout_s` bounds each socket operation (None: blocking commands may wait as long as they ask)."""
+    # deferred: redis (0.2 s to import); the CLI imports this module to build its parser (the scheduler
+    # command's Redis checks), and only connecting needs it
     import redis
     from redis.backoff import ExponentialBackoff
     from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
@@ -53,6 +55,7 @@ def redact(url: str) -> str:
 def explain(e: BaseException, url: str) -> str | None:
     """A plain sentence for a Redis error that retrying cannot fix (a password, a permission, TLS), naming
     the URL (password redacted) and what to change; None for anything else (an outage, a timeout)."""
+    # deferred: redis (0.2 s to import); the CLI imports this module to build its parser
     from redis.exceptions import AuthenticationError, AuthorizationError
 
     msg = str(e)

@@ -15,8 +15,24 @@ import tempfile
 import time
 from pathlib import Path
 
+from safetensors.torch import load_file, save_file
+
+from tailspec.core import state
 from tailspec.core.config import TailspecConfig
-from tailspec.core.state import Sample
+from tailspec.core.state import DrafterVersion, Sample
+from tailspec.drafter_trainer.checkpoint import flatten_optimizer_state, unflatten_optimizer_state
+from tailspec.drafter_trainer.lineage import Lineage
+from tailspec.drafter_trainer.model import CONFIG_NAME, Eagle3Module
+from tailspec.drafter_trainer.samples import fill_buffer
+from tailspec.drafter_trainer.session import TrainingSession
+from tailspec.drafter_trainer.teacher import Teacher
+from tailspec.drafter_trainer.versions import VersionStore
+from tailspec.rollout.engine import Engine
+from tailspec.rollout.sequence import SamplingParams
+from tailspec.sessions import make_buffer
+from tailspec.tasks.policy import load_policy
+from tailspec.tasks.runsum import grade, sample_problems
+from tailspec.tasks.tokenizer import decode_response, encode_prompt
 
 log = logging.getLogger("tailspec.demo")
 SAMPLES = "bootstrap_samples.jsonl"
@@ -27,10 +43,6 @@ OPTIMIZER_META = "bootstrap_optimizer.json"
 
 def load_optimizer(drafter_path: str | Path) -> dict | None:
     """The bootstrap run's optimizer state (torch state_dict), or None for a drafter saved without one."""
-    from safetensors.torch import load_file
-
-    from tailspec.drafter_trainer.checkpoint import unflatten_optimizer_state
-
     d = Path(drafter_path)
     if not (d / OPTIMIZER).is_file() or not (d / OPTIMIZER_META).is_file():
         return None
@@ -46,12 +58,6 @@ def load_samples(drafter_path: str | Path) -> list[Sample]:
 
 def rollout_samples(policy_dir: str | Path, cfg: TailspecConfig, n: int, seed: int, max_seq_len: int = 640) -> list[Sample]:
     """`n` graded rollouts of the policy at temperature 1 (native engine, plain decoding)."""
-    from tailspec.rollout.engine import Engine
-    from tailspec.rollout.sequence import SamplingParams
-    from tailspec.tasks.policy import load_policy
-    from tailspec.tasks.runsum import grade, sample_problems
-    from tailspec.tasks.tokenizer import decode_response, encode_prompt
-
     model, tok = load_policy(policy_dir)
     problems = sample_problems(n, cfg.task, seed=seed + 77_777)  # disjoint from the RL steps' seeds
     prompts = [encode_prompt(tok, p.prompt) for p in problems]
@@ -80,16 +86,8 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
     """Path of the first drafter (the project's checkpoint format), trained on first use and cached: for
     `seconds`, or for `steps` optimizer steps (then `seconds` is only a cap) — a step budget gives the same
     drafter on a busy machine as on a quiet one."""
-    from tailspec.drafter_trainer.model import Eagle3Module
-    from tailspec.drafter_trainer.samples import fill_buffer
-    from tailspec.drafter_trainer.session import TrainingSession
-    from tailspec.drafter_trainer.teacher import Teacher
-    from tailspec.sessions import make_buffer
-
     policy_dir = Path(policy_dir)
     out = Path(cfg.cache_dir) / "drafters" / f"{policy_dir.name}-{_key(policy_dir, cfg, n, seconds, seed, steps)}"
-    from tailspec.drafter_trainer.model import CONFIG_NAME
-
     if (out / CONFIG_NAME).is_file() and (out / SAMPLES).is_file():
         return str(out)
     t0 = time.time()
@@ -108,10 +106,6 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
         # Its AdamW moments travel with it: the lineage's first head carries them, so the first sessions
         # continue the offline run's optimizer instead of starting Adam afresh, whose first steps move every
         # weight by about the full lr (measured: 10 such steps at lr 3e-4 cost 0.10 of acceptance length).
-        from safetensors.torch import save_file
-
-        from tailspec.drafter_trainer.checkpoint import flatten_optimizer_state
-
         if session.backend.name == "torch":
             tensors, meta = flatten_optimizer_state(session.backend.state_dict())
             save_file(tensors, str(out / OPTIMIZER))
@@ -127,12 +121,6 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
 
 def seed_store(drafter_path: str, cfg: TailspecConfig, redis) -> None:
     """Make the bootstrap drafter version 1 of the run (promoted) and the lineage's first head."""
-    from tailspec.core import state
-    from tailspec.core.state import DrafterVersion
-    from tailspec.drafter_trainer.lineage import Lineage
-    from tailspec.drafter_trainer.model import Eagle3Module
-    from tailspec.drafter_trainer.versions import VersionStore
-
     root = Path(cfg.trainer.checkpoint_dir)
     drafter = Eagle3Module.load(drafter_path)
     Lineage(root / "lineage", redis, cfg.cluster.name).seed(

@@ -14,6 +14,9 @@ from tailspec.core import state
 from tailspec.core.state import DrafterVersion, Sample
 from tailspec.demo.bootstrap import BOOTSTRAP_SESSION
 from tailspec.demo.protocol import WorkResult
+from tailspec.drafter_trainer.model import Eagle3Module
+from tailspec.drafter_trainer.teacher import Teacher
+from tailspec.drafter_trainer.validation import validate
 from tailspec.tasks.runsum import ALT
 
 log = logging.getLogger("tailspec.demo")
@@ -130,10 +133,6 @@ def measure_acceptance(model, frozen_path: str, current: DrafterVersion | None, 
     """Expected acceptance length at k of the frozen first drafter and of `current` (the promoted co-trained
     version; None or the bootstrap drafter: the frozen one's figure), on up to n of this step's own samples
     with the current policy as teacher (the same samples for both)."""
-    from tailspec.drafter_trainer.model import Eagle3Module
-    from tailspec.drafter_trainer.teacher import Teacher
-    from tailspec.drafter_trainer.validation import validate
-
     held = samples[:: max(1, len(samples) // n)][:n]
     emb = model.get_input_embeddings()
     frozen = Eagle3Module.load(frozen_path, emb)

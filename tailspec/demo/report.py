@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tailspec.core import state
+
 STATE_COLORS = {
     "generating": "#4c78a8",
     "drained": "#bab0ac",
@@ -20,13 +22,13 @@ STATE_LABELS = {"generating": "generating", "drained": "idle", "lent": "training
 
 def read_timeline(r: Any, cluster: str) -> list[dict]:
     """Every GPU state transition of the run, oldest first, from the status history stream."""
-    from tailspec.core import state
-
     entries, _ = state.read_stream(r, state.key(cluster, "status_history"), state.GpuStatus)
     return [e.model_dump(mode="json") for _, e in entries]
 
 
 def _plt():
+    # deferred: matplotlib (about a second) with the Agg backend chosen before pyplot loads; the CLI imports
+    # this module to build its parser, and only a report's plots need it
     import matplotlib
 
     matplotlib.use("Agg")

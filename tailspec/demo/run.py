@@ -18,6 +18,7 @@ watch mode, so idle GPU-seconds are measured the same way.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ import torch
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
 from tailspec.core.state import DrafterVersion, Sample
+from tailspec.demo.bootstrap import bootstrap_drafter, seed_store
 from tailspec.demo.measure import (
     StepRow,
     StepTimes,
@@ -45,8 +47,15 @@ from tailspec.demo.measure import (
 )
 from tailspec.demo.options import DemoOptions
 from tailspec.demo.protocol import WorkItem, WorkRequest, WorkResult, results_key, work_key
+from tailspec.demo.report import read_timeline
 from tailspec.demo.services import Services, place_workers
+from tailspec.drafter_trainer.export import ExportError, export
+from tailspec.drafter_trainer.model import Eagle3Module
 from tailspec.rl import Rollout, grpo_step, recompute_logprobs, save_policy_weights
+from tailspec.scheduler.dispatch import warm_ready
+from tailspec.tasks.policy import load_policy, resolve_policy
+from tailspec.tasks.runsum import grade, sample_problems
+from tailspec.tasks.tokenizer import decode_response, encode_prompt
 
 log = logging.getLogger("tailspec.demo")
 
@@ -159,15 +168,11 @@ class Demo:
 
     # -- policy and drafters -------------------------------------------------------------------------------
     def load_initial_policy(self) -> None:
-        from tailspec.tasks.policy import load_policy, resolve_policy
-
         self.policy_src = resolve_policy(self.o.policy, self.cfg.task, cache_dir=Path(self.cfg.cache_dir))
         self.model, self.tokenizer = load_policy(self.policy_src)
         torch.manual_seed(self.o.seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.o.lr, betas=(0.9, 0.99), weight_decay=0.0)
         if self.o.kl_coef > 0:
-            import copy
-
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.policy_version = 0
         self.policy_path = self.publish_policy()
@@ -182,15 +187,11 @@ class Demo:
     def bootstrap_drafter(self) -> str:
         """The first drafter: trained offline on the initial policy's own samples (cached per policy).
         The frozen baseline keeps it forever; the co-trained run starts from it."""
-        from tailspec.demo.bootstrap import bootstrap_drafter
-
         return bootstrap_drafter(self.policy_src, self.cfg, self.o.bootstrap_samples, self.o.bootstrap_seconds,
                                  seed=self.o.seed, steps=self.o.bootstrap_steps)
 
     def seed_version_store(self) -> None:
         """Version 1 = the bootstrap drafter, promoted; sessions continue from its weights."""
-        from tailspec.demo.bootstrap import seed_store
-
         seed_store(self.frozen_path, self.cfg, self.r)
 
     def current_drafter(self) -> DrafterVersion | None:
@@ -205,9 +206,6 @@ class Demo:
 
     # -- one RL step ---------------------------------------------------------------------------------------
     def requests(self, step: int) -> tuple[list, list[WorkRequest]]:
-        from tailspec.tasks.runsum import sample_problems
-        from tailspec.tasks.tokenizer import encode_prompt
-
         problems = sample_problems(self.o.prompts_per_step, self.cfg.task, seed=self.o.seed * 100_003 + step)
         reqs = []
         for g, p in enumerate(problems):
@@ -295,8 +293,6 @@ class Demo:
         """Let the pre-started session processes finish importing before the workers time their cost model:
         imports on the workers' cores would skew the model the adaptive selector picks k from for the whole
         run (co-trained rollouts ran 5-10% slower than frozen ones with the same drafter)."""
-        from tailspec.scheduler.dispatch import warm_ready
-
         want, deadline = self.cfg.scheduler.warm_sessions, time.time() + timeout_s
         while warm_ready(self.run_dir / "sessions") < want and time.time() < deadline:
             time.sleep(0.1)
@@ -336,9 +332,6 @@ class Demo:
               ) -> tuple[list[Rollout], list[Sample], list[bool], list[str | None]]:
         """The RL framework's part: reward every response, and the samples it submits to tailspec (with each
         response's correctness and scratchpad style, for the step's figures)."""
-        from tailspec.tasks.runsum import grade
-        from tailspec.tasks.tokenizer import decode_response
-
         by_rid = {o.rid: o for res in results for o in res.outputs}
         req_of = {q.rid: q for q in reqs}
         rollouts: list[Rollout] = []
@@ -425,8 +418,6 @@ class Demo:
                         break
             if self.o.export and self.o.mode != "nospec":
                 self.export()
-            from tailspec.demo.report import read_timeline
-
             self.timeline = read_timeline(self.r, self.cluster)
             self.promotions = count_promotions(self.r, self.cluster)
         finally:
@@ -434,9 +425,6 @@ class Demo:
         return self.rows
 
     def export(self) -> None:
-        from tailspec.drafter_trainer.export import ExportError, export
-        from tailspec.drafter_trainer.model import Eagle3Module
-
         cur = self.current_drafter()
         path, version = (self.frozen_path, 0) if cur is None else (cur.path, cur.version)
         drafter = Eagle3Module.load(path, self.model.get_input_embeddings())

@@ -15,10 +15,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
+from tailspec.core.redis_conn import connect
+from tailspec.dashboards.server import start_dashboard
 from tailspec.demo.protocol import WorkItem, work_key
+from tailspec.redis_server import start_redis
+from tailspec.scheduler import placement
+from tailspec.scheduler.client import TailspecClient
+from tailspec.scheduler.placement import format_cpus
+from tailspec.scheduler.service import run_local
 
 log = logging.getLogger("tailspec.demo")
 
@@ -35,8 +43,6 @@ def place_workers(requested: int, cfg: TailspecConfig) -> Placement:
     """One simulated GPU per worker, each owning an equal share of the cores (scheduler/placement.py) under
     `scheduler.simulated_gpu_cpus: split`: at most one per core, so fewer than requested on a small machine.
     With CUDA the workers run on real devices and nothing is pinned."""
-    from tailspec.scheduler import placement
-
     if torch.cuda.is_available():
         return Placement(requested, None, f"{requested} rollout workers on CUDA devices")
     host = placement.host_cpus()
@@ -73,11 +79,7 @@ class Services:
 
     def start_redis(self) -> str:
         """Connect to the given Redis, or start a private redis-server; returns its URL."""
-        from tailspec.core.redis_conn import connect
-
         if self.redis_url is None:
-            from tailspec.redis_server import start_redis
-
             self._redis_server = start_redis(aof=self.redis_aof)
             self.redis_url = self._redis_server.url
         self.r = connect(self.redis_url)  # rides out a Redis restart
@@ -91,14 +93,9 @@ class Services:
     def start(self, cfg: TailspecConfig, workers: int) -> None:
         """The scheduler (a thread running the single-node service), the dashboard and the workers; Redis must
         be up (start_redis) and `cfg` name it."""
-        from tailspec.scheduler.client import TailspecClient
-        from tailspec.scheduler.service import run_local
-
         cluster = cfg.cluster.name
         self.client = TailspecClient(self.redis_url, cluster=cluster, node=cfg.cluster.node)
         if self.schedulers:
-            import yaml
-
             self._cfg_file = self.run_dir / "scheduler-config.yaml"
             self._cfg_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
             for i in range(self.schedulers):
@@ -115,8 +112,6 @@ class Services:
 
     def _start_dashboard(self, cluster: str) -> None:
         try:
-            from tailspec.dashboards.server import start_dashboard
-
             self._dash = start_dashboard(self.redis_url, cluster, port=0)
             self.dashboard_url = self._dash.url
         except Exception as e:  # the dashboard is a view; the run goes on without it
@@ -142,8 +137,6 @@ class Services:
         cmd = [sys.executable, "-m", "tailspec.demo.worker", "--name", f"w{w}", "--gpu", str(w),
                "--redis", self.redis_url, "--cluster", cluster, "--node", node]
         if self.cpus is not None:
-            from tailspec.scheduler.placement import format_cpus
-
             cmd += ["--cpus", format_cpus(self.cpus[w])]
         with open(self.run_dir / f"worker-w{w}.log", "a") as logf:  # the child keeps its own descriptor
             return subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)

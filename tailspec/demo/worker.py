@@ -17,11 +17,28 @@ import os
 import sys
 import time
 from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
 from tailspec.core import state
+from tailspec.core.config import RolloutConfig
+from tailspec.core.redis_conn import connect
+from tailspec.core.state import DrafterVersion, Event
 from tailspec.demo.protocol import WorkItem, WorkOutput, WorkResult, results_key, work_key
+from tailspec.drafter_trainer.model import Eagle3Module
+from tailspec.rollout import cost_model
+from tailspec.rollout.acceptance import AcceptanceTracker
+from tailspec.rollout.cost_model import CostModel
+from tailspec.rollout.drafters import Eagle3Proposer, NgramProposer
+from tailspec.rollout.engine import Engine
+from tailspec.rollout.graph_pool import build_pool
+from tailspec.rollout.health_guard import GuardPolicy, HealthGuard, guarded, record_verdict
+from tailspec.rollout.selector import make_selector
+from tailspec.rollout.sequence import SamplingParams
+from tailspec.scheduler.client import TailspecClient
+from tailspec.scheduler.placement import parse_cpus, pin
 
 log = logging.getLogger("tailspec.demo.worker")
 
@@ -30,8 +47,6 @@ def rollout_config(item: WorkItem):
     """The run's `rollout` config section as the RL loop sent it with the work (selector, k, k_max, epsilon,
     max_batch, max_seq_len, cuda_graphs, graph_memory_budget_mb, dtype, drafter). An item without one gets
     the section's defaults with the item's selector and k."""
-    from tailspec.core.config import RolloutConfig
-
     if item.rollout is not None:
         return RolloutConfig.model_validate(item.rollout)
     return RolloutConfig(selector=item.selector, k=item.k)
@@ -65,8 +80,6 @@ def attach_graph_pool(engine, rc, cost, emulate: bool = False):
     `emulate` runs the same plan's padded static-buffer path on CPU (tests)."""
     if not rc.cuda_graphs or cost is None or (engine.device.type != "cuda" and not emulate):
         return None
-    from tailspec.rollout.graph_pool import build_pool
-
     ks = plan_ks(rc)
     if ks is not None:
         ks = [k for k in ks if k in cost.ks] or None
@@ -76,10 +89,6 @@ def attach_graph_pool(engine, rc, cost, emulate: bool = False):
 def validated_acceptance(drafter_path: str | None) -> tuple[float | None, int]:
     """A version's validated acceptance length and the draft length it was measured at, from the version.json
     the version store writes beside its weights; (None, 4) when there is none or it does not parse."""
-    from pathlib import Path
-
-    from tailspec.core.state import DrafterVersion
-
     f = Path(drafter_path) / "version.json" if drafter_path else None
     if f is None or not f.is_file():
         return None, 4
@@ -102,9 +111,6 @@ def worker_device(gpu: int) -> torch.device:
 class Worker:
     def __init__(self, name: str, gpu: int, redis_url: str, cluster: str, node: str,
                  progress_period_s: float = 0.1):
-        from tailspec.core.redis_conn import connect
-        from tailspec.scheduler.client import TailspecClient
-
         self.name, self.gpu, self.cluster = name, gpu, cluster
         self.device = worker_device(gpu)
         self.progress_period_s = progress_period_s
@@ -123,6 +129,8 @@ class Worker:
         self.verdicts: list[dict] = []  # verdicts reached during the current item
 
     def _load_policy(self, item: WorkItem, rc) -> None:
+        # deferred: transformers (tasks.policy imports it) starts a thread when it loads: after main() pinned
+        # this process to its GPU's cores, so that thread runs on them too
         from tailspec.tasks.policy import load_policy
 
         key = (item.policy_path, item.policy_version, rc.dtype, str(self.device))
@@ -141,15 +149,11 @@ class Worker:
             return
         self.drafter_module = None
         if item.drafter_path and rc.drafter == "eagle3":
-            from tailspec.drafter_trainer.model import Eagle3Module
-
             self.drafter_module = Eagle3Module.load(item.drafter_path, target_embedding=self.model.get_input_embeddings(),
                                                     map_location=self.device).to(dtype=getattr(torch, rc.dtype))
         self.drafter_key = key
 
     def _drafter(self, item: WorkItem, rc):
-        from tailspec.rollout.drafters import Eagle3Proposer, NgramProposer
-
         if not item.drafter_path or rc.drafter == "none":
             return None
         if rc.drafter == "ngram":
@@ -163,8 +167,6 @@ class Worker:
         """The cost model t(b, k) of this engine's shape, timed on the first phase that needs one (the
         adaptive selector, or a graph pool's plan) and reused while the shape stays (same drafter kind, k_max,
         dtype, device; batch within the measured buckets)."""
-        from tailspec.rollout import cost_model
-
         key = (engine.k_max, type(engine.drafter).__name__, rc.dtype, str(self.device))
         if self.cost is not None and self.cost_key == key and engine.max_batch <= max(self.cost.buckets):
             return
@@ -180,10 +182,6 @@ class Worker:
         self.cost_key = key
 
     def _engine(self, item: WorkItem, rc):
-        from tailspec.rollout.acceptance import AcceptanceTracker
-        from tailspec.rollout.engine import Engine
-        from tailspec.rollout.selector import make_selector
-
         drafter = self._drafter(item, rc)
         k_max = rc.k_max if drafter is not None else 0
         eos = self.model.config.eos_token_id
@@ -202,8 +200,6 @@ class Worker:
             choose_k = make_selector(rc.model_copy(update={"k": min(rc.k, k_max)}), self.cost,
                                      self.acceptance if adaptive else None, seed=item.step)
             if self.guard is not None and self.drafter_module is not None:
-                from tailspec.rollout.health_guard import guarded
-
                 choose_k = guarded(choose_k, self.guard, on_verdict=self._on_verdict)
             engine.configure(choose_k=choose_k)
         if wants_pool:
@@ -215,8 +211,6 @@ class Worker:
         return engine
 
     def run_item(self, item: WorkItem) -> WorkResult:
-        from tailspec.rollout.sequence import SamplingParams
-
         started = time.time()
         rc = rollout_config(item)
         before = (self.policy_key, self.drafter_key)
@@ -256,8 +250,6 @@ class Worker:
         its version.json, when the version store wrote one."""
         if not rc.guard or self.drafter_module is None:
             return
-        from tailspec.rollout.health_guard import GuardPolicy, HealthGuard
-
         policy = GuardPolicy(rc.guard_window_steps, rc.guard_floor, rc.guard_min_gain_share)
         if self.guard is None or self.guard.policy != policy:
             self.guard = HealthGuard(policy)
@@ -272,11 +264,6 @@ class Worker:
         self.guard.arm(item.drafter_version, validated, event, validated_k=k)
 
     def _on_verdict(self, v) -> None:
-        from dataclasses import asdict
-
-        from tailspec.core.state import Event
-        from tailspec.rollout.health_guard import record_verdict
-
         d = asdict(v)
         self.verdicts.append(d)
         if v.tripped:
@@ -313,8 +300,6 @@ class Worker:
         steps taught it), for the run record."""
         if self.cost is None:
             return None
-        from tailspec.rollout.cost_model import CostModel
-
         c = self.cost
         return CostModel(list(c.buckets), list(c.ks), {(b, k): c.t(b, k) for b in c.buckets for k in c.ks}).to_dict()
 
@@ -353,11 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpus", help="the simulated GPU's own cores, e.g. '0' or '2,3': pin to them (default: share all)")
     args = ap.parse_args(argv)
     if args.cpus:
-        from tailspec.scheduler.placement import parse_cpus, pin
-
         pin(parse_cpus(args.cpus))  # the GPU's cores, shared only with a session lent on this GPU
     else:
         torch.set_num_threads(1)  # one simulated GPU = one core's worth of work, sharing the host's cores
+    # deferred: transformers starts a thread when it loads; after pin() it runs on the GPU's own cores
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

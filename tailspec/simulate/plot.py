@@ -14,6 +14,8 @@ COLORS = {"decode": "#4878d0", "tail idle": "#d0d0d0", "lent: starting": "#f2c45
 
 def gantt(out: StepOut, train_s: float, sync: bool, startup_s: float, path: str | Path, title: str,
           max_rows: int = 64) -> Path:
+    # deferred: matplotlib (about a second); choosing its Agg backend is a process-wide side effect, made only
+    # when a chart is drawn
     import matplotlib
 
     matplotlib.use("Agg")
