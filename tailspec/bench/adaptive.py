@@ -26,6 +26,9 @@ import time
 from collections import Counter
 
 from tailspec.cli import config_from_args
+from tailspec.rollout import cost_model
+from tailspec.rollout.sequence import SamplingParams
+from tailspec.tasks.runsum import sample_problems
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,7 +103,6 @@ def _load(args, cfg):
 
 def _prompts(tok, n: int, seed: int, task_cfg):
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.tasks.runsum import sample_problems
     from tailspec.tasks.tokenizer import encode_prompt
 
     return [encode_prompt(tok, p.prompt) for p in sample_problems(n, task_cfg, seed=seed)]
@@ -110,10 +112,6 @@ def _mid_response(make_engine, prompts, max_tokens: int, max_seq: int, temperatu
     """(prompt + the first d tokens of a response the policy wrote, tokens left) per prompt, d uniform over the
     response: `--start mid`'s requests. A response's later tokens weigh more in such runs than in a rollout,
     which writes every response from its first token; the check is whether the pick depends on depth."""
-
-    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.rollout.sequence import SamplingParams
-
     eng = make_engine(min(64, len(prompts)), 0)
     params = [SamplingParams(max_tokens=min(max_tokens, max_seq - len(p)), temperature=temperature, seed=seed + i)
               for i, p in enumerate(prompts)]
@@ -251,7 +249,6 @@ def run(args: argparse.Namespace) -> dict:
 def _cost_table(make_engine, pool_prompts, batches: list[int], ks: list[int], k_max: int, args, out, t_start: float):
     """The cost model measured on a warm engine, and the acceptance tracker warmed by the same steps."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.rollout import cost_model
     from tailspec.rollout.acceptance import AcceptanceTracker
 
     warm = make_engine(max(batches), 0)
@@ -279,9 +276,6 @@ def _starts(make_engine, pool_prompts, max_seq: int, args, out) -> list[tuple[li
 
 def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list[int], args, out) -> dict:
     """Every policy at batch b, round robin inside each repeat; medians over repeats, the oracle's k among them."""
-    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.rollout.sequence import SamplingParams
-
     n_req = max(4 * b, b + 8)
     steps = max(args.steps, -(-args.rows // b))
     runs: dict[str, list[float]] = {name: [] for name in policies}
@@ -315,9 +309,6 @@ def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list[i
 
 def _longtail(make_engine, policies: dict, tok, max_seq: int, cfg, args, out) -> dict[str, float]:
     """One long-tail rollout to completion under each policy; speedup of each over no speculation."""
-    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.rollout.sequence import SamplingParams
-
     lt_prompts = _prompts(tok, args.longtail_n, 12345, cfg.task)
     lt_params = [SamplingParams(max_tokens=min(args.max_tokens, max_seq - len(p)), temperature=args.longtail_temperature,
                                 seed=i) for i, p in enumerate(lt_prompts)]

@@ -29,6 +29,8 @@ from pathlib import Path
 from tailspec.cli import config_from_args
 from tailspec.core import state
 from tailspec.core.state import DrafterVersion, Event, PhaseInfo, Sample
+from tailspec.rollout.sequence import SamplingParams
+from tailspec.tasks.runsum import grade, sample_problems
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,8 +55,6 @@ def rollouts(model, tok, cfg, n: int, seed: int, version: int, max_seq_len: int 
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.rl import Rollout
     from tailspec.rollout.engine import Engine
-    from tailspec.rollout.sequence import SamplingParams
-    from tailspec.tasks.runsum import grade, sample_problems
     from tailspec.tasks.tokenizer import decode_response, encode_prompt
 
     problems = sample_problems(-(-n // 4), cfg.task, seed=seed)

@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.request
 
+from tailspec.core import state as S
 from tailspec.core.state import (
     DrafterVersion,
     GpuState,
@@ -36,9 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def fill(r, cluster: str, gpus: int, history: int, transitions: int, sessions: int, seed: int = 0) -> float:
     """Write a realistic state; returns the time span (s) the histories cover, ending now."""
-    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.core import state as S
-
     rng = random.Random(seed)
     now = time.time()
     ids = [(f"node{i // 8}", i % 8) for i in range(gpus)]

@@ -18,6 +18,7 @@ from pathlib import Path
 from tailspec.cli import config_from_args
 from tailspec.demo.options import DemoOptions
 from tailspec.demo.report import tail_idle_share
+from tailspec.tasks.runsum import sample_problems
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,7 +164,6 @@ def drafter_cost_ratio(demo) -> dict:
 
     from tailspec.bench.engine import drafter_cost
     from tailspec.drafter_trainer.model import Eagle3Module
-    from tailspec.tasks.runsum import sample_problems
     from tailspec.tasks.tokenizer import encode_prompt
 
     threads = torch.get_num_threads()

@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tailspec.rollout.sequence import SamplingParams
+from tailspec.tasks.runsum import sample_problems
+
 if TYPE_CHECKING:
     import torch
 
@@ -160,7 +163,6 @@ def _batch_cost(model, eagle, b: int, prompts, steps: int, calls: int, repeats: 
     from tailspec.rollout.drafters import Eagle3Proposer, _draw
     from tailspec.rollout.engine import Engine
     from tailspec.rollout.sampling import step_uniforms_from
-    from tailspec.rollout.sequence import SamplingParams
 
     rows = [prompts[i % len(prompts)] for i in range(b)]
     seq = max(len(p) for p in rows) + 2 * steps + 8  # k = 1: up to 2 tokens a step
@@ -220,7 +222,6 @@ def _cost_section(model, eagle, tok, batches: list[int], args, log) -> dict:
         return empty
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
-    from tailspec.tasks.runsum import sample_problems
     from tailspec.tasks.tokenizer import encode_prompt
 
     label = f"eagle3:{args.eagle3}"
@@ -270,8 +271,6 @@ def _batch_rows(model, tok, draft_model, make_drafter, drafter_names, ks, b: int
     engine with SD per drafter and k; the median of `args.repeats` interleaved runs each."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.rollout.engine import Engine
-    from tailspec.rollout.sequence import SamplingParams
-    from tailspec.tasks.runsum import sample_problems
     from tailspec.tasks.tokenizer import encode_prompt
 
     pad_id, eos_id = tok.pad_token_id, tok.eos_token_id

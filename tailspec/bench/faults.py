@@ -36,14 +36,12 @@ from typing import Any
 from tailspec.cli import config_from_args
 from tailspec.core import state
 from tailspec.core.state import Lease, Progress, SchedulerLeader, SessionInfo
+from tailspec.demo.options import DemoOptions
 
 KINDS = ("scheduler", "redis", "session", "worker")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.demo.options import DemoOptions
-
     d = DemoOptions()
     p.add_argument("--steps", type=int, default=40,
                    help="at most this many RL steps (default 40); the run ends one step after the last drill")

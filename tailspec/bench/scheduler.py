@@ -46,6 +46,7 @@ import numpy as np
 from tailspec.bench.scheduler_report import print_report, result
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig, TaskConfig
+from tailspec.tasks.runsum import sample_problems
 
 REAL_ENTRY = "tailspec.sessions:run_session"
 BUSY_ENTRY = "tailspec.scheduler.demo_session:busy_session"
@@ -160,7 +161,6 @@ def run(args: argparse.Namespace) -> dict:
     import redis
 
     from tailspec.redis_server import start_redis
-    from tailspec.tasks.runsum import sample_problems
 
     shape = shape_of(args)
     server = None

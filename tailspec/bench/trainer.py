@@ -29,6 +29,7 @@ import numpy as np
 
 from tailspec.cli import config_from_args
 from tailspec.core.state import Sample
+from tailspec.tasks.runsum import grade, sample_problems
 
 
 def generate_task_samples(policy_dir: str | Path, n: int, seed: int = 0, temperature: float = 1.0,
@@ -38,7 +39,6 @@ def generate_task_samples(policy_dir: str | Path, n: int, seed: int = 0, tempera
     for distillation; its reward is that of the unfinished text, 0)."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.tasks.policy import generate_responses, load_policy
-    from tailspec.tasks.runsum import grade, sample_problems
     from tailspec.tasks.tokenizer import decode_response, encode_prompt
 
     model, tok = load_policy(policy_dir)

@@ -18,9 +18,14 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
+
+from tailspec.core.config import TaskConfig, TrainerConfig
+from tailspec.core.state import Sample
+from tailspec.tasks.runsum import sample_problems
 
 TRAIN_STEPS = 60  # enough for a clear acceptance gain on the tiny policy; a CPU training step is ~0.5 s
 
@@ -38,8 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # -- kit shared with tests/test_vllm_*.py --------------------------------------------------------------------
 
 def task_prompts(policy_dir: str | Path, n: int, seed: int = 20_000) -> list[list[int]]:
-    from tailspec.core.config import TaskConfig
-    from tailspec.tasks.runsum import sample_problems
+    # deferred: transformers (the tokenizer); the CLI imports every bench module to build its parser
     from tailspec.tasks.tokenizer import encode_prompt, load_tokenizer
 
     tok = load_tokenizer(policy_dir)
@@ -48,7 +52,7 @@ def task_prompts(policy_dir: str | Path, n: int, seed: int = 20_000) -> list[lis
 
 def policy_samples(policy_dir: str | Path, n: int, seed: int = 0, max_new_tokens: int = 160):
     """The policy's own greedy responses to task prompts, as trainer samples (what the drafter must predict)."""
-    from tailspec.core.state import Sample
+    # deferred: torch and transformers; the CLI imports every bench module to build its parser
     from tailspec.tasks.policy import generate_responses, load_policy
 
     model, tok = load_policy(policy_dir)
@@ -62,7 +66,7 @@ def make_drafters(policy_dir: str | Path, out: str | Path, train_steps: int = TR
                   seed: int = 0) -> dict[str, Path]:
     """Untrained and trained EAGLE-3 drafters for the policy, exported for vLLM (eagle3 and hf formats).
     Returns {"untrained", "trained", "trained_hf"} paths; out/training.json records the session."""
-    from tailspec.core.config import TrainerConfig
+    # deferred: torch and the drafter trainer; the CLI imports every bench module to build its parser
     from tailspec.drafter_trainer.export import export
     from tailspec.drafter_trainer.samples import SampleBuffer, fill_buffer
     from tailspec.drafter_trainer.session import TrainingSession, new_drafter
@@ -92,6 +96,8 @@ def make_drafters(policy_dir: str | Path, out: str | Path, train_steps: int = TR
 def cached_drafters(policy_dir: str | Path, cache_dir: str | Path | None = None,
                     train_steps: int = TRAIN_STEPS) -> dict[str, Path]:
     """make_drafters once per (policy, training settings), kept under the tailspec cache."""
+    # deferred: torch and transformers (tasks.policy imports them); the CLI imports every bench module to
+    # build its parser
     from tailspec.tasks.policy import default_cache_dir
 
     policy_dir = Path(policy_dir)
@@ -106,8 +112,7 @@ def cached_drafters(policy_dir: str | Path, cache_dir: str | Path | None = None,
 def perturbed_policy(policy_dir: str | Path, out: str | Path, scale: float = 0.01, seed: int = 1) -> Path:
     """A copy of the policy directory whose floating-point weights moved by Gaussian noise of `scale` times
     each tensor's own standard deviation: the next policy version of an RL step, for in-place syncs."""
-    import shutil
-
+    # deferred: torch (seconds of `tailspec --help`); the CLI imports every bench module to build its parser
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -130,8 +135,7 @@ def perturbed_policy(policy_dir: str | Path, out: str | Path, scale: float = 0.0
 def zeroed_fc(drafter_dir: str | Path, out: str | Path) -> Path:
     """A copy of an EAGLE-3 export with `fc.weight` zeroed: the drafter a broken weight sync leaves behind
     (it still loads and runs; it just never predicts the target)."""
-    import shutil
-
+    # deferred: torch (seconds of `tailspec --help`); the CLI imports every bench module to build its parser
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -152,6 +156,7 @@ def validated_acceptance(drafter_dir: str | Path, policy_dir: str | Path, k: int
     """What the version store's validation records for an exported drafter against a policy: expected
     acceptance length at draft length k on the policy's own greedy responses (temperature ~0: greedy
     rollouts accept the argmax only)."""
+    # deferred: torch and the drafter trainer; the CLI imports every bench module to build its parser
     from tailspec.drafter_trainer.export import load_export
     from tailspec.drafter_trainer.teacher import Teacher
     from tailspec.drafter_trainer.versions import validate
@@ -176,12 +181,16 @@ def in_process_engine() -> dict:
 def run(args: argparse.Namespace) -> dict:
     # vLLM logs to stdout by default; the JSON object must stay the last stdout line
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    # deferred: vLLM, an optional extra (seconds to import); the CLI imports every bench module
     try:
         import vllm
     except ImportError:
         raise SystemExit("tailspec bench vllm needs vLLM: `pip install tailspec[vllm]` on a GPU machine, or "
                          "`make vllm-env` and `.venv-vllm/bin/tailspec bench vllm` for the CPU build") from None
 
+    # deferred: cycles (tailspec.commands.bench imports this module to build its parser, vllm_live imports
+    # its kit); the vLLM backend, torch and transformers load when the bench runs, not with the parser
+    from tailspec.bench.vllm_live import run_live
     from tailspec.commands.bench import machine
     from tailspec.rollout.vllm_backend import DrafterSpec, VllmRollout, greedy
     from tailspec.tasks.policy import get_policy
@@ -209,8 +218,6 @@ def run(args: argparse.Namespace) -> dict:
     tr = ro.generate(prompts, params)
     ro.close()
     del ro
-    from tailspec.bench.vllm_live import run_live
-
     live = run_live(policy, drafters, prompts, params, eng, args.k, [c.token_ids for c in ref.completions], out)
     same = all(a.token_ids == b.token_ids == c.token_ids
                for a, b, c in zip(ref.completions, unt.completions, tr.completions))

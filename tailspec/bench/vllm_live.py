@@ -19,18 +19,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+import redis
+
+from tailspec.bench.vllm import perturbed_policy, validated_acceptance, zeroed_fc
+from tailspec.core import state
+from tailspec.core.config import RolloutConfig
+from tailspec.core.state import DrafterVersion
+from tailspec.redis_server import start_redis
+from tailspec.rollout.health_guard import GuardPolicy
+from tailspec.rollout.vllm_backend import DrafterSpec, VllmRollout, greedy
+from tailspec.rollout.vllm_live import LiveVllm
+
 
 def run_live(policy: Path, drafters: dict[str, Path], prompts: list[list[int]], params: Any, eng: dict, k: int,
              reference: list[list[int]], out: Any) -> dict:
-    import redis
-
-    from tailspec.bench.vllm import perturbed_policy, validated_acceptance, zeroed_fc
-    from tailspec.core.config import RolloutConfig
-    from tailspec.redis_server import start_redis
-    from tailspec.rollout.health_guard import GuardPolicy
-    from tailspec.rollout.vllm_backend import DrafterSpec, VllmRollout
-    from tailspec.rollout.vllm_live import LiveVllm
-
     root = drafters["trained"].parent
     policy_v1 = perturbed_policy(policy, root / "policy-v1-noise0.05", scale=0.05)
     bad = zeroed_fc(drafters["trained"], root / "zeroed-fc")
@@ -69,9 +71,6 @@ def run_live(policy: Path, drafters: dict[str, Path], prompts: list[list[int]], 
 
 def _promoter(r: Any, k: int):
     """promote(version, path, validated acceptance) writes drafter:current; returns the write's time."""
-    from tailspec.core import state
-    from tailspec.core.state import DrafterVersion
-
     def promote(version: int, path: Path, acceptance: float) -> float:
         state.put(r, state.key("bench", "drafter_current"),
                   DrafterVersion(version=version, path=str(path), policy_version=0, acceptance_length=acceptance,
@@ -85,8 +84,6 @@ def _promotion_and_guard(live: Any, promote: Any, drafters: dict[str, Path], bad
                          prompts: list[list[int]], params: Any, reference: list[list[int]], out: Any) -> dict:
     """Phases 1 and 2: the trained drafter promoted (reload latency), then a zeroed-fc version (the guard's
     verdict), then the trained one again (speculation back)."""
-    from tailspec.rollout.vllm_backend import greedy
-
     live.generate(prompts[:1], greedy(8))  # warm-up
     first: list[float] = []
     t0 = promote(1, drafters["trained"], validated)
