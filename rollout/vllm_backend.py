@@ -143,6 +143,7 @@ def client_progress(client: Any, worker: str, gpus: Sequence[int], total: int | 
 
 
 def greedy(max_tokens: int, **kw: Any):
+    # deferred: vLLM (an optional extra; this module imports without it)
     from vllm import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
@@ -158,6 +159,7 @@ class VllmRollout:
         self.policy_dir = Path(policy_dir)
         self.spec = spec
         conf = speculative_config(spec, self.policy_dir) if spec is not None else None  # refuse before vLLM
+        # deferred: vLLM (an optional extra; this module imports without it)
         from vllm import LLM
 
         kw: dict[str, Any] = {"model": str(self.policy_dir), "tokenizer": str(self.policy_dir), "dtype": dtype,
@@ -241,6 +243,7 @@ class VllmRollout:
                             "scheduler", None)
         if scheduler is None or not hasattr(scheduler, "dynamic_sd_lookup"):
             return False
+        # deferred: vLLM (an optional extra; this module imports without it)
         from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
         scheduler.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
@@ -270,6 +273,7 @@ class VllmRollout:
         same per engine step plus the step's wall time (the health guard and the schedule refresh read it);
         it runs between two engine steps, never inside one. Per-step counters cost one metrics read a step
         (about 5 ms on the CPU build), so they are read only when `trace` or `on_step` asks for them."""
+        # deferred: vLLM (an optional extra; this module imports without it)
         from vllm.sampling_params import RequestOutputKind
 
         if not prompts:

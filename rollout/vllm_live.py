@@ -93,6 +93,7 @@ def measure_cost(ro: VllmRollout, prompts: Sequence[Sequence[int]], ks: Sequence
     """t(b, k) of this engine: for each k a constant schedule, for each batch bucket b that many requests
     decoding without EOS; the median wall time of its steps at batch b (the prefill step left out), made
     monotone in b and k (timing noise only adds time). Needs `set_schedule` to work (in-process engine)."""
+    # deferred: vLLM (an optional extra; this module imports without it)
     from vllm import SamplingParams
 
     ks = list(ks if ks is not None else default_ks(ro.k_max))

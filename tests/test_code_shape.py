@@ -20,16 +20,10 @@ EXEMPT_FUNCTIONS: set[tuple[str, str]] = set()
 # Still holding a function-local import with no `# deferred:` reason. Each entry must still have one
 # (test_deferred_exemptions_are_still_needed), so giving the reasons removes it.
 EXEMPT_DEFERRED: set[str] = {
-    "rollout/vllm_backend.py",
-    "rollout/vllm_live.py",
     "scheduler/attach.py",
     "scheduler/demo_session.py",
     "scheduler/dispatch.py",
     "scheduler/telemetry.py",
-    "tailspec/commands/train.py",
-    "tailspec/integrations/trl.py",
-    "tailspec/integrations/trl_example.py",
-    "tailspec/integrations/vllm.py",
 }
 DEFERRED = "# deferred:"
 

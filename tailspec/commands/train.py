@@ -122,7 +122,8 @@ def _run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, sess: Any, acceptance: Callable[[], float | None]) -> tuple[int, float | None]:
     """Train in chunks of --eval-every steps within --steps / --seconds, measuring acceptance after each;
     Ctrl-C saves. Returns the steps taken and the last acceptance."""
-    from tqdm import tqdm  # deferred with the rest of the command (see _run)
+    # deferred: with the rest of the command (see _run)
+    from tqdm import tqdm
 
     acc = acceptance()
     bar = tqdm(total=args.steps, desc="train", unit="step", file=sys.stderr)

@@ -90,6 +90,7 @@ class TailspecAttach:
         single-node scheduler, `ray_node_name()` under Ray attach. Default: $TAILSPEC_NODE, else the tailspec
         config's `cluster.node`."""
         if node is None:
+            # deferred: only without an explicit node or $TAILSPEC_NODE
             from tailspec.core.config import load_config
 
             node = os.environ.get("TAILSPEC_NODE") or load_config().cluster.node

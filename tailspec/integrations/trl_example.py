@@ -17,12 +17,19 @@ different lengths (a deterministic long tail, for tests and benches).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from tailspec.core.config import TaskConfig
+from tailspec.tasks.runsum import Problem, grade, parse_prompt, sample_problems
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def tokenizer_with_bos(policy_dir: str | Path) -> Any:
     """The task tokenizer with a post-processor that starts every prompt with BOS, as the policy was trained
     (TRL tokenizes prompt text with the processing class)."""
+    # deferred: tokenizers / transformers load after the arguments are checked (a wrong flag fails at once)
     from tokenizers.processors import TemplateProcessing
 
     from tailspec.tasks.tokenizer import load_tokenizer
@@ -81,11 +89,8 @@ def tokenizer_with_bos(policy_dir: str | Path) -> Any:
 def build_dataset(kind: str, n: int, seed: int, per_rank_prompts: int, world: int) -> Any:
     """Prompts of the running-sum task. `tails`: for each step, rank 0 gets short problems (2-3 numbers) and the
     other ranks long ones (14-18), in TRL's unshuffled order (rank r takes the r-th slice of each step's batch)."""
-    import numpy as np
+    # deferred: `datasets` (pyarrow, seconds) loads after the arguments are checked
     from datasets import Dataset
-
-    from tailspec.core.config import TaskConfig
-    from tailspec.tasks.runsum import Problem, sample_problems
 
     task = TaskConfig()
     if kind == "task":
@@ -103,21 +108,16 @@ def build_dataset(kind: str, n: int, seed: int, per_rank_prompts: int, world: in
 
 def runsum_reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
     """TRL reward function: 1.0 for the right final answer of the scratchpad, else 0.0 (the task's grader)."""
-    from tailspec.core.config import TaskConfig
-    from tailspec.tasks.runsum import grade, parse_prompt
-
     task = TaskConfig()
     return [grade(parse_prompt(p, task.modulus), c, task).reward for p, c in zip(prompts, completions)]
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    import faulthandler
-    import tempfile
-
     if a.stack_dump_after > 0:
         faulthandler.dump_traceback_later(a.stack_dump_after, exit=False)
 
+    # deferred: torch, transformers and TRL load after the arguments are checked and the stack dump is armed
     import torch
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if a.pin_cores:
+        # deferred: only with --pin-cores
         from tailspec.scheduler.placement import split
 
         os.sched_setaffinity(0, split(world)[int(os.environ.get("LOCAL_RANK", "0"))])
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.no_tailspec:
         trainer = GRPOTrainer(**kw)
     else:
+        # deferred: the baseline (--no-tailspec) imports nothing of the attachment
         from tailspec.integrations.trl import TailspecAttach, TailspecGRPOTrainer
 
         attach = TailspecAttach.connect(a.redis, a.cluster, Path(a.shared_dir) / "policy", node=a.node,

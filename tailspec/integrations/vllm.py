@@ -14,17 +14,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from tailspec.core.state import DrafterVersion
+from tailspec.drafter_trainer.export import export
+from tailspec.drafter_trainer.model import Eagle3Module
+from tailspec.rollout.vllm_checks import DrafterMismatch
+from tailspec.rollout.vllm_live import servable_dir
 
 
 def export_version(info: DrafterVersion, out_root: str | Path | None = None, dtype: str = "float32") -> Path:
     """The EAGLE-3 export of version `info`: `<out_root or the version's parent>/v<N>-eagle3`, written once
     (whole or absent: the exporter writes a temporary sibling and renames it) and reused after. A version
     that already is an EAGLE-3 export is returned as is."""
-    from tailspec.drafter_trainer.export import export
-    from tailspec.drafter_trainer.model import Eagle3Module
-    from tailspec.rollout.vllm_checks import DrafterMismatch
-    from tailspec.rollout.vllm_live import servable_dir
-
     src = Path(info.path)
     try:
         return servable_dir(info)
