@@ -124,14 +124,15 @@ def test_hf_config_counts_parameters(tmp_path):
 
 def test_calibration_on_a_recorded_demo_run():
     """Replaying a recorded default demo run (deep policy, 6 co-trained steps, 2 simulated GPUs) with its own
-    measured costs predicts the mean rollout time and the reclaimed share within 15%."""
+    measured costs predicts the mean rollout time, the idle GPU-seconds the scheduler counted and the reclaimed
+    share within 15%."""
     from tailspec.commands.simulate import run_policy_model
 
     c = calibrate(RUN, model=run_policy_model(str(RUN)))
     assert c.steps == 6 and c.mode == "cotrained"
     assert c.rel_error["rollout_s"] <= 0.15
     assert c.rel_error["reclaimed_share"] <= 0.15
-    assert c.predicted["idle_gpu_s"] > 0
+    assert c.rel_error["idle_gpu_s"] <= 0.15
 
 
 def test_cli_projection_and_gantt(tmp_path):

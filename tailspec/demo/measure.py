@@ -61,6 +61,10 @@ class StepRow:
     worker_decode_s: dict[str, float] = field(default_factory=dict)
     accepted_by_k: dict[str, list[int]] = field(default_factory=dict)
     worker_cost: dict[str, dict] = field(default_factory=dict)  # each engine's cost model after the step
+    # the scheduler's counting window (tailspec/simulate/lending.py): the last result → the phase change, and per
+    # worker its drain report → its result
+    phase_lag_s: float = 0.0
+    worker_drain_lead_s: dict[str, float] = field(default_factory=dict)
     # share of the step's responses written well-formed in the task's alternative scratchpad style: the drift
     # the reward's style bonus drives (tailspec/tasks/runsum.py)
     alt_style_share: float = 0.0
@@ -86,6 +90,7 @@ class StepTimes:
     rollout_s: float
     measure_s: float
     wait_sessions_s: float
+    phase_lag_s: float = 0.0  # the last worker's result → the trainer changes the phase
 
 
 def step_row(step: int, mode: str, t: StepTimes, results: list[WorkResult], before: dict[str, float],
@@ -124,6 +129,8 @@ def step_row(step: int, mode: str, t: StepTimes, results: list[WorkResult], befo
         worker_setup_s={r.worker: r.setup_s for r in results},
         worker_decode_s={r.worker: r.decode_s for r in results}, accepted_by_k=by_k,
         worker_cost={r.worker: r.cost_model for r in results if r.cost_model is not None},
+        phase_lag_s=t.phase_lag_s,
+        worker_drain_lead_s={r.worker: r.finished_at - r.drained_at for r in results if r.drained_at is not None},
         alt_style_share=float(np.mean([s == ALT for s in styles])) if styles else 0.0,
     )
 

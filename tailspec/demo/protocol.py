@@ -78,6 +78,7 @@ class WorkResult(_Payload):
     # what a cluster projection is calibrated with (`tailspec simulate --calibrate`): the engine's own costs
     setup_s: float = Field(0.0, ge=0, description="policy/drafter load and engine build before the first request")
     decode_s: float = Field(0.0, ge=0, description="sum of the decode steps' wall times (admissions excluded)")
+    drained_at: float | None = Field(None, description="when the worker reported its drain (before building this)")
     accepted_by_k: dict[str, list[int]] = Field(default_factory=dict, description="k -> [rows drafted, drafts accepted]")
     cost_model: dict[str, Any] | None = Field(None, description="the engine's cost table t(b, k) (CostModel.to_dict): "
                                               "the warm-up's with the warm-up result, after a rollout what the "

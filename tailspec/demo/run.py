@@ -120,6 +120,7 @@ class Demo:
         self.policy_path: str | None = None
         self.frozen_path: str | None = None  # the first (bootstrap) drafter; None in nospec
         self.current_drafter_version: int | None = None  # the drafter the last rollout ran
+        self.phase_lag_s = 0.0  # the last rollout's last result → its phase change (StepRow.phase_lag_s)
         # what the run produced
         self.exported: dict[str, str] = {}
         self.export_errors: dict[str, str] = {}
@@ -324,6 +325,7 @@ class Demo:
         self.send_work(step, self.deal(reqs), drafter_path, drafter_version)
         results = self.collect(step, on_progress)
         t1 = max(r.finished_at for r in results)
+        self.phase_lag_s = time.time() - t1  # the last result → the phase change (the scheduler stops counting)
         self.client.set_phase("train", step, self.policy_version, self.policy_path)
         self.client.flush(2.0)
         return results, t1 - t0
@@ -383,7 +385,7 @@ class Demo:
         self.policy_version += 1
         self.policy_path = self.publish_policy()
         times = StepTimes(start=t_start, train=t_train, end=time.time(), rollout_s=rollout_s, measure_s=measure_s,
-                          wait_sessions_s=wait_s)
+                          wait_sessions_s=wait_s, phase_lag_s=self.phase_lag_s)
         row = step_row(step, self.o.mode, times, results, before, counters(self.r, self.cluster),
                        drafter_version=self.current_drafter_version, acc_frozen=acc_frozen, acc_co=acc_co,
                        mean_reward=stats.mean_reward, correct=correct, policy_version=self.policy_version,

@@ -231,6 +231,7 @@ class Worker:
             rid_of[engine.add_request(req.prompt_ids, sp)] = req.rid
         outputs, records = self._decode(engine, item, rid_of)
         # Drained: the scheduler may lend this GPU while the other workers' tail runs.
+        drained_at = time.time()
         self.client.report_progress(self.name, [self.gpu], active=0, finished=n, phase="rollout", total=n,
                                     step=item.step, tokens_done=sum(len(o.token_ids) for o in outputs))
         mix = Counter(str(r.k) for r in records)
@@ -241,7 +242,8 @@ class Worker:
             cell[1] += r.accepted
         return WorkResult(worker=self.name, step=item.step, outputs=outputs, started_at=started,
                           finished_at=time.time(), decode_steps=len(records), strategy_mix=dict(mix),
-                          setup_s=setup_s, decode_s=sum(r.seconds for r in records), accepted_by_k=by_k,
+                          setup_s=setup_s, decode_s=sum(r.seconds for r in records), drained_at=drained_at,
+                          accepted_by_k=by_k,
                           cost_model=self.effective_cost(), guard=self.verdicts)
 
     def _arm_guard(self, item: WorkItem, rc, policy_before: tuple | None, drafter_before: tuple | None) -> None:

@@ -14,13 +14,16 @@ prices a position of width at the seconds per FLOP of the warm-up table's per-ro
 costs the FLOPs of one token: 2 per parameter plus attention at the warm-up's width), so a tail of long rows
 at batch 1-2 pays for its context. Prompt lengths come from the task's format (runsum: BOS + 3 tokens per
 number, a well-formed response 8 per number + 3); with another task the context term is off.
+
+The idle GPU-seconds compared are those the scheduler counted: from the tick that read a worker's drain report
+to the tick that read the phase change (`counting_window`, lending.py), each step's window from its record.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +162,26 @@ def engine_context(record: dict, rows: list[dict], workers: list[str], warmup: l
     return [EngineAttention.from_warmup(model, c, wd) for c, wd in zip(warmup, widths)], widths
 
 
+FLUSH_POLL_S = 0.005  # scheduler/client.py TailspecClient.flush: it sleeps this long between checks
+
+
+def counting_window(r: dict, tick_s: float) -> tuple[float, float]:
+    """(phase_s, lead_s) of `Latencies` for one recorded step: the scheduler counts a drained GPU idle from the
+    tick that reads its worker's drain report to the tick that reads the phase change (lending.py). The drain
+    report precedes the worker's result by the time it builds the result (`worker_drain_lead_s`, recorded by
+    runs since it was kept; else 0); the trainer changes the phase after the last result has crossed to it
+    (`phase_lag_s`, likewise). A run recorded before either was kept bounds the lag from above by the step's
+    time outside its rollout and its update (the requests and the rollout phase's write before the rollout,
+    the result's transfer and the phase change after it), less the trainer's two `client.flush` waits: each
+    returns one poll after the phase write it waits for. Each read comes at the next tick, tick / 2 on average
+    (both ends: their expected distance is that of the writes)."""
+    lag = r.get("phase_lag_s")
+    if lag is None:
+        lag = max(0.0, r["step_time_s"] - r["rollout_time_s"] - r["train_time_s"] - 2 * FLUSH_POLL_S)
+    leads = list(r.get("worker_drain_lead_s", {}).values())
+    return tick_s / 2 + lag, float(np.mean(leads)) if leads else 0.0
+
+
 def _lengths(r: dict, workers: list[str]) -> np.ndarray:
     lengths = [r["worker_lengths"].get(w, []) for w in workers]
     arr = np.zeros((len(workers), max(len(x) for x in lengths)))
@@ -241,7 +264,9 @@ def calibrate(run_dir: str | Path, online: bool = True, context: bool = True,
     def step_inputs(r: dict, costs: list[CostModel]) -> StepInputs:
         arr = _lengths(r, workers)
         fixed = np.array([r["worker_busy_s"][w] - r["worker_decode_s"][w] for w in workers])
-        return StepInputs(arr, min(rc["max_batch"], arr.shape[1]), costs, acceptance, fixed, train_s, 1, lat,
+        phase_s, lead_s = counting_window(r, sc["tick_s"])
+        step_lat = replace(lat, phase_s=phase_s, lead_s=lead_s)
+        return StepInputs(arr, min(rc["max_batch"], arr.shape[1]), costs, acceptance, fixed, train_s, 1, step_lat,
                           lend=mode == "cotrained", drafter_tokens_per_s=0.0, dispatch_s=dispatch)
 
     ctx = engine_context(record, rows, workers, warmup, model) if context else None

@@ -2,10 +2,19 @@
 
 Each replica's GPUs get an `IdleDetector` (scheduler/idle.py, the class the service runs) ticked at the
 moments that matter instead of every `tick_s`: when the scheduler can first call the replica idle (its
-drain report seen, a low telemetry sample after it, the idle window passed), when the phase ends (revoke)
-and when the session has stopped (reclaimed). Between those moments the detector's inputs do not change,
-so the extra ticks of the real loop would return nothing. The expected remaining tail it lends on is the
-service's: the phase's elapsed time while any replica still decodes.
+drain report seen, a low telemetry sample after it, the idle window passed), when it reads the phase change
+(revoke) and when the session has stopped (reclaimed). Between those moments the detector's inputs do not
+change, so the extra ticks of the real loop would return nothing. The expected remaining tail it lends on is
+the service's: the phase's elapsed time while any replica still decodes.
+
+The idle GPU-seconds the scheduler counts (scheduler/service.py `_lead`: each tick adds its interval for every
+GPU DRAINED or LENT when the tick began) run from the tick that reads the drain report to the tick that reads
+the phase change, the counting window `Lending.seen` → `Lending.phase_seen`. A worker reports its drain before
+it builds its result (`lead_s`), the trainer changes the phase some time after the last result (`phase_s`
+holds that lag), and the scheduler reads both at its next tick. Two reads on one tick grid with an offset
+uniform over the tick: the expected ticks between them are their distance, so the idle window's expected
+length is `phase_seen - seen` whatever the tick, and the last replica counts too (its drain precedes the
+phase change).
 """
 
 from __future__ import annotations
@@ -24,6 +33,9 @@ class Latencies:
     measures them on a machine)."""
 
     see_s: float = 0.1  # drain → the scheduler has read the worker's report (report period / 2 + tick / 2)
+    # rollout done (the last result) → the scheduler has read the phase change: the trainer's lag + tick / 2
+    phase_s: float = 0.025
+    lead_s: float = 0.0  # a replica's drain report → its last request's result (the worker builds its result)
     telemetry_s: float = 0.1  # drain → the first telemetry sample after it (sample period / 2)
     window_s: float = 0.2  # idle window (scheduler.idle_window_s)
     tick_s: float = 0.05
@@ -40,6 +52,7 @@ class Lending:
     """Per replica, seconds from the rollout's start (NaN: never)."""
 
     seen: np.ndarray  # the scheduler counts the replica idle from here (DRAINED)
+    phase_seen: float  # ... to here: it reads the phase change (revokes; DRAINED and LENT stop counting)
     lent: np.ndarray  # lease granted, session starting
     revoked: np.ndarray
     reclaimed: np.ndarray
@@ -79,25 +92,26 @@ class _Sample:
 
 def decide(finish: np.ndarray, phase_end: float, tp: int, lat: Latencies, lend: bool, step: int = 0) -> Lending:
     """Run each replica's idle state machine through one rollout phase [0, phase_end]; `finish[r]` is when
-    replica r's last request finished (its GPUs drain then)."""
+    replica r's last request finished (its GPUs drain then, its drain report `lat.lead_s` before)."""
     nan = np.full(len(finish), np.nan)
-    out = Lending(np.where(finish + lat.see_s < phase_end, finish + lat.see_s, np.nan), nan.copy(), nan.copy(),
-                  nan.copy())
+    end = phase_end + lat.phase_s  # the scheduler reads the phase change
+    seen = finish - lat.lead_s + lat.see_s
+    out = Lending(np.where(seen < end, seen, np.nan), end, nan.copy(), nan.copy(), nan.copy())
     if not lend:  # a watching scheduler only counts the idle time
         return out
     order = np.sort(finish)
     phase = PhaseInfo.model_construct(phase="rollout", step=step, started_at=0.0, policy_version=0, policy_path=None)
-    ended = PhaseInfo.model_construct(phase="train", step=step, started_at=phase_end, policy_version=0, policy_path=None)
+    ended = PhaseInfo.model_construct(phase="train", step=step, started_at=end, policy_version=0, policy_path=None)
     gpus = tuple(range(tp))
     for r, f in enumerate(finish):
-        now = f + lat.detect_s
-        if now >= phase_end:
+        now = f - lat.lead_s + lat.detect_s
+        if now >= end:
             continue
         det = IdleDetector(window_s=lat.window_s, startup_s=lat.startup_s, stop_deadline_s=max(lat.stop_s, 1e-3) * 4,
                            lend=lend)
-        still = int(len(order) - np.searchsorted(order, now, side="right"))  # replicas decoding at `now`
-        progress = {"r": _Report("r", gpus, 0, step, f), "others": _Report("others", (), still, step, now)}
-        tel = {("sim", g): _Sample(g, 0.0, f + lat.telemetry_s) for g in gpus}
+        still = int(len(order) - np.searchsorted(order, now + lat.lead_s, side="right"))  # not drained at `now`
+        progress = {"r": _Report("r", gpus, 0, step, f - lat.lead_s), "others": _Report("others", (), still, step, now)}
+        tel = {("sim", g): _Sample(g, 0.0, f - lat.lead_s + lat.telemetry_s) for g in gpus}
         acts = det.tick(now, phase, progress, tel)  # type: ignore[arg-type]
         if not any(a.kind == "lend" for a in acts):
             continue
@@ -105,11 +119,11 @@ def decide(finish: np.ndarray, phase_end: float, tp: int, lat: Latencies, lend: 
         for g in gpus:
             det.lent("sim", g, token=1, session_id=sid, now=now)
         out.lent[r] = now
-        acts = det.tick(phase_end, ended, progress, tel)  # type: ignore[arg-type]
+        acts = det.tick(end, ended, progress, tel)  # type: ignore[arg-type]
         if not any(a.kind == "revoke" for a in acts):
             raise AssertionError("the idle state machine kept a GPU lent past the phase end")
-        out.revoked[r] = phase_end
-        acts = det.tick(phase_end + lat.stop_s, ended, progress, tel, {sid})  # type: ignore[arg-type]
-        out.reclaimed[r] = next((phase_end + a.latency_s for a in acts if a.kind == "reclaimed" and a.latency_s),
-                                phase_end + lat.stop_s)
+        out.revoked[r] = end
+        acts = det.tick(end + lat.stop_s, ended, progress, tel, {sid})  # type: ignore[arg-type]
+        out.reclaimed[r] = next((end + a.latency_s for a in acts if a.kind == "reclaimed" and a.latency_s),
+                                end + lat.stop_s)
     return out

@@ -57,8 +57,8 @@ class StepOut:
     phase_end: float
     wait_s: float  # the trainer's wait for reclaim
     tail_idle_gpu_s: float  # Σ over rollout GPUs of (phase end − own done): the long tail's idle time
-    idle_gpu_s: float  # what the scheduler counts idle (drain seen → phase end)
-    lent_gpu_s: float  # lease granted → revoked
+    idle_gpu_s: float  # what the scheduler counts idle (drain seen → phase change seen: lending.py)
+    lent_gpu_s: float  # lease granted → revoked (the phase change seen)
     training_gpu_s: float  # of those, after the session started
     drafter_tokens: float
     states: dict[str, float] = field(default_factory=dict)  # GPU-seconds per state
@@ -108,11 +108,11 @@ def run_step(inp: StepInputs) -> StepOut:
     else:
         states["train"] = inp.train_gpus * inp.train_s
         states["pool_idle"] = inp.train_gpus * (step_s - inp.train_s) + tp * r * (step_s - rollout_pool_s)
-    seen = np.where(np.isnan(lend.seen), phase_end, lend.seen)
+    seen = np.where(np.isnan(lend.seen), lend.phase_seen, lend.seen)  # a drain seen with the phase change: 0
     return StepOut(
         rollout_s=rollout_end, step_s=step_s, finish=finish, lending=lend, phase_end=phase_end, wait_s=wait,
         tail_idle_gpu_s=tp * float((phase_end - finish).sum()),
-        idle_gpu_s=tp * float((phase_end - seen).sum()),
+        idle_gpu_s=tp * float((lend.phase_seen - seen).sum()),
         lent_gpu_s=tp * float(np.nansum(lend.revoked - lend.lent)),
         training_gpu_s=tp * float(training.sum()),
         drafter_tokens=float(training.sum()) * inp.drafter_tokens_per_s,
