@@ -1,12 +1,12 @@
-"""One tick's actions executed by the leading scheduler, in a fixed number of round trips however many GPUs
-they concern: the lease scripts of every lend, revoke and release and the session records they need in one
-pipeline; the new sessions' records in a second (before their processes start, so a session's own fenced
-writes come after it); events, counters and final records queue on the tick's pipeline, written at its end.
-One failed action does not stop the others (Redis blips, dispatch errors); a refused fenced write
-(LeaderLost) ends the term.
+"""One tick's actions executed by the leading scheduler, in a fixed number of round trips and commands however
+many GPUs they concern: one bulk lease script per kind (every lend's acquire, every revoke, every release) and
+one MGET of the session records they need, in one pipeline; the new sessions' records in a second (before their
+processes start, so a session's own fenced writes come after it); events, counters and final records queue on
+the tick's pipeline, written at its end. One failed action does not stop the others (a failed bulk call fails
+the actions it answers, each logged; dispatch errors fail one); a refused fenced write (LeaderLost) ends the term.
 
-Each action kind is two small functions, looked up by kind: what it queues on the first pipeline (QUEUE) and
-what it does with the answers (SETTLE). A lend is settled in bulk by `start_sessions`.
+What each action kind does with its answers is a small function looked up by kind (SETTLE); lends are settled
+together by `start_sessions`.
 """
 
 from __future__ import annotations
@@ -33,14 +33,9 @@ FAILED_BACKOFF_S = 5.0  # a GPU whose session failed is not lent again for this 
 
 def execute_all(s: Scheduler, actions: list[Action], now: float, pipe: Any) -> None:
     pre = s.r.pipeline(transaction=False)
-    slots: list[int] = []  # per action: how many results of `pre` are its lease script's (0 or 1)
-    records: list[str | None] = []  # per action: the session record it reads (one MGET for all)
-    for a in actions:
-        n = len(pre.command_stack)
-        QUEUE[a.kind](s, a, pre)
-        slots.append(len(pre.command_stack) - n)
-        records.append(state.key(s.c, "session", session_id=a.session_id)
-                       if a.kind in ("revoke", "reclaimed") and a.session_id is not None else None)
+    lease_calls = _queue_leases(s, actions, pre)
+    records = [state.key(s.c, "session", session_id=a.session_id)
+               if a.kind in ("revoke", "reclaimed") and a.session_id is not None else None for a in actions]
     wanted = [k for k in records if k is not None]
     if wanted:
         pre.mget(wanted)
@@ -52,12 +47,14 @@ def execute_all(s: Scheduler, actions: list[Action], now: float, pipe: Any) -> N
         s.errors += 1
         log.warning("scheduler: %d actions failed: %s", len(actions), e)
         return
+    answers: dict[int, Any] = {}  # action index → its lease script's answer
+    for (kind, idx), out in zip(lease_calls, results):
+        answers.update(zip(idx, s.leases.answers(out, len(idx))))
     raw_records = iter(results[-1] if wanted and not isinstance(results[-1], Exception) else [None] * len(wanted))
     ended = s.dispatcher.poll() if any(a.kind == "reclaimed" for a in actions) else set()
     lends: list[tuple[Action, Lease]] = []
-    i = 0
-    for a, n, k in zip(actions, slots, records):
-        res, i = results[i : i + n], i + n
+    for i, (a, k) in enumerate(zip(actions, records)):
+        res = [answers[i]] if i in answers else []
         if k is not None:
             res.append(next(raw_records))
         try:
@@ -79,32 +76,28 @@ def execute_all(s: Scheduler, actions: list[Action], now: float, pipe: Any) -> N
     s._counts.clear()
 
 
-# -- queued on the first pipeline --------------------------------------------------------------------
-def _queue_lend(s: Scheduler, a: Action, pre: Any) -> None:
-    s.leases.acquire(a.node, a.gpu, f"scheduler@{s.c}", s.cfg.scheduler.lease_ttl_s, epoch=s.epoch, client=pre)
-
-
-def _queue_revoke(s: Scheduler, a: Action, pre: Any) -> None:
-    assert a.token is not None
-    s.leases.revoke(a.node, a.gpu, a.token, flag_ttl_s=max(60.0, 10 * s.cfg.scheduler.lease_ttl_s),
-                    epoch=s.epoch, client=pre)
-
-
-def _queue_release(s: Scheduler, a: Action, pre: Any) -> None:
-    if a.token is not None:
-        s.leases.release(a.node, a.gpu, a.token, client=pre)
-
-
-def _queue_nothing(s: Scheduler, a: Action, pre: Any) -> None:
-    pass
-
-
-QUEUE: dict[str, Callable[[Scheduler, Action, Any], None]] = {
-    "lend": _queue_lend,
-    "revoke": _queue_revoke,
-    "reclaimed": _queue_release,
-    "idle": _queue_nothing,
-}
+def _queue_leases(s: Scheduler, actions: list[Action], pre: Any) -> list[tuple[str, list[int]]]:
+    """One bulk lease call per kind on `pre` (lends acquire, revokes revoke, reclaims with a token release);
+    returns each call's kind and the indices of the actions it answers, in the order queued."""
+    idx: dict[str, list[int]] = {"lend": [], "revoke": [], "reclaimed": []}
+    for i, a in enumerate(actions):
+        if a.kind in ("lend", "revoke") or (a.kind == "reclaimed" and a.token is not None):
+            idx[a.kind].append(i)
+    sc = s.cfg.scheduler
+    calls = []
+    if idx["lend"]:
+        s.leases.acquire_many([(actions[i].node, actions[i].gpu) for i in idx["lend"]], f"scheduler@{s.c}",
+                              sc.lease_ttl_s, s.epoch, pre)
+        calls.append(("lend", idx["lend"]))
+    if idx["revoke"]:
+        s.leases.revoke_many([(actions[i].node, actions[i].gpu, actions[i].token) for i in idx["revoke"]],
+                             max(60.0, 10 * sc.lease_ttl_s), s.epoch, pre)
+        calls.append(("revoke", idx["revoke"]))
+    if idx["reclaimed"]:
+        s.leases.release_many([(actions[i].node, actions[i].gpu, actions[i].token) for i in idx["reclaimed"]],
+                              pre)
+        calls.append(("reclaimed", idx["reclaimed"]))
+    return calls
 
 
 # -- settled with the answers: `res` holds the lease script's result, then the session's record ----
@@ -187,7 +180,8 @@ def _write_start_records(
         sid = f"{a.node}-g{a.gpu}-t{lease.token}"
         info = SessionInfo(session_id=sid, node=a.node, gpu=a.gpu, lease_token=lease.token, status="starting",
                            started_at=lease.granted_at)
-        rec.set(state.key(s.c, "session", session_id=sid), state.encode(info))
+        # execute_command: redis-py's set() inspects its arguments on every call (a thousand lends in a tick)
+        rec.execute_command("SET", state.key(s.c, "session", session_id=sid), state.encode(info))
         started.append((a, lease, sid, info))
     try:
         rec.execute()
@@ -240,7 +234,7 @@ def write_stopped(s: Scheduler, sid: str, info: SessionInfo, status: str, reason
     """The one writer of a session's final record on the scheduler's side (status, when, why); `client`: Redis
     or a pipeline to queue the write on."""
     data = state.encode(info.model_copy(update={"status": status, "stopped_at": time.time(), "stop_reason": reason}))
-    client.set(state.key(s.c, "session", session_id=sid), data)
+    client.execute_command("SET", state.key(s.c, "session", session_id=sid), data)  # set() inspects its arguments
 
 
 def finalize_record(s: Scheduler, sid: str, reason: str, info: SessionInfo | None = None, pipe: Any = None) -> None:

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tailspec.scheduler.idle_index import StepIndex
+
 from tailspec.core.state import GpuState, GpuTelemetry, PhaseInfo, Progress
 
 GpuKey = tuple[str, int]
@@ -98,7 +100,11 @@ class IdleDetector:
     require_release: bool = False  # a worker that never reported mem_released is not lent either
     min_free_bytes: int = 0
     mem_needed: int = 0  # the largest footprint a session computed (learn_need): a GPU with less free is not lent
+    # False: every machine is stepped at every tick. True: only those whose step could decide something new
+    # (scheduler/idle_index.py); the same decisions, which tests/test_scheduler_idle_incremental.py checks.
+    incremental: bool = True
     machines: dict[GpuKey, GpuMachine] = field(default_factory=dict)
+    index: StepIndex = field(default_factory=StepIndex, repr=False)
 
     def learn_need(self, nbytes: int) -> None:
         """A session computed it needs `nbytes` of GPU memory: do not lend a GPU with less free again."""
@@ -118,7 +124,21 @@ class IdleDetector:
         m = self.machines.get((node, gpu))
         if m is None:
             m = self.machines[(node, gpu)] = GpuMachine(node, gpu)
+            self.index.added((node, gpu))
         return m
+
+    def count(self, *states: GpuState) -> int:
+        """Machines in any of `states`."""
+        return self.index.count(*states)
+
+    def keys_in(self, st: GpuState) -> set[GpuKey]:
+        """The machines in state `st` (the index's own set: do not change it)."""
+        return self.index.by_state[st]
+
+    def changed(self) -> list[GpuKey]:
+        """Machines stepped or changed since the last call, in creation order: the only ones whose state or
+        since can differ from what the last call's caller saw."""
+        return self.index.take_changed()
 
     def tick(
         self,
@@ -128,24 +148,31 @@ class IdleDetector:
         telemetry: Mapping[GpuKey, GpuTelemetry],
         stopped_sessions: set[str] | frozenset[str] = frozenset(),
     ) -> list[Action]:
-        owner: dict[GpuKey, Progress] = {}
-        for p in progress.values():
-            node = p.node
-            for g in p.gpus:
-                owner[(node, g)] = p
+        """Step the machines (all, or those whose step could decide something new) on this snapshot; returns
+        the actions in the machines' creation order. The mappings' values are treated as immutable snapshots."""
+        owner = self.index.owners(progress)
         machines = self.machines
         for keys in (telemetry, owner):
-            for k in keys:
-                if k not in machines:  # a GPU seen for the first time (cheap check: ticks see ~every GPU)
-                    self.machine(*k)
+            if not keys.keys() <= machines.keys():  # a GPU seen for the first time (checked in C: rare)
+                for k in keys:
+                    if k not in machines:
+                        self.machine(*k)
+        due = self.index.due(now, phase, owner, telemetry, stopped_sessions, everything=not self.incremental)
+        actions: list[Action] = []
+        if not due:
+            return actions
         rollout = phase is not None and phase.phase == "rollout"
         tail = expected_tail_s(now, phase, progress.values())
         lend_reason = f"expected tail {tail:.2f}s"
-        actions: list[Action] = []
-        step = self._step
-        for k, m in machines.items():
+        step, stepped, deadline_s = self._step, self.index.stepped, self.stop_deadline_s
+        for k in due:
+            m = machines[k]
+            old, sid = m.state, m.session_id
             step(m, now, phase, rollout, tail, owner.get(k), telemetry.get(k), stopped_sessions, actions,
                  lend_reason)
+            if m.state != old or m.session_id != sid or m.state == GpuState.RECLAIMING:
+                stepped(k, old, m.state, sid, m.session_id,
+                        None if m.revoked_at is None else m.revoked_at + deadline_s)
         return actions
 
     def _step(
@@ -257,6 +284,7 @@ class IdleDetector:
     def back_off(self, node: str, gpu: int, until: float) -> None:
         """Do not lend this GPU again before `until` (its session failed to start or crashed)."""
         m = self.machine(node, gpu)
+        self.index.touched(m.key)
         m.floor = max(m.floor, until)
         if m.state == GpuState.DRAINED and m.drained_at is not None:
             m.drained_at = max(m.drained_at, until)
@@ -269,6 +297,8 @@ class IdleDetector:
             raise RuntimeError(f"GPU {node}:{gpu} lent from state {m.state.value}, expected drained")
         m.lease_token, m.session_id, m.lent_at = token, session_id, now
         m._enter(GpuState.LENT, now)
+        self.index.moved(m.key, GpuState.DRAINED, GpuState.LENT)
+        self.index.lent(m.key, session_id)
 
 
 def _revoke_reason(rollout: bool, p: Progress | None, t: GpuTelemetry | None, generating: bool,

@@ -146,6 +146,65 @@ _REVOKE = (
     + _RELEASE
 )
 
+# The scheduler's bulk forms of acquire, revoke and release: at a phase end it revokes every GPU it lent in one
+# tick, then releases them; one call each instead of one per GPU (the client's per-command cost is most of such
+# a tick). Each is its single form run per lease, the leader checked once: a script runs atomically, so the
+# leader key cannot change between two of its leases.
+
+# KEYS: fence counter, leader, then each lease key. ARGV: px_ms, epoch ('' = unfenced), then each lease's JSON
+# without token. Returns -1 when `epoch` does not lead (nothing written), else one _ACQUIRE answer per lease.
+_ACQUIRE_MANY = _LEADS + """
+if ARGV[2] ~= '' and not leads(KEYS[2], ARGV[2]) then return -1 end
+local out = {}
+for j = 3, #ARGV do
+  local lk = KEYS[j]
+  if redis.call('EXISTS', lk) == 1 then
+    out[j - 2] = 0
+  else
+    local lease = cjson.decode(ARGV[j])
+    lease['token'] = redis.call('INCR', KEYS[1])
+    if ARGV[2] ~= '' then lease['epoch'] = tonumber(ARGV[2]) end
+    local s = cjson.encode(lease)
+    redis.call('SET', lk, s, 'PX', ARGV[1])
+    out[j - 2] = s
+  end
+end
+return out
+"""
+
+# Deletes KEYS[j] if it carries token ARGV[j]; returns 1 or 0 per lease.
+_RELEASE_ONE = """
+local function release(lk, token)
+  local v = redis.call('GET', lk)
+  if not v then return 0 end
+  local ok, lease = pcall(cjson.decode, v)
+  if ok and tonumber(lease['token']) == tonumber(token) then
+    redis.call('DEL', lk)
+    return 1
+  end
+  return 0
+end
+"""
+
+_RELEASE_MANY = _RELEASE_ONE + """
+local out = {}
+for j = 1, #KEYS do out[j] = release(KEYS[j], ARGV[j]) end
+return out
+"""
+
+# KEYS: leader, then each lease's key and revoke flag. ARGV: flag ttl_ms, epoch ('' = unfenced), then each
+# lease's token. Returns -1 when `epoch` does not lead (nothing written), else one _REVOKE answer per lease.
+_REVOKE_MANY = _LEADS + _RELEASE_ONE + """
+if ARGV[2] ~= '' and not leads(KEYS[1], ARGV[2]) then return -1 end
+local out = {}
+for j = 1, #ARGV - 2 do
+  local token = ARGV[2 + j]
+  redis.call('SET', KEYS[1 + 2 * j], token, 'PX', ARGV[1])
+  out[j] = release(KEYS[2 * j], token)
+end
+return out
+"""
+
 # KEYS: lease, target. ARGV: token, value, px_ms (0 = no expiry). Writes only while the token holds the lease.
 _FENCED_SET = """
 local v = redis.call('GET', KEYS[1])
@@ -175,12 +234,20 @@ class Leases:
         self._revoke = self.r.register_script(_REVOKE)
         self._release = self.r.register_script(_RELEASE)
         self._fenced_set = self.r.register_script(_FENCED_SET)
+        self._acquire_many = self.r.register_script(_ACQUIRE_MANY)
+        self._revoke_many = self.r.register_script(_REVOKE_MANY)
+        self._release_many = self.r.register_script(_RELEASE_MANY)
+        self._key_cache: dict[tuple[str, int], tuple[str, str]] = {}
 
     def _keys(self, node: str, gpu: int) -> tuple[str, str]:
-        return (
-            state.key(self.cluster, "lease", node=node, gpu=gpu),
-            state.key(self.cluster, "revoke", node=node, gpu=gpu),
-        )
+        """The GPU's lease key and revoke flag (kept: the scheduler names every GPU's keys many times a second)."""
+        keys = self._key_cache.get((node, gpu))
+        if keys is None:
+            keys = self._key_cache[(node, gpu)] = (
+                state.key(self.cluster, "lease", node=node, gpu=gpu),
+                state.key(self.cluster, "revoke", node=node, gpu=gpu),
+            )
+        return keys
 
     @property
     def _leader_key(self) -> str:
@@ -258,6 +325,39 @@ class Leases:
         lease_key, _ = self._keys(node, gpu)
         out = self._release(keys=[lease_key], args=[token], client=client)
         return out if client is not None else bool(out)
+
+    # -- bulk forms, for the scheduler's tick: queued on a pipeline (`client`), one result list each --------------
+    def acquire_many(self, gpus: list[tuple[str, int]], holder: str, ttl_s: float, epoch: int | None,
+                     client: Any) -> None:
+        """acquire() of each (node, gpu), in one command; `answers` splits the result into acquire() answers."""
+        keys = [state.key(self.cluster, "fence"), self._leader_key, *(self._keys(n, g)[0] for n, g in gpus)]
+        now = time.time()
+        args = [state.encode_dict({"node": n, "gpu": g, "holder": holder, "granted_at": now, "ttl_s": ttl_s})
+                for n, g in gpus]
+        self._acquire_many(keys=keys, args=[_ms(ttl_s), _epoch_arg(epoch), *args], client=client)
+
+    def revoke_many(self, leases: list[tuple[str, int, int]], flag_ttl_s: float, epoch: int | None,
+                    client: Any) -> None:
+        """revoke() of each (node, gpu, token), in one command; `answers` splits the result into revoke()
+        answers."""
+        keys = [self._leader_key]
+        for node, gpu, _ in leases:
+            keys.extend(self._keys(node, gpu))
+        self._revoke_many(keys=keys, args=[_ms(flag_ttl_s), _epoch_arg(epoch), *(t for _, _, t in leases)],
+                          client=client)
+
+    def release_many(self, leases: list[tuple[str, int, int]], client: Any) -> None:
+        """release() of each (node, gpu, token), in one command; `answers` splits the result."""
+        self._release_many(keys=[self._keys(n, g)[0] for n, g, _ in leases], args=[t for _, _, t in leases],
+                           client=client)
+
+    @staticmethod
+    def answers(out: Any, n: int) -> list[Any]:
+        """A bulk call's result as n single answers: the same error, or the same refusal (-1), for each when the
+        call failed or the epoch did not lead."""
+        if isinstance(out, Exception) or not isinstance(out, list):
+            return [out] * n
+        return out
 
     def current(self, node: str, gpu: int) -> Lease | None:
         lease_key, _ = self._keys(node, gpu)

@@ -36,7 +36,8 @@ from tailspec.scheduler.idle import Action, IdleDetector
 from tailspec.scheduler.leader import LeaderElection
 from tailspec.scheduler.leases import LeaderLost, Leases
 from tailspec.scheduler.monitor import TelemetryMonitor
-from tailspec.scheduler.observe import Observer
+from tailspec.scheduler.observe import Observer, Sent
+from tailspec.scheduler.streams import StreamAppender
 from tailspec.scheduler.telemetry import make_telemetry
 
 from tailspec.core import state
@@ -92,6 +93,8 @@ class Scheduler:
             holder=self.holder,
         )
         self.holder = self.election.holder
+        self._streams = StreamAppender(self.r, sc.history_maxlen)  # the tick's events and status history
+        self.sent = Sent()  # what the observer sent as packed bytes (the client's command hooks miss it)
         # Sessions started in a term this instance lost: session id → when to stop them if still running.
         self.orphans: dict[str, float] = {}
         self._role_logged: str | None = None
@@ -113,7 +116,7 @@ class Scheduler:
     def _reset_term_state(self) -> None:
         """What a term's decisions rest on, fresh: a leader starts from what it observes itself."""
         self._published: dict[tuple[str, int], tuple[GpuState, float]] = {}
-        self._observer = Observer(self.r, self.c, self._bad)
+        self._observer = Observer(self.r, self.c, self._bad, self.sent)
         self._last_tick: float | None = None
         self._last_renew = float("-inf")
         self._last_flush = float("-inf")
@@ -232,8 +235,12 @@ class Scheduler:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def _event(self, kind: str, node: str | None, gpu: int | None, pipe: Any = None, **detail: Any) -> None:
+        """Append an event now, or with `pipe` (the tick's pipeline) with the tick's other writes at its end."""
         ev = Event(kind=kind, node=node, gpu=gpu, detail=detail)  # type: ignore[arg-type]
-        (pipe or self.r).xadd(
+        if pipe is not None:
+            self._streams.add(state.key(self.c, "events"), state.encode(ev))
+            return
+        self.r.xadd(
             state.key(self.c, "events"),
             {"data": state.encode(ev)},
             maxlen=self.cfg.scheduler.history_maxlen,
@@ -259,13 +266,14 @@ class Scheduler:
             return []
 
     def _lead(self, now: float, ended: set[str]) -> list[Action]:
+        self._streams.drop()  # what an aborted tick queued was never written, as its pipeline was not
         phase, progress, telemetry = self.snapshot()
         sc = self.cfg.scheduler
         # GPU-seconds over the interval since the last tick, by the states held during it.
         dt = 0.0 if self._last_tick is None else min(max(0.0, now - self._last_tick), 1.0)
         self._last_tick = now
-        n_idle = sum(m.state in (GpuState.DRAINED, GpuState.LENT) for m in self.detector.machines.values())
-        n_lent = sum(m.state == GpuState.LENT for m in self.detector.machines.values())
+        n_idle = self.detector.count(GpuState.DRAINED, GpuState.LENT)
+        n_lent = self.detector.count(GpuState.LENT)
 
         actions = self.detector.tick(now, phase, progress, telemetry, ended)
         pipe = self.r.pipeline(transaction=False)
@@ -277,8 +285,10 @@ class Scheduler:
         if renew:
             self._last_renew = now
         if renew:  # fenced by each lease's epoch: refused once this term is over. One command for all of them.
-            lent = [(m.node, m.gpu, m.lease_token) for m in self.detector.machines.values()
-                    if m.state == GpuState.LENT and m.lease_token is not None]
+            machines = self.detector.machines
+            lent = [(k[0], k[1], machines[k].lease_token) for k in self.detector.keys_in(GpuState.LENT)
+                    if machines[k].lease_token is not None]
+            lent.sort(key=lambda x: self.detector.index.order[(x[0], x[1])])
             if lent:
                 self.leases.renew_many(lent, sc.lease_ttl_s, require_heartbeat=False, client=pipe)
         self._publish_status(now, pipe)
@@ -287,6 +297,7 @@ class Scheduler:
         if now - self._last_flush >= COUNTER_FLUSH_S or actions:  # dashboards need ~4 Hz, not 20 Hz
             self._flush_counters(pipe)
             self._last_flush = now
+        self._streams.flush(pipe)
         pipe.execute()
         return actions
 
@@ -300,7 +311,9 @@ class Scheduler:
 
     def _publish_status(self, now: float, pipe: Any) -> None:
         changed: dict[str, bytes] = {}
-        for key, m in self.detector.machines.items():
+        machines = self.detector.machines
+        for key in self.detector.changed():  # a machine neither stepped nor changed kept its state and since
+            m = machines[key]
             cur = (m.state, m.since)
             if self._published.get(key) == cur:
                 continue
@@ -316,12 +329,7 @@ class Scheduler:
             )
             data = state.encode(st)
             changed[state.key(self.c, "gpu_status", node=m.node, gpu=m.gpu)] = data
-            pipe.xadd(
-                state.key(self.c, "status_history"),
-                {"data": data},
-                maxlen=self.cfg.scheduler.history_maxlen,
-                approximate=True,
-            )
+            self._streams.add(state.key(self.c, "status_history"), data)
         if changed:
             pipe.mset(changed)
 

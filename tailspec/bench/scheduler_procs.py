@@ -149,12 +149,12 @@ def _time_ticks(sched: Scheduler, rt: RoundTrips) -> list[tuple[float, float, fl
 
     def timed_tick(now: float | None = None):
         t_wall, t0, c0 = time.time(), time.perf_counter(), time.thread_time()
-        trips, cmds = rt.trips, rt.commands
+        trips, cmds = rt.trips + sched.sent.trips, rt.commands + sched.sent.commands  # + the packed reads
         try:
             return tick(now)
         finally:
-            ticks.append((t_wall, time.perf_counter() - t0, time.thread_time() - c0, rt.trips - trips,
-                          rt.commands - cmds))
+            ticks.append((t_wall, time.perf_counter() - t0, time.thread_time() - c0,
+                          rt.trips + sched.sent.trips - trips, rt.commands + sched.sent.commands - cmds))
 
     sched.tick = timed_tick
     return ticks
