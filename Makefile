@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test install install-test redis browser clean bench vllm-env test-vllm test-deepspeed test-faults test-verl
+.PHONY: demo test install install-test redis browser clean bench vllm-env test-vllm test-deepspeed test-faults test-verl \
+	test-openrlhf
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -95,3 +96,20 @@ VERL_DEPS := verl==0.9.1 tensordict==0.10.0 omegaconf==2.3.0 hydra-core==1.3.8 a
 test-verl: install-test redis
 	$(BIN)/pip install -q --no-deps $(VERL_DEPS)
 	$(BIN)/python -m pytest -q -m verl tests/test_integration_verl.py
+
+# The OpenRLHF adapter's tests (tests/test_integration_openrlhf.py, marked `openrlhf`; ~1.5 min on 2 cores). OpenRLHF
+# 0.11.2 imports vLLM at the top of its engine and generator modules, so they run with the vLLM CPU venv's python.
+# OpenRLHF goes in without its dependencies (they pin transformers 5.15, deepspeed, flash-attn: a CUDA build), with
+# what its imported modules need that the vLLM venv lacks, into a folder of its own on PYTHONPATH: neither venv's
+# packages change.
+OPENRLHF_DIR := .openrlhf-deps
+OPENRLHF_STAMP := $(OPENRLHF_DIR)/.installed
+OPENRLHF_DEPS := openrlhf==0.11.2 ray==2.55.0 msgpack==1.1.2 pylatexenc==2.11
+
+$(OPENRLHF_STAMP): $(VLLM_STAMP)
+	rm -rf $(OPENRLHF_DIR)
+	$(VLLM_VENV)/bin/pip install -q --no-deps --target $(OPENRLHF_DIR) $(OPENRLHF_DEPS)
+	touch $@
+
+test-openrlhf: $(OPENRLHF_STAMP) redis
+	PYTHONPATH=$(OPENRLHF_DIR) $(VLLM_VENV)/bin/python -m pytest -q -m openrlhf tests/test_integration_openrlhf.py

@@ -1,0 +1,366 @@
+"""tailspec attached to OpenRLHF (the pinned release, `make test-openrlhf`), driven on CPU with OpenRLHF's own
+classes: its `SamplesGenerator` (prompt batches, load-balanced dispatch by unfinished requests, wake-up / sleep,
+experiences built from the engines' responses, its sample buffer, evaluation), its hierarchical config
+(`hierarchize`), its `RolloutRayActor` class under tailspec's subclass and its `create_vllm_engines` /
+placement group. The vLLM engine actors are stand-in Ray actors where vLLM itself would have to run; OpenRLHF's
+`PPOTrainer` module imports DeepSpeed and flash-attn (CUDA builds), so the trainer mixin is driven over a
+stand-in base with the same methods, and `test_openrlhf_gpu_engine_actor` runs the real engine where a GPU is."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+openrlhf = pytest.importorskip("openrlhf")
+ray = pytest.importorskip("ray")
+pytest.importorskip("vllm")  # OpenRLHF's engine and generator modules import vLLM at the top
+
+from openrlhf.trainer.ray import vllm_engine
+from openrlhf.utils.config import hierarchize
+from tailspec.scheduler.attach import node_name
+from tailspec.scheduler.client import TailspecClient
+from test_vllm_checks import write_drafter, write_target
+
+from tailspec.core import state
+from tailspec.core.state import DrafterVersion, PhaseInfo, Progress
+from tailspec.integrations import openrlhf_config as oc
+from tailspec.integrations.openrlhf import (
+    TailspecRolloutActor,
+    TailspecSamplesGenerator,
+    TailspecTrainerMixin,
+    engine_actor_class,
+    install_engines,
+)
+from tailspec.integrations.openrlhf_attach import OpenRLHFAttach, newest_hf_checkpoint
+
+pytestmark = [pytest.mark.openrlhf, pytest.mark.timeout(300)]
+CLUSTER = "orlhf"
+PROMPT, RESPONSE = [1, 2, 3], [7, 8, 9]
+
+
+def test_pinned_release_is_installed():
+    assert version("openrlhf") == oc.OPENRLHF_VERSION
+
+
+@ray.remote
+class FakeEngine:
+    """Stands in for OpenRLHF's vLLM engine actor (vLLM's engine would need a GPU here): the GPUs Ray gives it,
+    `generate_responses` waiting at a gate (so requests stay unfinished) and returning its executor's response
+    dicts, the unfinished-request count OpenRLHF balances by, wake-up / sleep, and tailspec's two methods."""
+
+    def __init__(self, devices: str):
+        self.devices, self.gate, self.unfinished, self.log = devices, asyncio.Event(), 0, []
+
+    async def generate_responses(self, prompt, label, sampling_params, max_length, hf_tokenizer, num_samples=1,
+                                 images=None):
+        self.unfinished += num_samples
+        await self.gate.wait()
+        self.unfinished -= num_samples
+        self.log.append(("generate", prompt))
+        reward = float(prompt[1:])  # prompts are "p<i>"
+        return [{"prompt": prompt, "label": label, "observation_tokens": PROMPT + RESPONSE,
+                 "action_ranges": [(3, 6)], "reward": reward, "scores": reward, "rollout_log_probs": None,
+                 "extra_logs": {}} for _ in range(num_samples)]
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.unfinished
+
+    def open(self):
+        self.gate.set()
+
+    def wake_up(self, tags=None):
+        self.log.append(("wake_up", None))
+
+    def sleep(self, level=1):
+        self.log.append(("sleep", None))
+
+    def tailspec_where(self):
+        return node_name(ray.get_runtime_context().get_node_id()), [int(d) for d in self.devices.split(",")]
+
+    def tailspec_reload_drafter(self, path):
+        self.log.append(("tailspec_reload_drafter", path))
+        return [{"ok": True}]
+
+    def calls(self):
+        """(the calls other than generate, in order; the paths reloaded)"""
+        return [c for c, _ in self.log if c != "generate"], [p for c, p in self.log if c == "tailspec_reload_drafter"]
+
+
+def _strategy(enable_sleep: bool = True, batch: int = 4, gen_batch: int | None = None):
+    """OpenRLHF's own nested args, built the way its launcher builds them (flat dotted flags -> hierarchize)."""
+    flat = {"rollout.batch_size": batch, "rollout.n_samples_per_prompt": 2,
+            "rollout.vllm_generate_batch_size": gen_batch, "vllm.enable_sleep": enable_sleep,
+            "algo.dynamic_filtering_enable": False, "algo.dynamic_filtering_range": [0.0, 1.0],
+            "algo.advantage.is_correction_level": "off", "ckpt.path": "/unused"}
+    return argparse.Namespace(args=hierarchize(argparse.Namespace(**flat)))
+
+
+def _prompts(n: int) -> list:
+    return [(["ds"], [f"p{i}"], [f"l{i}"], [None]) for i in range(n)]  # OpenRLHF's collate: one prompt a batch
+
+
+def _settings(redis_url: str, tmp: Path, **kw) -> oc.OpenRLHFSettings:
+    return oc.OpenRLHFSettings(redis_url=redis_url, cluster=CLUSTER, policy_root=str(tmp / "policy"),
+                               progress_interval_s=0.1, **kw)
+
+
+def _progress(r) -> dict[str, Progress]:
+    out = {}
+    for k in r.scan_iter(match=state.key(CLUSTER, "progress", worker="*")):
+        p = state.decode(Progress, r.get(k), where=k.decode())
+        out[p.worker] = p
+    return out
+
+
+def _samples(r) -> list[dict]:
+    return [json.loads(f[b"data"]) for _, f in r.xrange(state.key(CLUSTER, "samples"))]
+
+
+def _wait(pred, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+GEN = {"temperature": 1.0, "max_new_tokens": 8, "max_len": 64, "n_samples_per_prompt": 2}
+
+
+@pytest.fixture
+def engines(ray_cluster):
+    handles = [FakeEngine.remote("0,1"), FakeEngine.remote("2,3")]
+    yield handles
+    for h in handles:
+        ray.kill(h)
+
+
+def _generator(attach, engines, strategy, n_prompts: int = 4, eval_prompts: int = 0):
+    return TailspecSamplesGenerator(strategy, _prompts(n_prompts), _prompts(eval_prompts) or None, None, engines,
+                                    tailspec=attach)
+
+
+def test_generator_reports_engines_progress_phases_and_samples(engines, redis_url, redis_client, tmp_path):
+    client = TailspecClient(redis_url, cluster=CLUSTER, node="n0")
+    model = write_target(tmp_path / "model")
+    attach = OpenRLHFAttach(_settings(redis_url, tmp_path), client, model_dir=model, checkpoint_root=tmp_path / "ckpt",
+                            engines=engines, slept=True)
+    gen = _generator(attach, engines, _strategy())
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(out=gen.generate_samples(**GEN)))
+    t.start()
+    during = _wait(lambda: (p := _progress(redis_client)) and sum(x.active for x in p.values()) == 8 and p)
+    phase = state.get(redis_client, state.key(CLUSTER, "phase"), PhaseInfo)
+    assert (phase.phase, phase.step, phase.policy_version) == ("rollout", 1, 0)
+    assert phase.policy_path == str(tmp_path / "policy" / "policy-v00000000")
+    node = node_name(ray.get_runtime_context().get_node_id())
+    assert {w: (p.node, p.gpus, p.active, p.total) for w, p in during.items()} == {
+        "openrlhf-engine-0": (node, [0, 1], 4, 4), "openrlhf-engine-1": (node, [2, 3], 4, 4)}  # balanced by OpenRLHF
+    assert all(p.mem_released is None for p in during.values())  # the engines hold their memory until the sleep
+    for h in engines:
+        ray.get(h.open.remote())
+    t.join(60)
+    experiences = result["out"][0]
+    assert len(experiences) == 8 and experiences[0].sequences[0].tolist() == PROMPT + RESPONSE  # OpenRLHF's own
+
+    after = _progress(redis_client)
+    assert {w: (p.active, p.finished, p.total, p.mem_released) for w, p in after.items()} == {
+        "openrlhf-engine-0": (0, 4, 4, True), "openrlhf-engine-1": (0, 4, 4, True)}
+    phase = state.get(redis_client, state.key(CLUSTER, "phase"), PhaseInfo)
+    assert (phase.phase, phase.step) == ("train", 1) and attach.stats.waits[-1]["reclaimed"] is True
+    assert [ray.get(h.calls.remote())[0] for h in engines] == [["wake_up", "sleep"]] * 2
+    client.flush(5.0)
+    rows = _wait(lambda: len(s := _samples(redis_client)) == 8 and s)
+    assert sorted(r["reward"] for r in rows) == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    assert all(r["prompt_ids"] == PROMPT and r["response_ids"] == RESPONSE and r["policy_version"] == 0 for r in rows)
+    client.close()
+
+
+def test_buffered_and_evaluation_batches_make_no_phase_calls(engines, redis_url, redis_client, tmp_path):
+    """OpenRLHF serves the second training batch from its buffer (vllm_generate_batch_size = 2 batches) and
+    generates evaluation batches through the same engines: neither is a tailspec rollout."""
+    client = TailspecClient(redis_url, cluster=CLUSTER, node="n0")
+    attach = OpenRLHFAttach(_settings(redis_url, tmp_path), client, model_dir=write_target(tmp_path / "m"),
+                            checkpoint_root=tmp_path / "ckpt", engines=engines)
+    for h in engines:
+        ray.get(h.open.remote())
+    gen = _generator(attach, engines, _strategy(enable_sleep=False, batch=2, gen_batch=4), eval_prompts=2)
+    first = gen.generate_samples(**GEN)
+    assert len(first[0]) == 4 and len(attach.stats.waits) == 1 and first[2] == 4  # 4 prompts drawn at once
+    second = gen.generate_samples(**GEN)
+    assert len(second[0]) == 4 and second[2] == 0 and len(attach.stats.waits) == 1  # from the buffer
+    attach.updated(1)
+    evals = gen.generate_eval_samples(**GEN)
+    assert len(evals) == 4 and len(attach.stats.waits) == 1
+    phase = state.get(redis_client, state.key(CLUSTER, "phase"), PhaseInfo)
+    assert (phase.phase, phase.step) == ("train", 1)
+    assert sum(e["finished"] for e in attach.stats.loads[-1]) == 8
+    client.close()
+
+
+def _promote(r, v: int, path: Path) -> None:
+    state.put(r, state.key(CLUSTER, "drafter_current"), DrafterVersion(
+        version=v, path=str(path), policy_version=0, acceptance_length=2.0, promoted=True, created_at=time.time()))
+
+
+def test_promotion_reloads_every_engine_after_wake_up(engines, redis_url, redis_client, tmp_path):
+    model = write_target(tmp_path / "model")
+    first, second = write_drafter(tmp_path / "d1"), write_drafter(tmp_path / "d2")
+    wrong = write_drafter(tmp_path / "wrong", hidden=32)
+    client = TailspecClient(redis_url, cluster=CLUSTER, node="n0")
+    _promote(redis_client, 1, first)
+    attach = OpenRLHFAttach(_settings(redis_url, tmp_path, drafter_path=str(first), drafter_version=1), client,
+                            model_dir=model, checkpoint_root=tmp_path / "ckpt", engines=engines, slept=True)
+    for h in engines:
+        ray.get(h.open.remote())
+    gen = _generator(attach, engines, _strategy(batch=2), n_prompts=6)
+    gen.generate_samples(**GEN)  # the version the engines started with: nothing to load
+    assert [ray.get(h.calls.remote())[0] for h in engines] == [["wake_up", "sleep"]] * 2
+
+    _promote(redis_client, 2, second)
+    attach.updated(1)
+    gen.generate_samples(**GEN)
+    for h in engines:  # after OpenRLHF woke the engine, before its first request of the batch
+        assert ray.get(h.calls.remote()) == (["wake_up", "sleep", "wake_up", "tailspec_reload_drafter", "sleep"],
+                                             [str(second)])
+    _promote(redis_client, 3, wrong)  # another target's drafter: refused before any engine sees it
+    attach.updated(2)
+    gen.generate_samples(**GEN)
+    assert all(ray.get(h.calls.remote())[1] == [str(second)] for h in engines)
+    assert attach.live.version.version == 2 and 3 in attach.live.refused
+    phase = state.get(redis_client, state.key(CLUSTER, "phase"), PhaseInfo)
+    assert (phase.step, phase.policy_version) == (3, 2)
+    client.close()
+
+
+def test_policy_versions_follow_openrlhf_hf_checkpoints(redis_url, tmp_path):
+    client = TailspecClient(redis_url, cluster=CLUSTER, node="n0")
+    ckpt = tmp_path / "ckpt"
+    attach = OpenRLHFAttach(_settings(redis_url, tmp_path), client, model_dir=write_target(tmp_path / "m"),
+                            checkpoint_root=ckpt)
+    assert attach.publish_policy()[0] == 0
+    write_target(ckpt / "global_step2_hf")  # what --ckpt.save_hf writes at --ckpt.save_steps
+    write_target(ckpt / "best_global_step9_hf")  # a best-metric save: not a step of the run's sequence
+    (ckpt / "global_step4_hf").mkdir()  # being written (no config.json yet)
+    assert newest_hf_checkpoint(ckpt) == (2, ckpt / "global_step2_hf")
+    assert attach.publish_policy()[0] == 2 and attach.stats.published == [0, 2]
+    assert (tmp_path / "policy" / "policy-v00000002" / "config.json").is_file()
+    client.close()
+
+
+class FakePPOTrainerBase:
+    """Stands in for the class under OpenRLHF's `@ray.remote PPOTrainer` (its module imports DeepSpeed and
+    flash-attn): the constructor's arguments and attributes, `init_checkpoint_states`, `train_step`, and a `fit`
+    running `generate_samples` then `train_step` as OpenRLHF's does."""
+
+    def __init__(self, pretrain, strategy, actor, critic, reward, ref, vllm_engines, **generate_kwargs):
+        self.strategy, self.vllm_engines, self.generate_kwargs = strategy, vllm_engines, generate_kwargs
+        self.prompts_dataloader, self.eval_dataloader, self.tokenizer = _prompts(4), None, None
+        self.samples_generator = "OpenRLHF's generator"
+
+    def init_checkpoint_states(self):
+        return {"global_step": 5}  # a resumed run
+
+    def train_step(self, rollout_samples, global_step):
+        return {"n": len(rollout_samples)}, global_step + 1
+
+    def fit(self, global_step=0):
+        step = self.init_checkpoint_states()["global_step"] or global_step
+        while True:
+            samples, _, _, _ = self.samples_generator.generate_samples(**self.generate_kwargs)
+            if not samples:
+                break
+            _, step = self.train_step(samples, step)
+
+
+def test_trainer_mixin_numbers_steps_from_the_resumed_checkpoint(engines, redis_url, redis_client, tmp_path):
+    strategy = _strategy(enable_sleep=False, batch=2)
+    strategy.args.ckpt.path = str(tmp_path / "ckpt")
+    trainer_cls = type("T", (TailspecTrainerMixin, FakePPOTrainerBase), {
+        "tailspec_settings": {"redis_url": redis_url, "cluster": CLUSTER, "progress_interval_s": 0.1}})
+    trainer = trainer_cls(str(write_target(tmp_path / "m")), strategy, None, None, None, None, engines, **GEN)
+    assert isinstance(trainer.samples_generator, TailspecSamplesGenerator)
+    for h in engines:
+        ray.get(h.open.remote())
+    trainer.fit()
+    assert [w["step"] for w in trainer.tailspec.stats.waits] == [6, 7] and trainer.tailspec.updates == 7
+    trainer.tailspec.client.close()
+
+
+def test_engine_actor_class_adds_tailspec_engine_arguments(tmp_path):
+    model, drafter = write_target(tmp_path / "model"), write_drafter(tmp_path / "d")
+    settings = oc.OpenRLHFSettings(redis_url="redis://x", drafter_path=str(drafter), drafter_k=3)
+    original = vllm_engine.RolloutRayActor
+    try:
+        actor = install_engines(settings, model)
+        assert vllm_engine.RolloutRayActor is actor  # what OpenRLHF's create_vllm_engines starts
+        cls = actor.__ray_actor_class__
+        assert issubclass(cls, TailspecRolloutActor) and issubclass(cls, original.__ray_actor_class__)
+        kw = cls.tailspec_engine_kwargs
+        assert kw["worker_extension_cls"] == oc.WORKER_EXTENSION
+        assert kw["speculative_config"] == {"method": "eagle3", "num_speculative_tokens": 3, "model": str(drafter),
+                                            "draft_tensor_parallel_size": 1}
+    finally:
+        vllm_engine.RolloutRayActor = original
+    wrong = write_drafter(tmp_path / "wrong", hidden=32)
+    with pytest.raises(ValueError, match="does not fit|hidden"):
+        engine_actor_class(oc.OpenRLHFSettings(redis_url="redis://x", drafter_path=str(wrong)), model)
+
+
+def test_settings_file_round_trip_and_refusals(tmp_path, redis_url):
+    model, drafter = write_target(tmp_path / "model"), write_drafter(tmp_path / "d")
+    out = tmp_path / "tailspec-openrlhf.yaml"
+    assert oc.main(["--redis", redis_url, "--cluster", CLUSTER, "--policy-root", str(tmp_path / "policy"),
+                    "--model", str(model), "--drafter", str(drafter), "--k", "3", "--out", str(out)]) == 0
+    assert oc.load_settings(out) == oc.OpenRLHFSettings(redis_url=redis_url, cluster=CLUSTER,
+                                                        policy_root=str(tmp_path / "policy"),
+                                                        drafter_path=str(drafter), drafter_k=3)
+    with pytest.raises(ValueError, match="unknown tailspec settings"):
+        oc.OpenRLHFSettings.from_mapping({"redis_url": "redis://x", "polcy_root": "/p"})
+    with pytest.raises(ValueError, match="absolute"):
+        oc.OpenRLHFSettings(redis_url="redis://x", policy_root="rel/policy")
+
+
+def test_the_worker_extension_keeps_openrlhfs_methods():
+    from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
+
+    from tailspec.integrations.openrlhf_worker_ext import TailspecOpenRLHFWorkerExtension as Ext
+
+    for name in ("init_process_group", "update_weight", "update_weight_cuda_ipc"):
+        assert getattr(Ext, name) is getattr(WorkerWrap, name)
+    assert callable(Ext.tailspec_reload_drafter)
+
+
+@pytest.mark.gpu
+def test_openrlhf_gpu_engine_actor(ray_cluster, tmp_path):
+    """GPU only, never run on the CPU machine this was written on: OpenRLHF's own `create_vllm_engines` starts
+    tailspec's engine actor (a real vLLM engine with the EAGLE-3 drafter and the combined worker extension);
+    the drafter reload reaches its worker and greedy outputs stay identical across it."""
+    from vllm import SamplingParams
+    from vllm_helpers import drafters, prompts, tiny
+
+    d = drafters()
+    settings = oc.OpenRLHFSettings(redis_url="redis://unused", drafter_path=str(d["untrained"]), drafter_k=3)
+    original = vllm_engine.RolloutRayActor
+    try:
+        install_engines(settings, tiny())
+        (engine,) = vllm_engine.create_vllm_engines(1, 1, str(tiny()), 0, False, False, True, 256)
+        sp = SamplingParams(temperature=0.0, max_tokens=32)
+        before = [ray.get(engine.generate.remote(p, sp)).outputs[0].token_ids for p in prompts()[:4]]
+        assert ray.get(engine.get_num_unfinished_requests.remote()) == 0
+        assert ray.get(engine.tailspec_where.remote())[1]  # the engine's GPU
+        res = ray.get(engine.tailspec_reload_drafter.remote(str(d["trained"])))
+        assert res and all(r["loaded"] for r in res)
+        after = [ray.get(engine.generate.remote(p, sp)).outputs[0].token_ids for p in prompts()[:4]]
+        assert before == after
+    finally:
+        vllm_engine.RolloutRayActor = original
