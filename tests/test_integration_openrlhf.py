@@ -340,6 +340,18 @@ def test_the_worker_extension_keeps_openrlhfs_methods():
     assert callable(Ext.tailspec_reload_drafter)
 
 
+def test_launcher_refuses_the_async_trainer_before_patching(tmp_path):
+    from tailspec.integrations import openrlhf as launcher
+
+    path = oc.write_settings(tmp_path / "s.yaml", oc.OpenRLHFSettings(redis_url="redis://x"))
+    original = vllm_engine.RolloutRayActor
+    with pytest.raises(SystemExit, match="async"):
+        launcher.main(["--tailspec", str(path), "--actor.model_name_or_path", str(tmp_path), "--train.async_enable"])
+    assert vllm_engine.RolloutRayActor is original
+    a, rest = launcher._args(["--tailspec", str(path), "--actor.model_name_or_path", "/m", "--vllm.num_engines", "2"])
+    assert (a.tailspec, a.model, rest) == (str(path), "/m", ["--vllm.num_engines", "2"])
+
+
 @pytest.mark.gpu
 def test_openrlhf_gpu_engine_actor(ray_cluster, tmp_path):
     """GPU only, never run on the CPU machine this was written on: OpenRLHF's own `create_vllm_engines` starts
