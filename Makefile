@@ -88,14 +88,21 @@ test-deepspeed: install-test
 
 # The verl adapter's tests (tests/test_integration_verl.py, marked `verl`; ~3 min on 2 cores, each Ray actor
 # imports verl). verl 0.9.1 goes in without its dependencies: they would replace transformers 5.24 with 5.10
-# and pull wandb / tensorboard; these are the ones its imported modules need (torch stays as pinned).
+# and pull wandb / tensorboard; these are the ones its imported modules need (torch stays as pinned). They go
+# into a folder of their own on PYTHONPATH (Ray's workers inherit it), so the venv `make test` uses is unchanged.
+VERL_DIR := .verl-deps
+VERL_STAMP := $(VERL_DIR)/.installed
 VERL_DEPS := verl==0.9.1 tensordict==0.10.0 omegaconf==2.3.0 hydra-core==1.3.8 antlr4-python3-runtime==4.9.3 \
 	codetiming==1.4.0 cachetools==8.0.2 pyvers==0.2.3 orjson==3.13.0 cloudpickle==3.1.3 importlib_metadata==10.2.0 \
 	zipp==4.1.2 uvicorn==0.54.0 fastapi==0.115.12 starlette==0.46.2
 
-test-verl: install-test redis
-	$(BIN)/pip install -q --no-deps $(VERL_DEPS)
-	$(BIN)/python -m pytest -q -m verl tests/test_integration_verl.py
+$(VERL_STAMP): $(TEST_STAMP)
+	rm -rf $(VERL_DIR)
+	$(BIN)/pip install -q --no-deps --target $(VERL_DIR) $(VERL_DEPS)
+	touch $@
+
+test-verl: $(VERL_STAMP) redis
+	PYTHONPATH=$(VERL_DIR) $(BIN)/python -m pytest -q -m verl tests/test_integration_verl.py
 
 # The OpenRLHF adapter's tests (tests/test_integration_openrlhf.py, marked `openrlhf`; ~1.5 min on 2 cores). OpenRLHF
 # 0.11.2 imports vLLM at the top of its engine and generator modules, so they run with the vLLM CPU venv's python.
