@@ -153,6 +153,7 @@ def start_sessions(s: Scheduler, lends: list[tuple[Action, Lease]], now: float, 
     if not started:
         return
     config = s.cfg.model_dump(mode="json")
+    sids: list[str] = []  # added to the sessions set with one SADD
     for a, lease, sid, info in started:
         try:
             s.dispatcher.start(_context(s, a, lease, sid, config))
@@ -161,12 +162,14 @@ def start_sessions(s: Scheduler, lends: list[tuple[Action, Lease]], now: float, 
             continue
         s.detector.lent(a.node, a.gpu, lease.token, sid, now)
         s.live[sid] = (a.node, a.gpu, lease.token)
-        pipe.sadd(state.key(s.c, "sessions"), sid)
+        sids.append(sid)
         s._counts["sessions_started"] += 1
         m = s.detector.machine(a.node, a.gpu)
         s._event("lease_granted", a.node, a.gpu, pipe, token=lease.token, session_id=sid, reason=a.reason,
                  idle_s=now - (m.drained_at or now))
         s._event("session_started", a.node, a.gpu, pipe, session_id=sid, token=lease.token)
+    if sids:
+        pipe.sadd(state.key(s.c, "sessions"), *sids)
 
 
 def _write_start_records(
@@ -175,16 +178,15 @@ def _write_start_records(
     """Each lend's "starting" session record, in one round trip; on failure the GPUs go back (lent again at
     a later tick) and nothing starts."""
     started = []
-    rec = s.r.pipeline(transaction=False)
+    records: dict[str, bytes] = {}
     for a, lease in lends:
         sid = f"{a.node}-g{a.gpu}-t{lease.token}"
         info = SessionInfo(session_id=sid, node=a.node, gpu=a.gpu, lease_token=lease.token, status="starting",
                            started_at=lease.granted_at)
-        # execute_command: redis-py's set() inspects its arguments on every call (a thousand lends in a tick)
-        rec.execute_command("SET", state.key(s.c, "session", session_id=sid), state.encode(info))
+        records[state.key(s.c, "session", session_id=sid)] = state.encode(info)
         started.append((a, lease, sid, info))
     try:
-        rec.execute()
+        s.r.mset(records)  # one command for every lend of the tick
     except Exception as e:
         s.errors += 1
         log.warning("scheduler: %d session records not written: %s", len(lends), e)
@@ -231,10 +233,14 @@ def _start_failed(
 
 # -- session records -------------------------------------------------------------------------------
 def write_stopped(s: Scheduler, sid: str, info: SessionInfo, status: str, reason: str, client: Any) -> None:
-    """The one writer of a session's final record on the scheduler's side (status, when, why); `client`: Redis
-    or a pipeline to queue the write on."""
+    """The one writer of a session's final record on the scheduler's side (status, when, why); `client`: Redis,
+    or a pipeline: then the record goes with the tick's other records in one MSET at its end."""
     data = state.encode(info.model_copy(update={"status": status, "stopped_at": time.time(), "stop_reason": reason}))
-    client.execute_command("SET", state.key(s.c, "session", session_id=sid), data)  # set() inspects its arguments
+    key = state.key(s.c, "session", session_id=sid)
+    if client is s.r:
+        client.execute_command("SET", key, data)  # set() inspects its arguments on every call
+    else:
+        s._writes.set(key, data)
 
 
 def finalize_record(s: Scheduler, sid: str, reason: str, info: SessionInfo | None = None, pipe: Any = None) -> None:
@@ -246,7 +252,7 @@ def finalize_record(s: Scheduler, sid: str, reason: str, info: SessionInfo | Non
         except StateError:
             info = None
     if info is not None and info.status not in ("stopped", "failed"):
-        write_stopped(s, sid, info, "stopped", f"scheduler: {reason}", pipe or s.r)
+        write_stopped(s, sid, info, "stopped", f"scheduler: {reason}", s.r if pipe is None else pipe)
 
 
 def _record(s: Scheduler, sid: str, raw: Any) -> SessionInfo | None:

@@ -90,6 +90,29 @@ def expected_tail_s(now: float, phase: PhaseInfo | None, progress: Iterable[Prog
     return best
 
 
+class _Tail:
+    """expected_tail_s of one tick, computed when a lend first asks for it (most ticks lend nothing)."""
+
+    __slots__ = ("_reason", "_value", "now", "phase", "progress")
+
+    def __init__(self, now: float, phase: PhaseInfo | None, progress: Iterable[Progress]) -> None:
+        self.now, self.phase, self.progress = now, phase, progress
+        self._value: float | None = None
+        self._reason = ""
+
+    @property
+    def value(self) -> float:
+        if self._value is None:
+            self._value = expected_tail_s(self.now, self.phase, self.progress)
+            self._reason = f"expected tail {self._value:.2f}s"
+        return self._value
+
+    @property
+    def reason(self) -> str:
+        self.value  # noqa: B018 - computes it (and the reason) on first use
+        return self._reason
+
+
 @dataclass
 class IdleDetector:
     util_threshold: float = 10.0
@@ -162,14 +185,12 @@ class IdleDetector:
         if not due:
             return actions
         rollout = phase is not None and phase.phase == "rollout"
-        tail = expected_tail_s(now, phase, progress.values())
-        lend_reason = f"expected tail {tail:.2f}s"
+        tail = _Tail(now, phase, progress.values())
         step, stepped, deadline_s = self._step, self.index.stepped, self.stop_deadline_s
         for k in due:
             m = machines[k]
             old, sid = m.state, m.session_id
-            step(m, now, phase, rollout, tail, owner.get(k), telemetry.get(k), stopped_sessions, actions,
-                 lend_reason)
+            step(m, now, phase, rollout, tail, owner.get(k), telemetry.get(k), stopped_sessions, actions)
             if m.state != old or m.session_id != sid or m.state == GpuState.RECLAIMING:
                 stepped(k, old, m.state, sid, m.session_id,
                         None if m.revoked_at is None else m.revoked_at + deadline_s)
@@ -181,12 +202,11 @@ class IdleDetector:
         now: float,
         phase: PhaseInfo | None,
         rollout: bool,
-        tail: float,
+        tail: _Tail,
         p: Progress | None,
         t: GpuTelemetry | None,
         stopped: set[str] | frozenset[str],
         out: list[Action] | None = None,
-        lend_reason: str | None = None,
     ) -> list[Action]:
         """Step one GPU's machine; its actions are appended to `out` (a new list if None), which is returned."""
         if out is None:
@@ -229,7 +249,7 @@ class IdleDetector:
             m._enter(GpuState.GENERATING, now)
         elif drained:
             assert phase is not None and t is not None
-            self._step_drained(m, now, phase, tail, p, t, out, lend_reason)
+            self._step_drained(m, now, phase, tail, p, t, out)
         else:
             m._forget_drain()
             m._enter(GpuState.UNKNOWN, now)
@@ -240,11 +260,10 @@ class IdleDetector:
         m: GpuMachine,
         now: float,
         phase: PhaseInfo,
-        tail: float,
+        tail: _Tail,
         p: Progress,
         t: GpuTelemetry,
         out: list[Action],
-        lend_reason: str | None,
     ) -> None:
         """A drained GPU: idle once its utilisation stayed low for the window; lent when the tail is long enough
         and its memory is free."""
@@ -269,8 +288,8 @@ class IdleDetector:
         if idle and m.detected_at is None:
             m.detected_at = now
             out.append(Action("idle", m.node, m.gpu, latency_s=now - m.drained_at))
-        if idle and self.lend and tail > self.startup_s and self.memory_hold(p, t) is None:
-            out.append(Action("lend", m.node, m.gpu, lend_reason or f"expected tail {tail:.2f}s"))
+        if idle and self.lend and tail.value > self.startup_s and self.memory_hold(p, t) is None:
+            out.append(Action("lend", m.node, m.gpu, tail.reason))
 
     def _reclaim(self, m: GpuMachine, now: float, reason: str) -> Action:
         latency = now - m.revoked_at if m.revoked_at is not None else None

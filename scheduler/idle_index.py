@@ -4,8 +4,9 @@ Stepping a machine again on the inputs of its last step decides nothing new, exc
 on time, so a tick steps only the machines whose step could differ:
 - new machines, and machines changed from outside the tick (lent, backed off);
 - a machine whose worker's progress or whose telemetry is another object than at the last tick, or appeared or
-  vanished (for GENERATING and LENT machines, telemetry that became usable or unusable: see below) (inputs are snapshots, never changed in place: the observer hands the same object again while a
-  payload's bytes are unchanged);
+  vanished (inputs are snapshots, never changed in place: the observer hands the same object again while a
+  payload's bytes are unchanged); for GENERATING and LENT machines, only telemetry that became usable or
+  unusable (see below);
 - every machine, when the phase changed (drained and revoked depend on it);
 - a LENT or RECLAIMING machine whose session is among the stopped ones;
 - every DRAINED machine (the idle window, the expected tail and the memory needed move with time and with other
@@ -21,9 +22,9 @@ With 1,024 GPUs most ticks step only the few drained machines and those whose wo
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable, Mapping
 from itertools import compress
 from operator import is_not
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tailspec.core.state import GpuState

@@ -261,11 +261,8 @@ class Leases:
         comes with the pipeline's and `granted` reads it."""
         lease_key, _ = self._keys(node, gpu)
         template = {"node": node, "gpu": gpu, "holder": holder, "granted_at": time.time(), "ttl_s": ttl_s}
-        out = self._acquire(
-            keys=[lease_key, state.key(self.cluster, "fence"), self._leader_key],
-            args=[state.encode_dict(template), _ms(ttl_s), _epoch_arg(epoch)],
-            client=client,
-        )
+        out = call_script(self._acquire, [lease_key, state.key(self.cluster, "fence"), self._leader_key],
+                          [state.encode_dict(template), _ms(ttl_s), _epoch_arg(epoch)], client)
         return out if client is not None else self.granted(out, node, gpu, epoch)
 
     def granted(self, out: Any, node: str, gpu: int, epoch: int | None = None) -> Lease | None:
@@ -285,11 +282,8 @@ class Leases:
         call on (the result then comes with the pipeline's)."""
         lease_key, revoke_key = self._keys(node, gpu)
         hb = state.key(self.cluster, "scheduler_heartbeat")
-        out = self._renew(
-            keys=[lease_key, revoke_key, hb, self._leader_key],
-            args=[token, _ms(ttl_s), "1" if require_heartbeat else "0"],
-            client=client,
-        )
+        out = call_script(self._renew, [lease_key, revoke_key, hb, self._leader_key],
+                          [token, _ms(ttl_s), "1" if require_heartbeat else "0"], client)
         return out if client is not None else int(out)
 
     def renew_many(self, leases: list[tuple[str, int, int]], ttl_s: float, require_heartbeat: bool = True,
@@ -299,8 +293,8 @@ class Leases:
         keys = [state.key(self.cluster, "scheduler_heartbeat"), self._leader_key]
         for node, gpu, _ in leases:
             keys.extend(self._keys(node, gpu))
-        out = self._renew_many(keys=keys, args=[_ms(ttl_s), "1" if require_heartbeat else "0",
-                                                *(t for _, _, t in leases)], client=client)
+        out = call_script(self._renew_many, keys,
+                          [_ms(ttl_s), "1" if require_heartbeat else "0", *(t for _, _, t in leases)], client)
         return out if client is not None else [int(x) for x in out]
 
     def revoke(self, node: str, gpu: int, token: int, flag_ttl_s: float = 60.0, epoch: int | None = None,
@@ -309,8 +303,8 @@ class Leases:
         only while that leader epoch leads, else LeaderLost and nothing is written. `client`: a pipeline to
         queue the call on; `revoked` reads its result."""
         lease_key, revoke_key = self._keys(node, gpu)
-        out = self._revoke(keys=[lease_key, revoke_key, self._leader_key],
-                           args=[token, _ms(flag_ttl_s), _epoch_arg(epoch)], client=client)
+        out = call_script(self._revoke, [lease_key, revoke_key, self._leader_key],
+                          [token, _ms(flag_ttl_s), _epoch_arg(epoch)], client)
         return out if client is not None else self.revoked(out, node, gpu, epoch)
 
     def revoked(self, out: Any, node: str, gpu: int, epoch: int | None = None) -> bool:
@@ -323,7 +317,7 @@ class Leases:
     def release(self, node: str, gpu: int, token: int, client: Any = None) -> Any:
         """Delete the lease if `token` holds it (a holder giving the GPU back). `client`: a pipeline to queue on."""
         lease_key, _ = self._keys(node, gpu)
-        out = self._release(keys=[lease_key], args=[token], client=client)
+        out = call_script(self._release, [lease_key], [token], client)
         return out if client is not None else bool(out)
 
     # -- bulk forms, for the scheduler's tick: queued on a pipeline (`client`), one result list each --------------
@@ -334,7 +328,7 @@ class Leases:
         now = time.time()
         args = [state.encode_dict({"node": n, "gpu": g, "holder": holder, "granted_at": now, "ttl_s": ttl_s})
                 for n, g in gpus]
-        self._acquire_many(keys=keys, args=[_ms(ttl_s), _epoch_arg(epoch), *args], client=client)
+        call_script(self._acquire_many, keys, [_ms(ttl_s), _epoch_arg(epoch), *args], client)
 
     def revoke_many(self, leases: list[tuple[str, int, int]], flag_ttl_s: float, epoch: int | None,
                     client: Any) -> None:
@@ -343,13 +337,13 @@ class Leases:
         keys = [self._leader_key]
         for node, gpu, _ in leases:
             keys.extend(self._keys(node, gpu))
-        self._revoke_many(keys=keys, args=[_ms(flag_ttl_s), _epoch_arg(epoch), *(t for _, _, t in leases)],
-                          client=client)
+        call_script(self._revoke_many, keys, [_ms(flag_ttl_s), _epoch_arg(epoch), *(t for _, _, t in leases)],
+                    client)
 
     def release_many(self, leases: list[tuple[str, int, int]], client: Any) -> None:
         """release() of each (node, gpu, token), in one command; `answers` splits the result."""
-        self._release_many(keys=[self._keys(n, g)[0] for n, g, _ in leases], args=[t for _, _, t in leases],
-                           client=client)
+        call_script(self._release_many, [self._keys(n, g)[0] for n, g, _ in leases], [t for _, _, t in leases],
+                    client)
 
     @staticmethod
     def answers(out: Any, n: int) -> list[Any]:
@@ -369,6 +363,15 @@ class Leases:
         """SET target_key only while `token` holds the GPU's lease (a stale holder's write is refused)."""
         lease_key, _ = self._keys(node, gpu)
         return bool(self._fenced_set(keys=[lease_key, target_key], args=[token, value, px_ms]))
+
+
+def call_script(script: Any, keys: list, args: list, client: Any = None) -> Any:
+    """Run a registered script: EVALSHA on the connection when `client` is None (redis-py loads it on NOSCRIPT); EVAL
+    of its text on a pipeline, where redis-py would otherwise check that the pipeline's scripts are loaded with one
+    more round trip (SCRIPT EXISTS) at every execute. Redis keeps the compiled script either way."""
+    if client is None:
+        return script(keys=keys, args=args)
+    return client.eval(script.script, len(keys), *keys, *args)
 
 
 def _epoch_arg(epoch: int | None) -> str:

@@ -22,7 +22,6 @@ from typing import Any
 from tailspec.core import state
 from tailspec.core.state import GpuTelemetry, PhaseInfo, Progress, StateError
 
-
 # The worker and GPU sets are read whole when their sizes change, and at least this often: tailspec only adds
 # members, so a size change is every change it makes; the periodic read catches a set replaced by another of the
 # same size from outside.

@@ -138,8 +138,8 @@ def _tick(w: World, dets: list[IdleDetector]) -> None:
        startup=st.sampled_from([0.0, 0.5]), release=st.booleans(),
        grant=st.lists(st.booleans(), min_size=1, max_size=4))
 def test_incremental_detector_decides_as_stepping_every_machine(evs, window, startup, release, grant):
-    params = dict(util_threshold=10, window_s=window, startup_s=startup, stop_deadline_s=1.0,
-                  require_release=release, min_free_bytes=1 << 30)
+    params = {"util_threshold": 10, "window_s": window, "startup_s": startup, "stop_deadline_s": 1.0,
+              "require_release": release, "min_free_bytes": 1 << 30}
     dets = [IdleDetector(**params, incremental=False), IdleDetector(**params)]
     w = World(grant)
     for ev in [("phase", "rollout"), *evs, ("phase", "train"), ("tick", 0.05), ("tick", 1.2)]:
