@@ -3,7 +3,8 @@
 Pure logic, no Redis and no clock of its own: `IdleDetector.tick(now, phase, progress, telemetry,
 stopped_sessions)` looks at one snapshot of the cluster state and returns the actions to take (lend,
 revoke, reclaimed). The scheduler service executes them; the property tests drive the same code with
-random event sequences.
+random event sequences. A tick steps only the machines whose step could decide something new
+(scheduler/idle_index.py); `incremental=False` steps every machine, with the same decisions.
 
 Rules (docs/architecture.md):
 - A GPU is DRAINED when its rollout worker reports no active request in the current rollout step.
