@@ -15,7 +15,13 @@ import logging
 import threading
 from typing import Any
 
+import redis
+
 from tailspec.core.config import TailspecConfig
+from tailspec.scheduler.dispatch import RayDispatcher
+from tailspec.scheduler.monitor import TelemetryMonitor
+from tailspec.scheduler.service import Scheduler
+from tailspec.scheduler.telemetry import make_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +34,7 @@ def node_name(node_id: str) -> str:
 
 def ray_node_name() -> str:
     """This process's node name (call inside a Ray worker or a connected driver)."""
+    # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
     import ray
 
     return node_name(ray.get_runtime_context().get_node_id())
@@ -42,6 +49,7 @@ def telemetry_actor_name(cluster: str, node: str) -> str:
 
 
 def _alive_nodes() -> list[dict[str, Any]]:
+    # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
     import ray
 
     return [n for n in ray.nodes() if n.get("Alive")]
@@ -49,10 +57,8 @@ def _alive_nodes() -> list[dict[str, Any]]:
 
 class _SchedulerActor:
     def __init__(self, cfg_json: str, redis_url: str):
+        # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
         import ray
-        import redis
-        from tailspec.scheduler.dispatch import RayDispatcher
-        from tailspec.scheduler.service import Scheduler
 
         cfg = TailspecConfig.model_validate_json(cfg_json)
         self.r = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
@@ -71,6 +77,7 @@ class _SchedulerActor:
 
     def where(self) -> dict[str, dict[str, Any]]:
         """Placement of every live session actor: node id, CUDA_VISIBLE_DEVICES, pid."""
+        # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
         import ray
 
         out = {}
@@ -92,9 +99,6 @@ class _SchedulerActor:
 
 class _TelemetryActor:
     def __init__(self, cfg_json: str, redis_url: str, node: str, num_gpus: int):
-        import redis
-        from tailspec.scheduler.monitor import TelemetryMonitor
-        from tailspec.scheduler.telemetry import make_telemetry
 
         cfg = TailspecConfig.model_validate_json(cfg_json)
         sc = cfg.scheduler
@@ -106,6 +110,7 @@ class _TelemetryActor:
         ).start()
 
     def ping(self) -> dict[str, Any]:
+        # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
         import ray
 
         t = self.monitor.telemetry
@@ -125,6 +130,7 @@ class _TelemetryActor:
 
 def attach(cfg: TailspecConfig, redis_url: str, address: str | None = "auto") -> dict[str, Any]:
     """Start (or find) the scheduler actor and one telemetry actor per alive node. Returns a summary."""
+    # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -161,6 +167,7 @@ def attach(cfg: TailspecConfig, redis_url: str, address: str | None = "auto") ->
 
 
 def tailspec_actor_names(cluster: str) -> list[str]:
+    # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
     import ray
 
     prefix = (scheduler_actor_name(cluster), f"tailspec-telemetry-{cluster}-")
@@ -173,6 +180,7 @@ def tailspec_actor_names(cluster: str) -> list[str]:
 
 def detach(cfg: TailspecConfig, address: str | None = "auto", timeout_s: float = 30.0) -> list[str]:
     """Shut down (revoking every lease) and kill this cluster's tailspec actors; returns their names."""
+    # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
     import ray
 
     if not ray.is_initialized():

@@ -8,6 +8,7 @@ trainer's real session is started the same way, through `scheduler.session_entry
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -36,8 +37,6 @@ def busy_session(ctx: SessionContext) -> None:
 
 def env_probe_session(ctx: SessionContext) -> None:
     """Records the environment the session ran with (tests of dispatch: which GPU did it get?)."""
-    import json
-
     out = os.path.join(os.environ["TAILSPEC_PROBE_DIR"], f"probe-{ctx.session_id}.json")
     with open(out, "w") as f:
         json.dump({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),

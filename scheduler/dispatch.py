@@ -12,6 +12,7 @@ borrows it while the RL job leaves it idle.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tailspec.scheduler.placement import CPUS_ENV, format_cpus, pin_process
-from tailspec.scheduler.session import CONTEXT_ENV, DONE_ENV, NICE_ENV, READY_ENV, SessionContext
+from tailspec.scheduler.session import CONTEXT_ENV, DONE_ENV, NICE_ENV, READY_ENV, SessionContext, run_context
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +147,6 @@ class LocalDispatcher:
         placement = {CPUS_ENV: format_cpus(cores)} if cores else {}
         taken = self._take_warm(ctx.gpu)
         if taken is not None:
-            import json
-
             proc, log_path = taken
             if cores:  # at once: a process still importing reads its assignment (and pins) only after
                 pin_process(proc.pid, cores)
@@ -265,6 +264,7 @@ def warm_ready(log_dir: str | os.PathLike) -> int:
 
 
 def _session_actor_class():
+    # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
     import ray
 
     @ray.remote(num_gpus=0, num_cpus=0, max_restarts=0, max_concurrency=2)  # 2: where() answers during run()
@@ -272,8 +272,6 @@ def _session_actor_class():
         """Runs one session in a Ray worker process on the GPU's node."""
 
         def run(self, ctx_json: str, entry: str) -> int:
-            from tailspec.scheduler.session import run_context
-
             ctx = SessionContext.from_json(ctx_json)
             # Ray may have set CUDA_VISIBLE_DEVICES for a num_gpus=0 actor; the lent GPU wins.
             os.environ["CUDA_VISIBLE_DEVICES"] = str(ctx.gpu)
@@ -281,6 +279,7 @@ def _session_actor_class():
             return run_context(ctx, entry)
 
         def where(self) -> dict[str, Any]:
+            # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
             import ray as _ray
 
             return {
@@ -307,6 +306,7 @@ class RayDispatcher:
         self._cls = _session_actor_class()
 
     def start(self, ctx: SessionContext) -> None:
+        # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         node_id = self._node_id(ctx.node)
@@ -326,6 +326,7 @@ class RayDispatcher:
 
     def _node_id(self, node: str) -> str:
         if node not in self.node_ids:  # a node that joined after attach: look again
+            # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
             import ray
 
             for n in ray.nodes():
@@ -341,6 +342,7 @@ class RayDispatcher:
         self.stop(session_id)
 
     def stop(self, session_id: str) -> None:
+        # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
         import ray
 
         a = self.actors.get(session_id)
@@ -348,6 +350,7 @@ class RayDispatcher:
             ray.kill(a[0], no_restart=True)
 
     def poll(self) -> set[str]:
+        # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
         import ray
 
         if self.actors:
@@ -371,6 +374,7 @@ class RayDispatcher:
         self.ended.pop(session_id, None)
 
     def shutdown(self) -> None:
+        # deferred: Ray (seconds to import); the single-node scheduler, its sessions and the CLI never load it
         import ray
 
         for actor, _ in self.actors.values():

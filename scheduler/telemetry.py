@@ -43,6 +43,7 @@ class NvmlTelemetry:
     def __init__(self, node: str, nvml: Any = None):
         if nvml is None:
             try:
+                # deferred: the NVML binding loads only where NVML telemetry is asked for (a GPU machine)
                 import pynvml as nvml
             except ImportError as e:  # pragma: no cover - nvidia-ml-py is a core dependency
                 raise TelemetryError(f"telemetry 'nvml' needs nvidia-ml-py: {e}") from None
@@ -297,6 +298,7 @@ def free_memory(r: Any, cluster: str, node: str, gpu: int, simulated_mem: int = 
         return sim.free_for_session(gpu), "simulated"
     try:
         if nvml is None:
+            # deferred: the NVML binding loads only where NVML telemetry is asked for (a GPU machine)
             import pynvml as nvml
         nvml.nvmlInit()
         try:

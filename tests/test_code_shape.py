@@ -19,12 +19,7 @@ EXEMPT_MODULES: set[str] = set()
 EXEMPT_FUNCTIONS: set[tuple[str, str]] = set()
 # Still holding a function-local import with no `# deferred:` reason. Each entry must still have one
 # (test_deferred_exemptions_are_still_needed), so giving the reasons removes it.
-EXEMPT_DEFERRED: set[str] = {
-    "scheduler/attach.py",
-    "scheduler/demo_session.py",
-    "scheduler/dispatch.py",
-    "scheduler/telemetry.py",
-}
+EXEMPT_DEFERRED: set[str] = set()
 DEFERRED = "# deferred:"
 
 
