@@ -1,5 +1,5 @@
-"""Configuration: one pydantic model per DESIGN.md section, loaded from YAML, then `TAILSPEC_*`
-environment variables, then CLI `key.path=value` overrides (later wins).
+"""Configuration: one pydantic model per section of the YAML file (cluster, scheduler, trainer, rollout, ...),
+loaded from YAML, then `TAILSPEC_*` environment variables, then CLI `key.path=value` overrides (later wins).
 
 Every model forbids unknown keys, so a typo fails loudly with its key path instead of being
 silently ignored. `ConfigError` messages name the key path, the bad value and what is allowed.
