@@ -37,7 +37,8 @@ Position counts decay by exp(-rows / memory_rows) per informative step (k > 0): 
 `memory_rows` drafted rows whatever the batch size (a batch-1 tail needs more steps than a batch-64 start for
 the same confidence), and follows the drafter and the policy within that many rows; steps at k = 0 carry no
 information and leave the estimate as it was. A new
-drafter version resets everything (its acceptance is unrelated); a new policy version decays the counts by
+drafter version resets the counts (what the old one accepted is not evidence for it) and starts from its own
+prior, its validated acceptance when the caller knows it; a new policy version decays the counts by
 `policy_decay` (the same drafter against a slightly moved target).
 """
 
@@ -148,10 +149,18 @@ class AcceptanceTracker:
             if trials == 0:
                 break
 
-    def set_version(self, drafter_version=None, policy_version=None) -> bool:
-        """Tell the tracker which drafter / policy the next steps run. Returns True if anything changed."""
+    def set_version(self, drafter_version=None, policy_version=None, prior: float | None = None) -> bool:
+        """Tell the tracker which drafter / policy the next steps run. Returns True if anything changed.
+        `prior`: a new drafter's alpha before any observation (its validated acceptance as a chain's alpha,
+        `rollout.health_guard.chain_alpha`), used from its reset on; None keeps the current prior. Without it a
+        new version starts at the generic prior, which at large batches can make k = 0 look best, and k = 0 steps
+        teach the tracker nothing, so the selector would stay there until an exploration run."""
         changed = False
         if drafter_version != self.drafter_version:
+            if prior is not None:
+                if not 0 <= prior <= 1:
+                    raise ValueError(f"need prior in [0, 1], got {prior}")
+                self.prior = prior
             self.reset()
             changed = True
         elif policy_version != self.policy_version:

@@ -249,9 +249,35 @@ def test_acceptance_tracker_positions_versions_and_bad_input():
     assert acc.set_version(drafter_version=1, policy_version=2)  # new policy: decayed, not forgotten
     assert acc.pos_trials[0] == pytest.approx(before * acc.policy_decay)
     assert not acc.set_version(drafter_version=1, policy_version=2)
+    # a promoted version starts from its validated alpha; the same version again keeps its counts and prior
+    acc.observe(fed(acc, 100, 2, [10, 10]))
+    assert acc.set_version(drafter_version=2, policy_version=2, prior=0.8)
+    assert acc.prior == 0.8 and acc.pos_trials == [0.0] * 4 and acc.alphas() == pytest.approx([0.8] * 4)
+    acc.observe(fed(acc, 100, 2, [60, 30]))
+    trials = list(acc.pos_trials)
+    assert not acc.set_version(drafter_version=2, policy_version=2, prior=0.1)
+    assert acc.prior == 0.8 and acc.pos_trials == trials
+    with pytest.raises(ValueError, match="prior"):
+        acc.set_version(drafter_version=3, prior=1.5)
 
 
-def test_cost_model_lookup_and_online_refresh():
+def test_selector_with_a_promoted_versions_prior_keeps_speculating_where_the_generic_prior_turns_it_off():
+    """A large batch where one more drafted token costs about what a whole plain step emits: at the generic prior
+    (alpha 0.5) k = 0 scores best, and k = 0 steps teach the tracker nothing; at the version's validated alpha
+    (acceptance 3.2 at k = 4) speculation scores best, as it does once the drafter is measured."""
+    from tailspec.rollout.cost_model import CostModel
+    from tailspec.rollout.health_guard import chain_alpha
+
+    buckets, ks = [1, 8, 32], [0, 1, 2, 3, 4]
+    cost = CostModel(buckets, ks, {(b, k): 0.01 * (1 + (0.05 + 0.02 * b) * k) for b in buckets for k in ks})
+    best = {}
+    for name, prior in (("generic", None), ("validated", chain_alpha(3.2, 4))):
+        acc = AcceptanceTracker(k_max=4)
+        acc.set_version(drafter_version=2, policy_version=0, prior=prior)
+        sel = AdaptiveSelector(cost, acc, epsilon=0.0)
+        best[name] = sel.best(32)
+    assert best["generic"] == 0 and best["validated"] > 0, best
+
     cost = synthetic_cost()
     assert cost.t(8, 2) == pytest.approx(synthetic_time(8, 2))
     assert cost.t(12, 2) == pytest.approx((synthetic_time(8, 2) + synthetic_time(16, 2)) / 2)

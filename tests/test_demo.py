@@ -221,6 +221,31 @@ def test_worker_engine_follows_the_rollout_config(micro_policy, redis_url):
         w.client.close()
 
 
+def test_worker_starts_a_promoted_versions_tracker_from_its_validated_acceptance(micro_policy, redis_url, tmp_path):
+    """A new drafter version resets the adaptive selector's acceptance tracker; the worker starts it from the
+    version's validated acceptance (version.json), not the generic prior, and a version without one keeps it."""
+    from tailspec.core.state import DrafterVersion
+    from tailspec.rollout.health_guard import chain_alpha
+
+    policy, tok = micro_policy
+    (tmp_path / "version.json").write_text(DrafterVersion(
+        version=2, path=str(tmp_path), policy_version=0, acceptance_length=3.0, validation_k=4, promoted=True,
+        created_at=0.0).model_dump_json())
+    rollout = {"drafter": "ngram", "selector": "adaptive", "k_max": 4, "max_batch": 2, "max_seq_len": 96}
+    w = _worker(redis_url)
+    try:
+        item = _item(policy, tok, rollout)  # drafter v1 with no version.json: the generic prior
+        w._engine(item, _load(w, item))
+        generic = w.acceptance.prior
+        item = _item(policy, tok, rollout, drafter_path=str(tmp_path)).model_copy(update={"drafter_version": 2})
+        w._engine(item, _load(w, item))
+        assert w.acceptance.drafter_version == 2
+        assert w.acceptance.prior == pytest.approx(chain_alpha(3.0, 4)) != pytest.approx(generic)
+        assert w.acceptance.alphas()[0] == pytest.approx(chain_alpha(3.0, 4), abs=0.02)
+    finally:
+        w.client.close()
+
+
 def _load(w, item):
     from tailspec.demo.worker import rollout_config
 

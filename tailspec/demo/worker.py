@@ -34,7 +34,7 @@ from tailspec.rollout.cost_model import CostModel
 from tailspec.rollout.drafters import Eagle3Proposer, NgramProposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.graph_pool import build_pool
-from tailspec.rollout.health_guard import GuardPolicy, HealthGuard, guarded, record_verdict
+from tailspec.rollout.health_guard import GuardPolicy, HealthGuard, chain_alpha, guarded, record_verdict
 from tailspec.rollout.selector import make_selector
 from tailspec.rollout.sequence import SamplingParams
 from tailspec.scheduler.client import TailspecClient
@@ -193,7 +193,10 @@ class Worker:
         if adaptive:
             if self.acceptance is None or self.acceptance.k_max != k_max:
                 self.acceptance = AcceptanceTracker(k_max=k_max)
-            self.acceptance.set_version(item.drafter_version, item.policy_version)
+            # a promoted version starts from what it was validated at (as LiveVllm's tracker does), not blind
+            validated, validated_k = validated_acceptance(item.drafter_path)
+            prior = chain_alpha(validated, validated_k) if validated is not None else None
+            self.acceptance.set_version(item.drafter_version, item.policy_version, prior=prior)
         if adaptive or wants_pool:
             self._measure_cost(engine, item, rc, on_step=self.acceptance.observe if adaptive else None)
         if drafter is not None:
