@@ -26,30 +26,28 @@ from __future__ import annotations
 import logging
 import math
 import re
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from tailspec.core import state
-from tailspec.core.state import DrafterVersion
+from tailspec.integrations.framework import (
+    AttachStats,
+    RemoteCall,
+    RemoteEngines,
+    publish_newest,
+    started_version,
+    wait_reclaimed,
+)
 from tailspec.integrations.openrlhf_config import OpenRLHFSettings
 from tailspec.integrations.openrlhf_progress import EngineProgress, locate
 from tailspec.integrations.policy import PolicyPublisher
-
-# framework-neutral helpers that the verl adapter introduced: the reload checks and the hard-linking copy
-from tailspec.integrations.verl_attach import check_reloadable, copy_tree
 from tailspec.integrations.vllm import export_version
-from tailspec.rollout.vllm_checks import DrafterSpec
 from tailspec.rollout.vllm_live import LiveVllm
 
 log = logging.getLogger(__name__)
 
 _HF_DIR = re.compile(r"^global_step(\d+)_hf$")  # best_global_step<M>_hf (best-metric saves) is not matched
-RemoteCall = Callable[[list[Any]], list[Any]]  # waits for a list of Ray object refs (ray.get)
 
 
 def newest_hf_checkpoint(root: str | Path) -> tuple[int, Path] | None:
@@ -64,45 +62,18 @@ def newest_hf_checkpoint(root: str | Path) -> tuple[int, Path] | None:
     return best
 
 
-class OpenRLHFEngines:
-    """OpenRLHF's vLLM engine actors in the shape `LiveVllm` drives (`spec`, `k_max`, `reload_drafter`,
-    `set_schedule`): every call goes to every engine actor."""
+class OpenRLHFEngines(RemoteEngines):
+    """OpenRLHF's vLLM engine actors as `LiveVllm`'s reload target: a reload goes to every engine actor
+    (`tailspec_reload_drafter`: collective_rpc into its workers, then a prefix-cache reset)."""
 
     def __init__(self, engines: list[Any], call: RemoteCall, policy_dir: str | Path, drafter_path: str | Path,
                  k: int, max_num_seqs: int = 256):
-        self.engines, self.call = list(engines), call
-        self.policy_dir, self.drafter_path = Path(policy_dir), Path(drafter_path)
-        self.spec = DrafterSpec("eagle3", self.drafter_path, k=k)
-        self.max_num_seqs = max_num_seqs
-        self.schedule = None
-        self.reloads = 0
+        super().__init__(call, policy_dir, drafter_path, k, max_num_seqs)
+        self.engines = list(engines)
 
-    @property
-    def k_max(self) -> int:
-        return int(self.spec.k)
-
-    def reload_drafter(self, path: str | Path) -> dict:
-        path = Path(path)
-        check_reloadable(self.policy_dir, self.drafter_path, path)
-        t0 = time.perf_counter()
+    def _send(self, path: Path) -> dict:
         self.call([e.tailspec_reload_drafter.remote(str(path)) for e in self.engines])
-        self.drafter_path = path
-        self.reloads += 1
-        return {"engines": len(self.engines), "total_seconds": time.perf_counter() - t0}
-
-    def set_schedule(self, schedule: Any) -> bool:
-        return False  # the engine core runs in its own process: the schedule stays as started
-
-
-@dataclass
-class OpenRLHFStats:
-    """What the attachment did, for tests and logs (wall-clock times, time.time())."""
-
-    waits: list[dict] = field(default_factory=list)
-    published: list[int] = field(default_factory=list)
-    samples: int = 0
-    samples_dropped: int = 0
-    loads: list[list[dict]] = field(default_factory=list)  # per batch: each engine's counts
+        return {"engines": len(self.engines)}
 
 
 def experience_samples(experiences: list[Any], policy_version: int) -> tuple[list[dict], int]:
@@ -135,7 +106,7 @@ class OpenRLHFAttach:
         self.call = call or ray.get
         self.model_dir, self.checkpoint_root = Path(model_dir), Path(checkpoint_root)
         self.publisher = PolicyPublisher(settings.policy_root) if settings.policy_root else None
-        self.stats = OpenRLHFStats()
+        self.stats = AttachStats()
         self.updates = int(updates)  # PPO updates so far: the version the next batch is generated with
         self.engines = list(engines or [])
         self.progress: EngineProgress | None = None
@@ -149,19 +120,12 @@ class OpenRLHFAttach:
             target = OpenRLHFEngines(self.engines, self.call, self.model_dir, settings.drafter_path,
                                      settings.drafter_k)
             self.live = LiveVllm(target, redis=client.r, cluster=settings.cluster, prepare=export_version,
-                                 version=self._started_version(), worker=settings.worker_prefix)
+                                 version=started_version(client, settings.cluster, settings.drafter_version),
+                                 worker=settings.worker_prefix)
 
     def counted_engines(self) -> list[Any]:
         """The engine handles for OpenRLHF's generator: counted wrappers when there is progress to report."""
         return self.progress.wrap() if self.progress is not None else self.engines
-
-    def _started_version(self) -> DrafterVersion | None:
-        """The promoted record the engines were started with, so the first poll does not reload it again."""
-        v = self.settings.drafter_version
-        if v is None:
-            return None
-        cur = state.get(self.client.r, state.key(self.settings.cluster, "drafter_current"), DrafterVersion)
-        return cur if cur is not None and cur.version == v else None
 
     # -- the policy the teacher loads ------------------------------------------------------------------
     def publish_policy(self) -> tuple[int, Path] | None:
@@ -169,15 +133,8 @@ class OpenRLHFAttach:
         before any); returns the latest published (version, path)."""
         if self.publisher is None:
             return None
-        latest = self.publisher.latest()
-        found = newest_hf_checkpoint(self.checkpoint_root)
-        if found is not None and (latest is None or found[0] > latest[0]):
-            self.publisher.publish(found[0], copy_tree(found[1]))
-            self.stats.published.append(found[0])
-        elif latest is None and (self.model_dir / "config.json").is_file():
-            self.publisher.publish(0, copy_tree(self.model_dir))
-            self.stats.published.append(0)
-        return self.publisher.latest()
+        return publish_newest(self.publisher, newest_hf_checkpoint(self.checkpoint_root), self.model_dir,
+                              self.stats)
 
     # -- around one batch's generation ------------------------------------------------------------------
     @property
@@ -205,9 +162,7 @@ class OpenRLHFAttach:
         if self.progress is not None:
             self.stats.loads.append(self.progress.end(mem_released=True if self.slept else None))
         self.client.set_phase("train", self.step, policy_version=self.updates)
-        w = self.client.wait_reclaimed(timeout_s=self.settings.reclaim_timeout_s)
-        self.stats.waits.append({"step": self.step, "waited_s": w.waited_s, "reclaimed": w.reclaimed,
-                                 "held": list(w.held), "error": w.error, "returned_at": time.time()})
+        wait_reclaimed(self.client, self.settings.reclaim_timeout_s, self.step, self.stats)
         if self.settings.submit_samples:
             self.submit(experiences)
 

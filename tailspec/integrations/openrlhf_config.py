@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tailspec.rollout.vllm_checks import DrafterSpec, speculative_config
+from tailspec.integrations.framework import drafter_speculative_config, refuse_unknown
 
 OPENRLHF_VERSION = "0.11.2"  # the release the adapter's hooks were read from and tested against (the openrlhf extra)
 WORKER_EXTENSION = "tailspec.integrations.openrlhf_worker_ext.TailspecOpenRLHFWorkerExtension"
@@ -59,10 +59,7 @@ class OpenRLHFSettings:
         if not isinstance(data, dict):
             raise TypeError("the tailspec settings file must hold a mapping (write it with "
                              "tailspec.integrations.openrlhf_config)")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown tailspec settings {unknown}; known: {sorted(known)}")
+        refuse_unknown(cls, data)
         return cls(**data)
 
 
@@ -75,12 +72,6 @@ def write_settings(path: str | Path, settings: OpenRLHFSettings) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(asdict(settings), sort_keys=False))
     return path
-
-
-def drafter_speculative_config(drafter_dir: str | Path, model_dir: str | Path, k: int) -> dict:
-    """vLLM's `speculative_config` for OpenRLHF's engines: tailspec's EAGLE-3 export checked against the policy
-    (the same checks and dict as `VllmRollout`, rollout.vllm_checks)."""
-    return speculative_config(DrafterSpec("eagle3", Path(drafter_dir), k=k), model_dir)
 
 
 def engine_kwargs(settings: OpenRLHFSettings, model_dir: str | Path) -> dict:

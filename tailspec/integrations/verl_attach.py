@@ -26,113 +26,45 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
-import shutil
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from tailspec.core import state
-from tailspec.core.state import DrafterVersion
+from tailspec.integrations.framework import (
+    AttachStats,
+    RemoteCall,
+    RemoteEngines,
+    publish_newest,
+    started_version,
+    wait_reclaimed,
+)
 from tailspec.integrations.policy import PolicyPublisher
 from tailspec.integrations.verl_config import VerlSettings
 from tailspec.integrations.vllm import export_version
-from tailspec.rollout.vllm_checks import (
-    DrafterMismatch,
-    DrafterSpec,
-    aux_layer_ids,
-    eagle3_problems,
-    read_json,
-    safetensors_shapes,
-)
 from tailspec.rollout.vllm_live import LiveVllm
 
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-RemoteCall = Callable[[list[Any]], list[Any]]  # waits for a list of Ray object refs (ray.get)
 
 
-def check_reloadable(policy_dir: Path, live: Path, new: Path) -> None:
-    """The checks VllmRollout makes before a reload: the new export fits the target, has the live drafter's
-    aux layers and exactly its tensors (`t2d` aside: vLLM has none). DrafterMismatch names what differs."""
-    problems = eagle3_problems(read_json(policy_dir, "policy"), new)
-    if problems:
-        raise DrafterMismatch(f"drafter {new} does not fit target {policy_dir}: " + "; ".join(problems))
-    if aux_layer_ids(read_json(live, "drafter")) != aux_layer_ids(read_json(new, "drafter")):
-        raise DrafterMismatch(f"aux layer ids of {new} differ from the live drafter's ({live})")
-    old = {k: v for k, v in safetensors_shapes(live).items() if k != "t2d"}
-    cur = {k: v for k, v in safetensors_shapes(new).items() if k != "t2d"}
-    if old != cur:
-        raise DrafterMismatch(f"drafter {new} has other tensors than the live one ({live}): "
-                              f"{sorted(set(old.items()) ^ set(cur.items()))[:6]}")
-
-
-class VerlReplicas:
-    """verl's vLLM server replicas in the shape `LiveVllm` drives (`spec`, `k_max`, `reload_drafter`,
-    `set_schedule`): every call goes to every replica's server actor."""
+class VerlReplicas(RemoteEngines):
+    """verl's vLLM server replicas as `LiveVllm`'s reload target: a reload goes to every replica's server actor
+    (`servers()`: replica name → actor handle, read from the load balancer at each reload)."""
 
     def __init__(self, servers: Callable[[], dict[str, Any]], call: RemoteCall, policy_dir: str | Path,
                  drafter_path: str | Path, k: int, max_num_seqs: int):
-        self.servers, self.call = servers, call
-        self.policy_dir, self.drafter_path = Path(policy_dir), Path(drafter_path)
-        self.spec = DrafterSpec("eagle3", self.drafter_path, k=k)
-        self.max_num_seqs = max_num_seqs
-        self.schedule = None
-        self.reloads = 0
+        super().__init__(call, policy_dir, drafter_path, k, max_num_seqs)
+        self.servers = servers
 
-    @property
-    def k_max(self) -> int:
-        return int(self.spec.k)
-
-    def reload_drafter(self, path: str | Path) -> dict:
-        path = Path(path)
-        check_reloadable(self.policy_dir, self.drafter_path, path)
-        t0 = time.perf_counter()
+    def _send(self, path: Path) -> dict:
         handles = list(self.servers().values())
         self.call([h.collective_rpc.remote("tailspec_reload_drafter", args=(str(path),)) for h in handles])
         self.call([h.clear_kv_cache.remote() for h in handles])  # no prefix state of the old drafter is reused
-        self.drafter_path = path
-        self.reloads += 1
-        return {"replicas": len(handles), "total_seconds": time.perf_counter() - t0}
-
-    def set_schedule(self, schedule: Any) -> bool:
-        return False  # verl's engine core runs in the server's own process: the schedule stays as started
-
-
-@dataclass
-class VerlStats:
-    """What the attachment did, for tests and logs (wall-clock times, time.time())."""
-
-    waits: list[dict] = field(default_factory=list)
-    published: list[int] = field(default_factory=list)
-    samples: int = 0
-    samples_dropped: int = 0
-    loads: list[dict] = field(default_factory=list)  # per batch: the balancer's per-replica counts
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:  # another filesystem, or links refused
-        shutil.copy2(src, dst)
-
-
-def copy_tree(src: Path) -> Callable[[Path], None]:
-    def write(tmp: Path) -> None:
-        for f in sorted(src.rglob("*")):
-            target = tmp / f.relative_to(src)
-            if f.is_dir():
-                target.mkdir(parents=True, exist_ok=True)
-            else:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                _link_or_copy(f, target)
-    return write
+        return {"replicas": len(handles)}
 
 
 def newest_hf_checkpoint(root: str | Path) -> tuple[int, Path] | None:
@@ -158,21 +90,14 @@ class VerlAttach:
         self.call = call or _ray_get
         self.model_dir, self.checkpoint_root = Path(model_dir), Path(checkpoint_root)
         self.publisher = PolicyPublisher(settings.policy_root) if settings.policy_root else None
-        self.stats = VerlStats()
+        self.stats = AttachStats()
         self.live: LiveVllm | None = None
         if settings.drafter_path is not None and balancer is not None:
             replicas = VerlReplicas(self._servers, self.call, self.model_dir, settings.drafter_path,
                                     settings.drafter_k, max_num_seqs)
             self.live = LiveVllm(replicas, redis=client.r, cluster=settings.cluster, prepare=export_version,
-                                 version=self._started_version(), worker=settings.worker_prefix)
-
-    def _started_version(self) -> DrafterVersion | None:
-        """The promoted record the replicas were started with, so the first poll does not reload it again."""
-        v = self.settings.drafter_version
-        if v is None:
-            return None
-        cur = state.get(self.client.r, state.key(self.settings.cluster, "drafter_current"), DrafterVersion)
-        return cur if cur is not None and cur.version == v else None
+                                 version=started_version(client, settings.cluster, settings.drafter_version),
+                                 worker=settings.worker_prefix)
 
     def _servers(self) -> dict[str, Any]:
         return self.call([self.balancer.tailspec_servers.remote()])[0]
@@ -188,15 +113,8 @@ class VerlAttach:
         before any); returns the latest published (version, path)."""
         if self.publisher is None:
             return None
-        latest = self.publisher.latest()
-        found = newest_hf_checkpoint(self.checkpoint_root)
-        if found is not None and (latest is None or found[0] > latest[0]):
-            self.publisher.publish(found[0], copy_tree(found[1]))
-            self.stats.published.append(found[0])
-        elif latest is None and (self.model_dir / "config.json").is_file():
-            self.publisher.publish(0, copy_tree(self.model_dir))
-            self.stats.published.append(0)
-        return self.publisher.latest()
+        return publish_newest(self.publisher, newest_hf_checkpoint(self.checkpoint_root), self.model_dir,
+                              self.stats)
 
     # -- around one batch's generation ------------------------------------------------------------------
     def before_rollout(self, step: int) -> None:
@@ -212,9 +130,7 @@ class VerlAttach:
         if loads is not None:
             self.stats.loads.append(loads)
         self.client.set_phase("train", step, policy_version=max(step - 1, 0))
-        w = self.client.wait_reclaimed(timeout_s=self.settings.reclaim_timeout_s)
-        self.stats.waits.append({"step": step, "waited_s": w.waited_s, "reclaimed": w.reclaimed,
-                                 "held": list(w.held), "error": w.error, "returned_at": time.time()})
+        wait_reclaimed(self.client, self.settings.reclaim_timeout_s, step, self.stats)
         if self.settings.submit_samples:
             self.submit(out, max(step - 1, 0))
 

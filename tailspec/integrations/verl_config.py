@@ -18,13 +18,13 @@ This module imports neither verl nor vLLM: the file and the overrides can be mad
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tailspec.rollout.vllm_checks import DrafterSpec, speculative_config
+from tailspec.integrations.framework import drafter_speculative_config, refuse_unknown
 
 VERL_VERSION = "0.9.1"  # the release the adapter's hooks were read from and tested against (pyproject: verl extra)
 ROUTER_CLASS = "tailspec.integrations.verl_router.TailspecLoadBalancer"
@@ -58,10 +58,7 @@ class VerlSettings:
         if data is None:
             raise ValueError("the router file has no `tailspec:` section (write it with tailspec.integrations.verl_config)")
         d = dict(data.items()) if hasattr(data, "items") else data
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown tailspec settings {unknown}; known: {sorted(known)}")
+        refuse_unknown(cls, d)
         return cls(**d)
 
 
@@ -87,13 +84,6 @@ def write_router_file(path: str | Path, settings: VerlSettings) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump({"router_class": ROUTER_CLASS, "tailspec": asdict(settings)}, sort_keys=False))
     return path
-
-
-def drafter_speculative_config(drafter_dir: str | Path, model_dir: str | Path, k: int,
-                               schedule: list[tuple[int, int, int]] | None = None) -> dict:
-    """vLLM's `speculative_config` for verl's rollout: tailspec's EAGLE-3 export checked against the policy
-    (the same checks and dict as `VllmRollout`, rollout.vllm_checks), before any replica starts."""
-    return speculative_config(DrafterSpec("eagle3", Path(drafter_dir), k=k, schedule=schedule), model_dir)
 
 
 def _hydra_value(v: Any) -> str:

@@ -1,0 +1,156 @@
+"""What the verl and OpenRLHF adapters share: their vLLM engines as one reload target for `LiveVllm`, the checks
+before a reload, publishing the newest HF checkpoint as a policy version, the promoted record the engines were
+started with, the reclaim wait's record, and the settings files' refusal of unknown keys. Each adapter keeps
+only what its framework differs in: how a reload reaches an engine, where the checkpoints are, how samples are
+read from its batch."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from tailspec.core import state
+from tailspec.core.state import DrafterVersion
+from tailspec.integrations.policy import PolicyPublisher
+from tailspec.rollout.vllm_checks import (
+    DrafterMismatch,
+    DrafterSpec,
+    aux_layer_ids,
+    eagle3_problems,
+    read_json,
+    safetensors_shapes,
+    speculative_config,
+)
+
+RemoteCall = Callable[[list[Any]], list[Any]]  # waits for a list of Ray object refs (ray.get)
+
+
+def check_reloadable(policy_dir: Path, live: Path, new: Path) -> None:
+    """The checks VllmRollout makes before a reload: the new export fits the target, has the live drafter's
+    aux layers and exactly its tensors (`t2d` aside: vLLM has none). DrafterMismatch names what differs."""
+    problems = eagle3_problems(read_json(policy_dir, "policy"), new)
+    if problems:
+        raise DrafterMismatch(f"drafter {new} does not fit target {policy_dir}: " + "; ".join(problems))
+    if aux_layer_ids(read_json(live, "drafter")) != aux_layer_ids(read_json(new, "drafter")):
+        raise DrafterMismatch(f"aux layer ids of {new} differ from the live drafter's ({live})")
+    old = {k: v for k, v in safetensors_shapes(live).items() if k != "t2d"}
+    cur = {k: v for k, v in safetensors_shapes(new).items() if k != "t2d"}
+    if old != cur:
+        raise DrafterMismatch(f"drafter {new} has other tensors than the live one ({live}): "
+                              f"{sorted(set(old.items()) ^ set(cur.items()))[:6]}")
+
+
+def drafter_speculative_config(drafter_dir: str | Path, model_dir: str | Path, k: int,
+                               schedule: list[tuple[int, int, int]] | None = None) -> dict:
+    """vLLM's `speculative_config` for a framework's engines: tailspec's EAGLE-3 export checked against the
+    policy (the same checks and dict as `VllmRollout`, rollout.vllm_checks), before any engine starts."""
+    return speculative_config(DrafterSpec("eagle3", Path(drafter_dir), k=k, schedule=schedule), model_dir)
+
+
+class RemoteEngines:
+    """A framework's vLLM engines in the shape `LiveVllm` drives (`spec`, `k_max`, `reload_drafter`,
+    `set_schedule`): a reload is checked once here and sent to every engine by `_send`. Their engine cores run
+    in processes of their own, so the k schedule stays as started."""
+
+    def __init__(self, call: RemoteCall, policy_dir: str | Path, drafter_path: str | Path, k: int,
+                 max_num_seqs: int = 256):
+        self.call = call
+        self.policy_dir, self.drafter_path = Path(policy_dir), Path(drafter_path)
+        self.spec = DrafterSpec("eagle3", self.drafter_path, k=k)
+        self.max_num_seqs = max_num_seqs
+        self.schedule = None
+        self.reloads = 0
+
+    @property
+    def k_max(self) -> int:
+        return int(self.spec.k)
+
+    def _send(self, path: Path) -> dict:
+        """Load the checked export at `path` into every engine; what was reached (e.g. {"engines": n})."""
+        raise NotImplementedError
+
+    def reload_drafter(self, path: str | Path) -> dict:
+        path = Path(path)
+        check_reloadable(self.policy_dir, self.drafter_path, path)
+        t0 = time.perf_counter()
+        reached = self._send(path)
+        self.drafter_path = path
+        self.reloads += 1
+        return {**reached, "total_seconds": time.perf_counter() - t0}
+
+    def set_schedule(self, schedule: Any) -> bool:
+        return False
+
+
+@dataclass
+class AttachStats:
+    """What an attachment did, for tests and logs (wall-clock times, time.time())."""
+
+    waits: list[dict] = field(default_factory=list)
+    published: list[int] = field(default_factory=list)
+    samples: int = 0
+    samples_dropped: int = 0
+    loads: list[Any] = field(default_factory=list)  # per batch: the engines' or replicas' request counts
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or links refused
+        shutil.copy2(src, dst)
+
+
+def copy_tree(src: Path) -> Callable[[Path], None]:
+    """A `PolicyPublisher` writer: `src`'s files hard-linked (copied where links are refused), so the
+    framework's checkpoint rotation cannot pull them from under a session."""
+    def write(tmp: Path) -> None:
+        for f in sorted(src.rglob("*")):
+            target = tmp / f.relative_to(src)
+            if f.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _link_or_copy(f, target)
+    return write
+
+
+def publish_newest(publisher: PolicyPublisher, found: tuple[int, Path] | None, model_dir: Path,
+                   stats: AttachStats) -> tuple[int, Path] | None:
+    """Publish the framework's newest HF checkpoint `found` = (version, dir) if it is newer than the last
+    published one (the base model `model_dir` as version 0 before any); returns the latest published."""
+    latest = publisher.latest()
+    if found is not None and (latest is None or found[0] > latest[0]):
+        publisher.publish(found[0], copy_tree(found[1]))
+        stats.published.append(found[0])
+    elif latest is None and (model_dir / "config.json").is_file():
+        publisher.publish(0, copy_tree(model_dir))
+        stats.published.append(0)
+    return publisher.latest()
+
+
+def started_version(client: Any, cluster: str, version: int | None) -> DrafterVersion | None:
+    """The promoted record the engines were started with (`version`), so the first poll does not reload it."""
+    if version is None:
+        return None
+    cur = state.get(client.r, state.key(cluster, "drafter_current"), DrafterVersion)
+    return cur if cur is not None and cur.version == version else None
+
+
+def wait_reclaimed(client: Any, timeout_s: float, step: int, stats: AttachStats) -> None:
+    """The update's wait for lent GPUs to come back, recorded in `stats.waits`."""
+    w = client.wait_reclaimed(timeout_s=timeout_s)
+    stats.waits.append({"step": step, "waited_s": w.waited_s, "reclaimed": w.reclaimed, "held": list(w.held),
+                        "error": w.error, "returned_at": time.time()})
+
+
+def refuse_unknown(cls: type, data: dict) -> None:
+    """A settings file's keys must all be fields of `cls`: unknown ones are refused by name."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown tailspec settings {unknown}; known: {sorted(known)}")
