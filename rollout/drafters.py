@@ -30,7 +30,7 @@ from tailspec.rollout.model_runner import (
     signed_sin,
     unit_rms_norm,
 )
-from tailspec.rollout.sampling import DRAFT, process, sample, uniforms
+from tailspec.rollout.sampling import DRAFT, process, race, sample, uniforms
 from tailspec.rollout.slots import Batch
 
 
@@ -63,13 +63,16 @@ class Proposer:
 
 def _draw(logits: torch.Tensor, batch: Batch, j: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Processed q [n, V] from logits [n, V] with each row's params, and draft j (at position length + j)
-    drawn from it with the DRAFT-stream uniform of that position (the engine's precomputed one when set)."""
+    drawn from it with the DRAFT-stream uniform of that position (the engine's precomputed one when set), or,
+    when the engine verifies coupled, the Gumbel race of q with the target's noise of that position."""
     q = process(
         logits[:, None], batch.temperature, batch.top_k, batch.top_p,
         batch.any_sampled, batch.any_greedy, batch.any_truncated, batch.any_scaled,
     )[:, 0]
     if not batch.any_sampled:  # all greedy: q is one-hot, no randomness needed
         return q.argmax(-1), q
+    if batch.race is not None:
+        return race(q, batch.race[:, j]), q
     if batch.u_draft is not None and j < batch.u_draft.shape[1]:
         u = batch.u_draft[:, j]
     else:

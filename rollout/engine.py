@@ -5,6 +5,7 @@ One decode step, for the running rows 0..n-1 (kept compacted by SlotTable):
   drafts, q = drafter.propose(batch, k)                     [n, k], [n, k, V] or None
   logits = target([last token, drafts] at L-1 .. L-1+k)     one verify forward, fixed width k+1
   tokens, n_acc = verify(p, q, drafts, uniforms)            exact speculative sampling, ragged acceptance
+                                                            (verify_rule "coupled": the drafter-invariant race)
   emit tokens[: n_acc+1] cut at the first stop id / max_tokens; lengths += emitted
 Rejected drafts need no KV rollback: their entries sit past the row's length and are overwritten before
 anything attends to them. Prefill caches positions 0..L-2 only; the last prompt token is the first verify
@@ -52,6 +53,9 @@ from tailspec.rollout.strategy import ChooseK, StepRecord
 
 # the verify forward's seam: ModelRunner.forward's contract, (ids, start, slot0, max_pos, want_aux) -> (logits, aux)
 VerifyForward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+# sampling.verify (the residual rule: highest acceptance) or sampling.verify_coupled (the same tokens whatever
+# the drafter and k: a run with speculation samples the very rollouts of a run without it)
+VERIFY_RULES = ("residual", "coupled")
 
 
 class Engine:
@@ -68,13 +72,17 @@ class Engine:
         seed: int = 0,
         eos_token_id: int | Sequence[int] | None = None,
         history: int = 1024,
+        verify_rule: str = "residual",
     ):
         cfg = model.config
         check_supported(cfg)
         if max_batch < 1 or max_seq_len < 2 or k_max < 0:
             raise ValueError(f"need max_batch >= 1, max_seq_len >= 2, k_max >= 0; got {max_batch}, {max_seq_len}, {k_max}")
+        if verify_rule not in VERIFY_RULES:
+            raise ValueError(f"verify_rule must be one of {VERIFY_RULES}, got {verify_rule!r}")
         if drafter is not None:
             drafter.check_fits(cfg)  # a misfit drafter is refused before any compute
+        self.verify_rule = verify_rule
         self.model = model.eval()
         self.vocab_size = int(cfg.vocab_size)
         self.max_batch, self.max_seq_len, self.k_max = max_batch, max_seq_len, k_max
@@ -315,10 +323,13 @@ class Engine:
         and its processed distribution p."""
         L = batch.lengths
         last = batch.tokens.gather(1, (L - 1)[:, None])
-        if batch.any_sampled:  # every uniform of the step in one gather from the rows' tables
+        coupled = batch.any_sampled and self.verify_rule == "coupled"
+        batch.race = batch.u_draft = None
+        if coupled:  # one Gumbel race per verify position, shared by the drafter and the target
+            batch.race = sampling.race_noise(batch.key, L[:, None] + self._arange[: k + 1], self.vocab_size)
+        elif batch.any_sampled:  # every uniform of the step in one gather from the rows' tables
             batch.u_draft, u_acc, u_smp = sampling.step_uniforms_from(batch.uniforms, L, k)
         else:
-            batch.u_draft = None
             u_acc = torch.zeros(n, k, dtype=torch.float64, device=self.device)
             u_smp = torch.zeros(n, k + 1, dtype=torch.float64, device=self.device)
         if k > 0:
@@ -332,7 +343,10 @@ class Engine:
             logits, batch.temperature, batch.top_k, batch.top_p, batch.any_sampled, batch.any_greedy, batch.any_truncated,
             batch.any_scaled,
         )
-        out, n_acc = sampling.verify(p, q, drafts, u_acc, u_smp)
+        if coupled:
+            out, n_acc = sampling.verify_coupled(p, drafts, batch.race)
+        else:
+            out, n_acc = sampling.verify(p, q, drafts, u_acc, u_smp)
         if self.drafter is not None:
             self.drafter.observe(batch, k, out, n_acc, aux)
         return out, n_acc, logits, p

@@ -9,6 +9,18 @@ token at that position), SAMPLE (the target's draw at that position: the residua
 or the bonus token), DRAFT (the drafter's own draw). Reusing a (position, stream) pair in a later step is
 sound: at the first rejection at position t, everything emitted so far is a function of the numbers at
 positions <= t only, so the numbers at positions > t are still fresh.
+
+Two verification rules, both exact (every emitted token is distributed as the target's processed
+distribution given the tokens before it):
+- `verify` (residual, Leviathan et al. / Chen et al.): accept draft x with probability min(1, p(x)/q(x)),
+  else draw from the normalised residual max(0, p - q). The highest acceptance an exact rule has (1 - TV(p, q)),
+  but which tokens come out depends on the drafter and on k.
+- `verify_coupled` (drafter-invariant: a Gumbel-max race): every position has its own Gumbel noise per
+  vocabulary id (stream RACE), the target's token there is argmax(log p + g) and the drafter drafts
+  argmax(log q + g) with the same g; a draft is accepted iff it equals the target's token. The output is then
+  plain Gumbel-max sampling of the target with that noise: the same tokens whatever the drafter, k or batch
+  (up to float ties), so a run with speculation produces the very rollouts of a run without it. The price is
+  acceptance: P(accept) >= (1 - TV) / (1 + TV), below the residual rule's 1 - TV.
 """
 
 from __future__ import annotations
@@ -16,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ACCEPT, SAMPLE, DRAFT = 0, 1, 2
+ACCEPT, SAMPLE, DRAFT, RACE = 0, 1, 2, 3
 _M32 = 0xFFFFFFFF
 
 
@@ -196,4 +208,40 @@ def verify(
     resid = resid.gather(1, n_acc[:, None, None].expand(B, 1, V))[:, 0]
     final = sample(resid, u_sample.gather(-1, n_acc[:, None])[:, 0])
     tokens = F.pad(drafts, (0, 1)).scatter_(1, n_acc[:, None], final[:, None])
+    return tokens, n_acc
+
+
+def race_noise(key: torch.Tensor, pos: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exponential race noise [B, T, V] float64 (-log u, u uniform) of the RACE stream for keys [B] at positions
+    pos [B, T], one number per vocabulary id: the coupling `verify_coupled` and the drafters share. 32 random
+    bits each, offset by half a step so that no uniform is 0 or 1. The code is spread by a multiplication (a
+    bijection) instead of a first fmix32 round: the final round avalanches either way, and this is the hot
+    path's largest hash (B x T x V numbers a step)."""
+    B, T = pos.shape
+    x = torch.arange(vocab, device=pos.device)
+    codes = (((pos[..., None] * vocab + x) << 2) | RACE).reshape(B, T * vocab)
+    h = _fmix32(key[:, None] ^ _mul32(codes, 0x9E3779B1))
+    u = (h.to(torch.float64) + 0.5) * (1.0 / (1 << 32))
+    return (-u.log()).reshape(B, T, vocab)
+
+
+def race(probs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """argmax(probs / e) over the last dim with e exponential noise (`race_noise`): the exponential race, i.e.
+    Gumbel-max (argmax(log probs - log e)), a draw from probs; a zero-probability id never wins."""
+    return (probs.double() / e).argmax(-1)
+
+
+def verify_coupled(p: torch.Tensor, drafts: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafter-invariant exact speculative sampling (see the module docstring).
+
+    p [B, k+1, V] the target's processed distributions at the k+1 verify positions, drafts [B, k], g [B, k+1, V]
+    the race noise of those positions (`race_noise`). The target's token at every position is race(p, g); the
+    leading drafts equal to it are accepted, so the step's tokens are the race winners themselves.
+    Returns (tokens [B, k+1], n_acc [B]) as `verify` does."""
+    tokens = race(p, g)
+    k = drafts.shape[1]
+    if k == 0:
+        return tokens, torch.zeros(p.shape[0], dtype=torch.long, device=p.device)
+    match = drafts == tokens[:, :k]
+    n_acc = match[:, 0].long() if k == 1 else match.long().cumprod(-1).sum(-1)
     return tokens, n_acc

@@ -39,6 +39,7 @@ class Batch:
     any_truncated: bool
     any_scaled: bool = True  # some row samples at a temperature other than 1 (0 = greedy is not scaled)
     u_draft: torch.Tensor | None = None  # [n, k] this step's DRAFT-stream uniforms, set by the engine
+    race: torch.Tensor | None = None  # [n, k+1, V] this step's RACE noise when the engine verifies coupled
 
 
 class SlotTable:

@@ -76,12 +76,12 @@ def enumerate_joint(model: LlamaForCausalLM, temperature: float, top_p: float = 
     return (p1[:, None, None] * p2[:, :, None] * p3).numpy()
 
 
-def engine_samples(target, drafter, k: int, setting: dict) -> np.ndarray:
-    eng = Engine(target, drafter, choose_k=k, max_batch=N, max_seq_len=len(PROMPT) + 3, k_max=k)
-    params = [SamplingParams(max_tokens=3, seed=i, ignore_eos=True, **setting) for i in range(N)]
-    outs = eng.generate([PROMPT] * N, params)
+def engine_samples(target, drafter, k: int, setting: dict, verify_rule: str = "residual", n: int = N) -> np.ndarray:
+    eng = Engine(target, drafter, choose_k=k, max_batch=n, max_seq_len=len(PROMPT) + 3, k_max=k, verify_rule=verify_rule)
+    params = [SamplingParams(max_tokens=3, seed=i, ignore_eos=True, **setting) for i in range(n)]
+    outs = eng.generate([PROMPT] * n, params)
     toks = np.array([o.token_ids for o in outs])
-    assert toks.shape == (N, 3)
+    assert toks.shape == (n, 3)
     return toks
 
 
@@ -149,3 +149,69 @@ def test_broken_acceptance_rule_fails_the_same_check(target, poor, monkeypatch, 
     monkeypatch.setattr(sampling, "verify", broken)
     ok, pval, tv, bound = check(engine_samples(target, DraftModelProposer(poor), k=2, setting=SETTINGS["t1.0"]), joint)
     assert not ok, f"a broken rule passed: chi-square p={pval:.2e}, TV={tv:.4f} (bound {bound:.4f})"
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("drafter_kind", ["poor", "good", "ngram"])
+def test_coupled_sampling_is_exact(target, poor, setting, drafter_kind):
+    """The drafter-invariant rule passes the same enumerated check as the residual one."""
+    torch.set_num_threads(2)
+    drafter = {"poor": DraftModelProposer(poor), "good": DraftModelProposer(target), "ngram": NgramProposer()}[drafter_kind]
+    joint = enumerate_joint(target, **SETTINGS[setting])
+    toks = engine_samples(target, drafter, k=2, setting=SETTINGS[setting], verify_rule="coupled")
+    ok, pval, tv, bound = check(toks, joint)
+    assert ok, f"{setting}/{drafter_kind}: chi-square p={pval:.2e}, TV={tv:.4f} (bound {bound:.4f})"
+
+
+@pytest.mark.parametrize("setting", ["t1.0", "t0.7-p0.9"])
+def test_coupled_tokens_do_not_depend_on_drafter_or_k(target, poor, setting):
+    """Under the coupled rule a request's tokens are a function of its seed and the target alone: no drafter,
+    a poor one, a perfect one and n-gram drafts at several k give the same tokens, request by request."""
+    n = 2000
+    runs = {
+        "no SD": engine_samples(target, None, 0, SETTINGS[setting], "coupled", n),
+        "poor k=1": engine_samples(target, DraftModelProposer(poor), 1, SETTINGS[setting], "coupled", n),
+        "poor k=3": engine_samples(target, DraftModelProposer(poor), 3, SETTINGS[setting], "coupled", n),
+        "good k=2": engine_samples(target, DraftModelProposer(target), 2, SETTINGS[setting], "coupled", n),
+        "ngram k=2": engine_samples(target, NgramProposer(), 2, SETTINGS[setting], "coupled", n),
+    }
+    for name, toks in runs.items():
+        assert np.array_equal(toks, runs["no SD"]), f"{name}: {(toks != runs['no SD']).any(1).sum()} of {n} differ"
+    residual = engine_samples(target, DraftModelProposer(poor), 2, SETTINGS[setting], "residual", n)
+    assert not np.array_equal(residual, runs["no SD"])  # the residual rule's tokens do depend on the drafter
+
+
+def test_coupled_acceptance_is_below_residual_and_above_its_bound(target, poor):
+    """Per-draft acceptance of a poor drafter at k=1: coupled <= residual (1 - TV is the most an exact rule
+    can accept) and >= (1 - TV) / (1 + TV), the Gumbel coupling's guarantee (TV of the first token)."""
+    n = 8000
+    joint = enumerate_joint(target, temperature=1.0)
+    q_joint = enumerate_joint(poor, temperature=1.0)
+    tv = 0.5 * float(np.abs(joint.sum((1, 2)) - q_joint.sum((1, 2))).sum())
+    rates = {}
+    for rule in ("residual", "coupled"):
+        eng = Engine(target, DraftModelProposer(poor), choose_k=1, max_batch=n, max_seq_len=len(PROMPT) + 2, k_max=1,
+                     verify_rule=rule)
+        outs = eng.generate([PROMPT] * n, [SamplingParams(max_tokens=1, seed=i, ignore_eos=True) for i in range(n)])
+        rates[rule] = sum(o.stats.accepted for o in outs) / n
+    slack = 4 * math.sqrt(0.25 / n)
+    assert rates["coupled"] <= rates["residual"] + slack, rates
+    assert abs(rates["residual"] - (1 - tv)) < slack, (rates, tv)
+    assert rates["coupled"] >= (1 - tv) / (1 + tv) - slack, (rates, tv)
+
+
+def _race_without_positions(key, pos, vocab):
+    """A broken coupling: every position races with the first position's noise."""
+    g = _true_race_noise(key, pos[:, :1], vocab)
+    return g.expand(-1, pos.shape[1], -1)
+
+
+_true_race_noise = sampling.race_noise
+
+
+def test_coupled_rule_with_shared_noise_fails_the_same_check(target, poor, monkeypatch):
+    joint = enumerate_joint(target, temperature=1.0)
+    monkeypatch.setattr(sampling, "race_noise", _race_without_positions)
+    toks = engine_samples(target, DraftModelProposer(poor), 2, SETTINGS["t1.0"], "coupled")
+    ok, pval, tv, bound = check(toks, joint)
+    assert not ok, f"a broken coupling passed: chi-square p={pval:.2e}, TV={tv:.4f} (bound {bound:.4f})"

@@ -216,7 +216,8 @@ def run(args: argparse.Namespace) -> dict:
     max_seq = min(int(target.config.max_position_embeddings), 1024)
 
     def make_engine(batch: int, choose_k):
-        return Engine(target, make_drafter(), choose_k=choose_k, max_batch=batch, max_seq_len=max_seq, k_max=k_max)
+        return Engine(target, make_drafter(), choose_k=choose_k, max_batch=batch, max_seq_len=max_seq, k_max=k_max,
+                      verify_rule=cfg.rollout.verify_rule)
 
     t_start = time.perf_counter()
     pool_prompts = _prompts(tok, 512, 11, cfg.task)

@@ -58,6 +58,9 @@ def run(args: argparse.Namespace) -> dict:
               f"({result['frozen_acceptance_change']:+.1%}); alternative style share "
               f"{runs['frozen'][0].alt_style_share:.2f} -> {runs['frozen'][-1].alt_style_share:.2f}, accuracy "
               f"{runs['frozen'][0].accuracy:.2f} -> {runs['frozen'][-1].accuracy:.2f}", file=out)
+    same = result["responses_identical_to_nospec"]
+    print(f"verify rule {result['verify_rule']}; steps whose responses are no SD's, token for token: frozen "
+          f"{same['frozen']:.0%}, co-trained {same['cotrained']:.0%}", file=out)
     if tmp is not None:
         tmp.cleanup()
     return result
@@ -146,6 +149,10 @@ def _result(args: argparse.Namespace, runs: dict, demos: dict, step: dict[str, f
         # share of responses in the task's alternative style, which the reward's style bonus favours
         "alt_style_curves": {m: [round(r.alt_style_share, 3) for r in rows] for m, rows in runs.items()},
         "reward_agreement": reward_agreement(runs, args.prompts * args.group),
+        "verify_rule": demos["cotrained"].cfg.rollout.verify_rule,
+        # steps whose responses are token for token no SD's (the coupled rule pairs the modes: while the policies
+        # agree, every mode decodes the same rollouts and only the time differs)
+        "responses_identical_to_nospec": identical_steps(runs),
         "logprob_max_abs_diff": max(r.logprob_max_abs_diff for rows in runs.values() for r in rows),
     }
 
@@ -175,6 +182,13 @@ def drafter_cost_ratio(demo) -> dict:
     finally:
         torch.set_num_threads(threads)
     return {"drafter_cost_ratio": round(per[1]["ratio"], 4)}
+
+
+def identical_steps(runs: dict) -> dict[str, float]:
+    """Per mode, the share of steps whose responses are token for token no SD's (StepRow.responses_digest)."""
+    base = [r.responses_digest for r in runs["nospec"]]
+    return {m: round(statistics.fmean(a == r.responses_digest for a, r in zip(base, rows)), 3) if rows else 0.0
+            for m, rows in runs.items() if m != "nospec"}
 
 
 def reward_agreement(runs: dict, n: int) -> dict:

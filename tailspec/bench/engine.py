@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-per-batch", type=int, default=2, help="prompts per run = this x batch (min 4)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--verify-rule", choices=["residual", "coupled"], default="residual",
+                   help="the engine's speculative sampling rule (rollout.verify_rule)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     p.add_argument("--device", default="cpu")
@@ -284,7 +286,8 @@ def _batch_rows(model, tok, draft_model, make_drafter, drafter_names, ks, b: int
     configs.append(("engine", None, 0, Engine(model, None, max_batch=b, max_seq_len=seq, k_max=0)))
     for name in drafter_names:
         for k in ks:
-            eng = Engine(model, make_drafter(name), choose_k=k, max_batch=b, max_seq_len=seq, k_max=k)
+            eng = Engine(model, make_drafter(name), choose_k=k, max_batch=b, max_seq_len=seq, k_max=k,
+                         verify_rule=args.verify_rule)
             configs.append(("engine", name, k, eng))
     # warm-up: one short run per engine (allocations, first-call overheads)
     for _, _, _, eng in configs:

@@ -4,6 +4,7 @@ plot, and the promotions of a run. Instrumentation only: nothing here feeds back
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -68,6 +69,17 @@ class StepRow:
     # share of the step's responses written well-formed in the task's alternative scratchpad style: the drift
     # the reward's style bonus drives (tailspec/tasks/runsum.py)
     alt_style_share: float = 0.0
+    # sha256 of every response's token ids in request order: under rollout.verify_rule "coupled" the same in
+    # every mode (no SD, frozen, co-trained) while the policies are the same, which pairs a bench's modes
+    responses_digest: str = ""
+
+
+def responses_digest(results: list[WorkResult]) -> str:
+    """A digest of the step's responses, request by request (rid order), independent of which worker ran what."""
+    h = hashlib.sha256()
+    for o in sorted((o for res in results for o in res.outputs), key=lambda o: o.rid):
+        h.update(f"{o.rid}:{','.join(map(str, o.token_ids))};".encode())
+    return h.hexdigest()[:16]
 
 
 def counters(r, cluster: str) -> dict[str, float]:
@@ -132,6 +144,7 @@ def step_row(step: int, mode: str, t: StepTimes, results: list[WorkResult], befo
         phase_lag_s=t.phase_lag_s,
         worker_drain_lead_s={r.worker: r.finished_at - r.drained_at for r in results if r.drained_at is not None},
         alt_style_share=float(np.mean([s == ALT for s in styles])) if styles else 0.0,
+        responses_digest=responses_digest(results),
     )
 
 

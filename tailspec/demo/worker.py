@@ -186,7 +186,8 @@ class Worker:
         k_max = rc.k_max if drafter is not None else 0
         eos = self.model.config.eos_token_id
         engine = Engine(self.model, drafter, choose_k=0, max_batch=max(1, min(rc.max_batch, len(item.requests))),
-                        max_seq_len=rc.max_seq_len, k_max=k_max, seed=item.step, eos_token_id=eos)
+                        max_seq_len=rc.max_seq_len, k_max=k_max, seed=item.step, eos_token_id=eos,
+                        verify_rule=rc.verify_rule)
         self.pool = None
         adaptive = drafter is not None and rc.selector == "adaptive"
         wants_pool = rc.cuda_graphs and engine.device.type == "cuda"
