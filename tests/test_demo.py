@@ -255,6 +255,27 @@ def _load(w, item):
     return rc
 
 
+def test_worker_rollouts_do_not_depend_on_the_drafter_under_the_coupled_rule(micro_policy, redis_url):
+    """rollout.verify_rule coupled (the default): a worker's responses are the same tokens, request by request,
+    with no drafter, n-gram drafts at fixed k = 1 and 3, and the adaptive selector, so a run's modes decode the
+    same rollouts; under the residual rule the drafts change them."""
+    policy, tok = micro_policy
+    w = _worker(redis_url)
+    try:
+        def tokens(rollout: dict) -> dict[int, list[int]]:
+            res = w.run_item(_item(policy, tok, {"max_seq_len": 96, **rollout}))
+            return {o.rid: o.token_ids for o in res.outputs}
+
+        plain = tokens({"drafter": "none"})
+        assert len(plain) == 8 and all(plain.values())
+        for k in (1, 3):
+            assert tokens({"drafter": "ngram", "selector": "fixed", "k": k}) == plain
+        assert tokens({"drafter": "ngram", "selector": "adaptive"}) == plain
+        assert tokens({"drafter": "ngram", "selector": "fixed", "k": 3, "verify_rule": "residual"}) != plain
+    finally:
+        w.client.close()
+
+
 def test_worker_graph_pool_replays_the_same_tokens(micro_policy, redis_url):
     """rollout.cuda_graphs builds the pool from the worker's cost model, capturing the draft lengths the
     configured selector picks (on CPU: the same plan's padded static-buffer path, emulated); the pooled

@@ -42,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-per-batch", type=int, default=2, help="prompts per run = this x batch (min 4)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--verify-rule", choices=["residual", "coupled"], default="residual",
-                   help="the engine's speculative sampling rule (rollout.verify_rule)")
+    p.add_argument("--verify-rule", choices=["residual", "coupled"], default="coupled",
+                   help="the engine's speculative sampling rule (rollout.verify_rule; default coupled, the main job's)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     p.add_argument("--device", default="cpu")

@@ -177,10 +177,11 @@ class RolloutConfig(_Section):
                              "cache's length)")
     epsilon: float = Field(0.05, ge=0, le=1, description="exploration rate of the adaptive selector")
     verify_rule: Literal["residual", "coupled"] = Field(
-        "residual", description="exact speculative sampling rule of the native engine: residual (accept with "
-        "min(1, p/q), else draw from the residual; the highest acceptance) or coupled (drafter-invariant: a Gumbel "
-        "race shared by drafter and target, so rollouts are the same tokens with or without speculation, whatever "
-        "the drafter and k; lower acceptance). vLLM rollouts sample with vLLM's own rule")
+        "coupled", description="exact speculative sampling rule of the native engine: coupled (drafter-invariant: "
+        "a Gumbel race shared by drafter and target, so a rollout is the same tokens with or without speculation, "
+        "whatever the drafter and k: speculation changes an RL run's speed and nothing else) or residual (accept "
+        "with min(1, p/q), else draw from the residual: the highest acceptance, tokens depend on the drafter). "
+        "vLLM rollouts sample with vLLM's own rule")
     cuda_graphs: bool = Field(True, description="capture the verify forward's CUDA graphs (on CUDA only)")
     graph_memory_budget_mb: int = Field(2048, ge=0, le=1 << 24, description="memory the CUDA graph pool may take")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the policy's dtype in the engine")
