@@ -19,6 +19,11 @@ Rules (docs/architecture.md):
   generating again (or gone, or in another step), or its telemetry is lost or failing. After
   `stop_deadline_s` it counts as reclaimed whether or not its session has confirmed the stop.
 - No telemetry, a telemetry error or no worker owning the GPU → UNKNOWN, never lent.
+
+Only a drained GPU's step reads a telemetry sample's values (utilisation, memory, its time); every other step looks
+at whether the GPU's telemetry is there and failing. `IdleDetector.sampled` names the GPUs whose step at a tick may
+read values; for the others the caller may pass a `Health` instead of a sample, with the same decisions
+(tests/test_scheduler_idle_incremental.py), so the scheduler reads and decodes only those GPUs' samples.
 """
 
 from __future__ import annotations
@@ -43,6 +48,14 @@ class Action:
     token: int | None = None
     session_id: str | None = None
     latency_s: float | None = None  # idle: drain → detection; reclaimed: revoke → reclaimed
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """A GPU's telemetry as a step that reads no sample's values sees it: there, and its error if it failed. It has
+    no values, so a step that would read one fails loudly instead of deciding on a made-up sample."""
+
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -159,6 +172,17 @@ class IdleDetector:
         """The machines in state `st` (the index's own set: do not change it)."""
         return self.index.by_state[st]
 
+    def sampled(self, phase: PhaseInfo | None, progress: Mapping[str, Progress],
+                stopped_sessions: set[str] | frozenset[str] = frozenset()) -> set[GpuKey]:
+        """The GPUs whose step at a tick on these inputs may read a telemetry sample's values: in a rollout, those a
+        worker names while it reports no active request in a rollout phase, except GPUs lent to a session that has
+        not stopped (a lent GPU's step looks only at whether its telemetry is usable). A superset of the GPUs whose
+        step reaches the drained branch; for every other GPU a `Health` decides as its sample would."""
+        if phase is None or phase.phase != "rollout":
+            return set()
+        self.index.owners(progress)
+        return self.index.sampled(stopped_sessions)
+
     def changed(self) -> list[GpuKey]:
         """Machines stepped or changed since the last call, in creation order: the only ones whose state or
         since can differ from what the last call's caller saw."""
@@ -169,18 +193,17 @@ class IdleDetector:
         now: float,
         phase: PhaseInfo | None,
         progress: Mapping[str, Progress],
-        telemetry: Mapping[GpuKey, GpuTelemetry],
+        telemetry: Mapping[GpuKey, GpuTelemetry | Health],
         stopped_sessions: set[str] | frozenset[str] = frozenset(),
     ) -> list[Action]:
         """Step the machines (all, or those whose step could decide something new) on this snapshot; returns
-        the actions in the machines' creation order. The mappings' values are treated as immutable snapshots."""
+        the actions in the machines' creation order. The mappings' values are treated as immutable snapshots;
+        a GPU outside `sampled(phase, progress, stopped_sessions)` may have a `Health` for its sample."""
         owner = self.index.owners(progress)
         machines = self.machines
-        for keys in (telemetry, owner):
-            if not keys.keys() <= machines.keys():  # a GPU seen for the first time (checked in C: rare)
-                for k in keys:
-                    if k not in machines:
-                        self.machine(*k)
+        for k in self.index.unseen(telemetry, owner, machines):  # a GPU seen for the first time
+            if k not in machines:
+                self.machine(*k)
         due = self.index.due(now, phase, owner, telemetry, stopped_sessions, everything=not self.incremental)
         actions: list[Action] = []
         if not due:
@@ -205,7 +228,7 @@ class IdleDetector:
         rollout: bool,
         tail: _Tail,
         p: Progress | None,
-        t: GpuTelemetry | None,
+        t: GpuTelemetry | Health | None,
         stopped: set[str] | frozenset[str],
         out: list[Action] | None = None,
     ) -> list[Action]:
@@ -249,7 +272,7 @@ class IdleDetector:
             m._forget_drain()
             m._enter(GpuState.GENERATING, now)
         elif drained:
-            assert phase is not None and t is not None
+            assert phase is not None and isinstance(t, GpuTelemetry), "a drained GPU's step reads its sample"
             self._step_drained(m, now, phase, tail, p, t, out)
         else:
             m._forget_drain()
@@ -321,7 +344,7 @@ class IdleDetector:
         self.index.lent(m.key, session_id)
 
 
-def _revoke_reason(rollout: bool, p: Progress | None, t: GpuTelemetry | None, generating: bool,
+def _revoke_reason(rollout: bool, p: Progress | None, t: GpuTelemetry | Health | None, generating: bool,
                    drained: bool) -> str | None:
     """Why a lent GPU must be given back now, or None while it may stay lent."""
     if not rollout:

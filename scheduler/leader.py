@@ -5,7 +5,7 @@ expires after `scheduler.leader_ttl_s` unless renewed. Taking it is one Lua scri
 INCR `scheduler:epoch` and SET the record with that epoch, PX ttl. Epochs are therefore strictly increasing
 per cluster and name one term of one holder. Renewal (every tick) is a Lua compare of the stored epoch with
 the holder's that extends the key and writes the sessions' heartbeat in the same step, so only the leader
-writes the heartbeat. Release (clean exit) deletes both, under the same compare.
+writes the heartbeat; the leading scheduler sends it in the round trip of its tick's reads (`renew_command`). Release (clean exit) deletes both, under the same compare.
 
 The epoch is what fences the leader's lease writes (scheduler/leases.py): a scheduler that was paused past
 its leader TTL, while a standby took the key, finds its epoch refused at its next lend, revoke or renewal.
@@ -99,10 +99,11 @@ class LeaderElection:
     def leading(self) -> bool:
         return self.epoch is not None
 
-    def hold(self) -> bool:
+    def hold(self, renewed: Any = None) -> bool:
         """Renew the term this contender holds, or try to take the key when it holds none (or just lost it).
-        Returns whether it leads now; `epoch` changes when a term was lost or won."""
-        if self.epoch is not None and not self.renew():
+        Returns whether it leads now; `epoch` changes when a term was lost or won. `renewed`: the answer to
+        `renew_command`, sent by the caller with its own commands (None: renew here)."""
+        if self.epoch is not None and not (self.renew() if renewed is None else int(renewed)):
             self.epoch = None
         if self.epoch is None:
             self.acquire()
@@ -129,6 +130,13 @@ class LeaderElection:
             args=[self.epoch, _ms(self.ttl_s), repr(time.time()), self.heartbeat_px],
         )
         return bool(ok)
+
+    def renew_command(self) -> tuple:
+        """`renew` as one command for the caller to send with its own (its answer goes to `hold`): EVAL of the
+        script's text, so it needs no script cache (a restarted Redis has none)."""
+        assert self.epoch is not None
+        return ("EVAL", _RENEW, 2, self._keys["leader"], self._keys["scheduler_heartbeat"], self.epoch,
+                _ms(self.ttl_s), repr(time.time()), self.heartbeat_px)
 
     def release(self) -> bool:
         """Give the key up at a clean exit (a standby takes over at its next tick instead of after the TTL)."""

@@ -1,8 +1,10 @@
 """Per-node telemetry monitor: sample every GPU each period into the cluster state.
 
 Writes `gpu:{node}:{gpu}` (latest sample, expiring so a dead monitor's GPUs turn UNKNOWN), adds the GPU
-to `gpus`, and appends to the capped `history:gpu` stream for timelines. A Redis error is counted and
-logged; the loop never dies of it.
+to `gpus`, appends to the capped `history:gpu` stream for timelines, and writes the node's `gpu_health:{node}`
+(which GPUs it sampled and their errors, expiring with the samples): the scheduler reads that every tick and a
+GPU's sample only while the GPU is drained (scheduler/observe.py). A Redis error is counted and logged; the loop
+never dies of it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 from tailspec.scheduler.telemetry import Telemetry
 
 from tailspec.core import state
-from tailspec.core.state import Event, GpuTelemetry
+from tailspec.core.state import Event, GpuTelemetry, NodeHealth
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +45,7 @@ class TelemetryMonitor:
         c = self.cluster
         ttl_ms = int(max(2.0, 10 * self.period_s) * 1000)
         pipe = self.r.pipeline(transaction=False)
-        if samples:  # one SADD of every GPU, not one per GPU: the set rarely changes, the command count matters
-            pipe.sadd(state.key(c, "gpus"), *(f"{s.node}:{s.gpu}" for s in samples))
-        for s in samples:
-            data = state.encode(s)
-            pipe.set(state.key(c, "telemetry", node=s.node, gpu=s.gpu), data, px=ttl_ms)
-            pipe.xadd(
-                state.key(c, "telemetry_history"),
-                {"data": data},
-                maxlen=self.history_maxlen,
-                approximate=True,
-            )
+        publish_samples(pipe, c, samples, ttl_ms, self.history_maxlen)
         if self.warning and not self._warned:
             pipe.xadd(
                 state.key(c, "events"),
@@ -99,3 +91,28 @@ class TelemetryMonitor:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.telemetry.close()
+
+
+def publish_samples(client: Any, cluster: str, samples: list[GpuTelemetry], ttl_ms: int | None = None,
+                    history_maxlen: int = 20_000) -> None:
+    """Every sample's key and history entry, the GPUs in the GPU set, then each node's health record (after its
+    samples, with the same expiry: a reader that finds a GPU in it finds its sample). `client`: Redis or a pipeline;
+    `ttl_ms` None: no expiry (tools and tests)."""
+    if not samples:
+        return
+    c = cluster
+    # One SADD of every GPU, not one per GPU: the set rarely changes, the command count matters.
+    client.sadd(state.key(c, "gpus"), *(f"{s.node}:{s.gpu}" for s in samples))
+    health: dict[str, NodeHealth] = {}
+    for s in samples:
+        data = state.encode(s)
+        client.set(state.key(c, "telemetry", node=s.node, gpu=s.gpu), data, px=ttl_ms)
+        client.xadd(state.key(c, "telemetry_history"), {"data": data}, maxlen=history_maxlen, approximate=True)
+        h = health.get(s.node)
+        if h is None:
+            h = health[s.node] = NodeHealth(node=s.node, gpus=[])
+        h.gpus.append(s.gpu)
+        if s.error is not None:
+            h.errors[s.gpu] = s.error
+    for node, h in health.items():
+        client.set(state.key(c, "gpu_health", node=node), state.encode(h), px=ttl_ms)

@@ -1,8 +1,9 @@
 """The scheduler loop: read the cluster state, step the per-GPU state machines, act.
 
-Each tick (default 50 ms) reads phase, progress and telemetry from Redis in one round trip (scheduler/observe.py:
-a payload unchanged since the last tick is not decoded again), runs `IdleDetector.tick` (which steps only the
-machines whose step could decide something new, scheduler/idle_index.py), and executes its actions: lend (fenced
+Each tick (default 50 ms) reads phase, progress and every node's GPU health from Redis in one round trip, and the
+telemetry samples of the drained GPUs in a second (scheduler/observe.py: a payload unchanged since the last tick is
+not decoded again), runs `IdleDetector.tick` (which steps only the machines whose step could decide something new,
+scheduler/idle_index.py), and executes its actions: lend (fenced
 lease + session start), revoke (revoke flag + lease delete), reclaimed (release, backstop stop, final records).
 However many GPUs the actions concern, they take a fixed number of round trips and commands (one bulk lease
 script per kind and one MGET of the session records, then the new sessions' records), every lease the leader
@@ -45,16 +46,7 @@ from tailspec.scheduler.tick_writes import TickWrites
 
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
-from tailspec.core.state import (
-    Event,
-    GpuState,
-    GpuStatus,
-    GpuTelemetry,
-    Lease,
-    PhaseInfo,
-    Progress,
-    StateError,
-)
+from tailspec.core.state import Event, GpuState, GpuStatus, Lease, StateError
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +142,6 @@ class Scheduler:
                 "scheduler: skipping bad payload at %s: %s (%d so far)", where, err, self.bad_payloads
             )
 
-    def snapshot(self) -> tuple[PhaseInfo | None, dict[str, Progress], dict[tuple[str, int], GpuTelemetry]]:
-        """Phase, progress and telemetry in two round trips (scheduler/observe.py)."""
-        return self._observer.snapshot()
-
     # -- leadership ----------------------------------------------------------------------------
     def recover(self) -> Inherited:
         """At a take-over: leases of earlier epochs are left to expire (the renew script refuses them now, so
@@ -179,17 +167,26 @@ class Scheduler:
             revoked += 1
         return Inherited(revoked=revoked, expiring=expiring)
 
-    def _hold_lead(self, now: float) -> None:
-        """Renew this instance's term or try to take one; act on a term lost or won."""
+    def _hold_lead(self, now: float) -> tuple | None:
+        """Renew this instance's term or try to take one; act on a term lost or won. A leader renews in the round
+        trip of the tick's reads (scheduler/observe.py): their phase and progress are returned while the same term
+        goes on (None otherwise: what was read is dropped)."""
         before = self.election.epoch
+        read = None
         try:
-            self.election.hold()
+            if before is None:
+                self.election.hold()
+            else:
+                phase, progress, renewed = self._observer.read(self.election.renew_command())
+                read = (phase, progress)
+                self.election.hold(renewed)
         finally:  # a renewal refused, then a failed attempt to take the key again: the term is still lost
             if before is not None and self.election.epoch != before:
                 self._lose_term(before, now)
         if self.leading and self.election.epoch != before:
             self._take_over(now)
         self._log_role()
+        return read if self.election.epoch == before else None
 
     def _lose_term(self, epoch: int, now: float) -> None:
         """Deposed (paused or cut off past the leader TTL, and another instance took the key): forget the
@@ -255,11 +252,11 @@ class Scheduler:
         """Hold the lead (renewal writes the sessions' heartbeat) or try to take it; lead if leading."""
         now = time.time() if now is None else now
         try:
-            self._hold_lead(now)
+            read = self._hold_lead(now)
             ended = self.dispatcher.poll()
             self._reap_orphans(ended, now)
             self.ticks += 1
-            return self._lead(now, ended) if self.leading else []
+            return self._lead(now, ended, read) if self.leading else []
         except LeaderLost as e:  # deposed since this tick's renewal: the refused write and the rest are dropped
             log.warning("scheduler %s: %s", self.holder, e)
             epoch, self.election.epoch = self.election.epoch, None
@@ -268,9 +265,10 @@ class Scheduler:
             self._log_role()
             return []
 
-    def _lead(self, now: float, ended: set[str]) -> list[Action]:
+    def _lead(self, now: float, ended: set[str], read: tuple | None) -> list[Action]:
         self._writes.drop()  # what an aborted tick queued was never written, as its pipeline was not
-        phase, progress, telemetry = self.snapshot()
+        phase, progress = read or self._observer.read()[:2]  # read with the renewal, or after a take-over
+        telemetry = self._observer.telemetry(self.detector.sampled(phase, progress, ended))
         sc = self.cfg.scheduler
         # GPU-seconds over the interval since the last tick, by the states held during it.
         dt = 0.0 if self._last_tick is None else min(max(0.0, now - self._last_tick), 1.0)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tailspec.scheduler.idle import IdleDetector, expected_tail_s
+from tailspec.scheduler.idle import Health, IdleDetector, expected_tail_s
 
 from tailspec.core.state import GpuState, GpuTelemetry, PhaseInfo, Progress
 
@@ -60,6 +60,29 @@ def test_drained_gpu_is_lent_after_the_window_and_revoked_at_phase_end():
     assert [(a.kind, a.session_id) for a in acts] == [("reclaimed", "s7")]
     assert abs(acts[0].latency_s - 0.2) < 1e-9
     assert d.machines[(N, 0)].state == GpuState.UNKNOWN
+
+
+def test_sampled_names_the_gpus_whose_step_reads_a_sample():
+    """The GPUs whose sample the scheduler reads: drained workers' GPUs in a rollout, not a lent one while its session
+    goes on, a reclaiming one (reclaimed, it may drain again in the same step), never outside a rollout."""
+    d = IdleDetector(window_s=0.0, startup_s=0.0, stop_deadline_s=1.0)
+    ph = rollout()
+    p = {"w0": prog(0, 0, 1.0), "w1": prog(1, 1, 1.0), "w2": prog(2, 0, 1.0, phase="train")}
+    assert d.sampled(ph, p) == {(N, 0)}  # not w1's (generating) nor w2's (its report is not a rollout's)
+    assert d.sampled(PhaseInfo(phase="train", step=1, started_at=0.0), p) == set()
+    assert d.sampled(None, p) == set()
+    t = {(N, 0): tel(0, 0, 1.1), (N, 1): Health(), (N, 2): Health()}  # a Health where the step reads no sample
+    assert [a.kind for a in d.tick(1.2, ph, p, t)] == ["idle", "lend"]
+    d.lent(N, 0, 1, "s1", 1.2)
+    assert d.sampled(ph, p) == set()  # lent: its step looks only at whether its telemetry is usable
+    assert d.sampled(ph, p, {"s1"}) == {(N, 0)}  # its session ended: reclaimed, then drained, at this tick
+    p["w0"] = prog(0, 2, 1.3)
+    assert [a.reason for a in d.tick(1.3, ph, p, {**t, (N, 0): Health()})] == ["worker generating"]
+    p["w0"] = prog(0, 0, 1.4)
+    assert d.sampled(ph, p) == {(N, 0)}  # reclaiming, its worker drained again
+    acts = d.tick(2.4, ph, p, {**t, (N, 0): tel(0, 0, 2.2)})
+    assert [(a.kind, a.reason) for a in acts] == [("reclaimed", "stop deadline passed")]
+    assert d.machines[(N, 0)].state == GpuState.DRAINED
 
 
 def test_high_utilization_after_drain_blocks_lending():

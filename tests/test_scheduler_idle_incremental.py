@@ -1,7 +1,11 @@
 """The incremental idle detector (scheduler/idle_index.py) against stepping every machine at every tick: over random
 sequences of progress, telemetry, phase, lends, session ends, back-offs and learned memory needs, both make the same
 decisions (actions, in order) and leave every machine in the same state, and every machine whose state or since
-changed is among those the incremental one reports changed (the scheduler publishes only those)."""
+changed is among those the incremental one reports changed (the scheduler publishes only those).
+
+A third detector sees telemetry as the scheduler reads it (scheduler/observe.py): the sample of every GPU that
+`IdleDetector.sampled` names before the tick, and only a `Health` (there, and its error) for the others; it too
+decides as the one that sees every sample."""
 
 from __future__ import annotations
 
@@ -10,9 +14,9 @@ from dataclasses import astuple
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tailspec.scheduler.idle import IdleDetector
+from tailspec.scheduler.idle import Health, IdleDetector
 
-from tailspec.core.state import GpuTelemetry, PhaseInfo, Progress
+from tailspec.core.state import GpuState, GpuTelemetry, PhaseInfo, Progress
 
 NODE = "n0"
 WORKERS = {0: [0, 1], 1: [2], 2: [3]}  # worker → its GPUs; GPU 4 has telemetry and no worker
@@ -50,6 +54,14 @@ class World:
         self.stopped: set[str] = set()
         self.grant = grant  # whether each lend in turn gets its lease
         self.lends = 0
+        self.health: dict[tuple, Health] = {}  # one Health per GPU and error, as the observer keeps them
+
+    def as_read(self, sampled: set[tuple[str, int]]) -> dict:
+        """The telemetry as the scheduler reads it: samples of the `sampled` GPUs, a Health for every other."""
+        out: dict = {}
+        for k, t in self.telemetry.items():
+            out[k] = t if k in sampled else self.health.setdefault((k, t.error), Health(t.error))
+        return out
 
     def report(self, w: int, active: int, remaining: float | None, released: bool | None) -> None:
         self.now += 0.001
@@ -111,11 +123,16 @@ def _apply(w: World, dets: list[IdleDetector], ev: tuple) -> None:
 
 
 def _tick(w: World, dets: list[IdleDetector]) -> None:
-    full, inc = dets
+    full, inc, read = dets
     before = {k: (m.state, m.since) for k, m in full.machines.items()}
     a_full = full.tick(w.now, w.phase, dict(w.progress), dict(w.telemetry), set(w.stopped))
     a_inc = inc.tick(w.now, w.phase, dict(w.progress), dict(w.telemetry), set(w.stopped))
     assert a_inc == a_full
+    sampled = read.sampled(w.phase, dict(w.progress), set(w.stopped))
+    drained = {(p.node, g) for p in w.progress.values() if p.active == 0 and p.phase == "rollout" for g in p.gpus}
+    lent = {k for k, m in read.machines.items() if m.state == GpuState.LENT and m.session_id not in w.stopped}
+    assert sampled == (drained - lent if w.phase is not None and w.phase.phase == "rollout" else set())
+    assert read.tick(w.now, w.phase, dict(w.progress), w.as_read(sampled), set(w.stopped)) == a_full
     for a in a_full:
         if a.kind == "lend":
             w.lends += 1
@@ -124,13 +141,14 @@ def _tick(w: World, dets: list[IdleDetector]) -> None:
                     d.lent(a.node, a.gpu, w.lends, f"s{w.lends}", w.now)
         elif a.kind == "reclaimed":
             w.stopped.discard(a.session_id)
-    assert {k: astuple(m) for k, m in inc.machines.items()} == {k: astuple(m) for k, m in full.machines.items()}
-    changed = set(inc.changed())
-    for k, m in full.machines.items():
-        if before.get(k) != (m.state, m.since):
-            assert k in changed, f"{k} went {before.get(k)} -> {(m.state, m.since)} but is not reported changed"
-    for st_ in {m.state for m in full.machines.values()}:
-        assert inc.count(st_) == sum(m.state == st_ for m in full.machines.values())
+    for d in (inc, read):
+        assert {k: astuple(m) for k, m in d.machines.items()} == {k: astuple(m) for k, m in full.machines.items()}
+        changed = set(d.changed())
+        for k, m in full.machines.items():
+            if before.get(k) != (m.state, m.since):
+                assert k in changed, f"{k} went {before.get(k)} -> {(m.state, m.since)} but is not reported changed"
+        for st_ in {m.state for m in full.machines.values()}:
+            assert d.count(st_) == sum(m.state == st_ for m in full.machines.values())
 
 
 @settings(max_examples=600, deadline=None)
@@ -140,7 +158,7 @@ def _tick(w: World, dets: list[IdleDetector]) -> None:
 def test_incremental_detector_decides_as_stepping_every_machine(evs, window, startup, release, grant):
     params = {"util_threshold": 10, "window_s": window, "startup_s": startup, "stop_deadline_s": 1.0,
               "require_release": release, "min_free_bytes": 1 << 30}
-    dets = [IdleDetector(**params, incremental=False), IdleDetector(**params)]
+    dets = [IdleDetector(**params, incremental=False), IdleDetector(**params), IdleDetector(**params)]
     w = World(grant)
     for ev in [("phase", "rollout"), *evs, ("phase", "train"), ("tick", 0.05), ("tick", 1.2)]:
         _apply(w, dets, ev)
@@ -153,8 +171,8 @@ def test_generator_reaches_every_state():
     @settings(max_examples=200, deadline=None, database=None, derandomize=True)
     @given(evs=st.lists(_event, min_size=20, max_size=120))
     def run(evs):
-        dets = [IdleDetector(window_s=0.0, startup_s=0.0, incremental=False), IdleDetector(window_s=0.0,
-                                                                                           startup_s=0.0)]
+        dets = [IdleDetector(window_s=0.0, startup_s=0.0, incremental=False),
+                *(IdleDetector(window_s=0.0, startup_s=0.0) for _ in range(2))]
         w = World([True])
         orig = dets[0].tick
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from tailspec.scheduler import leases as L
 from tailspec.scheduler.leader import LeaderElection, current_leader
 from tailspec.scheduler.leases import LeaderLost, Leases
+from tailspec.scheduler.monitor import publish_samples
 from tailspec.scheduler.session import SessionContext
 
 from tailspec.core import state
@@ -86,8 +87,8 @@ def publish(r, cluster: str, busy: set[int], gpus: tuple[int, ...] = (0, 1, 2)) 
         state.put(r, state.key(cluster, "progress", worker=w),
                   Progress(worker=w, node=NODE, gpus=[g], active=active, finished=5, phase="rollout", step=1,
                            ts=now - 0.01))
-        state.put(r, state.key(cluster, "telemetry", node=NODE, gpu=g),
-                  GpuTelemetry(node=NODE, gpu=g, util=0.0, mem_used=0, mem_total=80 << 30, simulated=True, ts=now))
+    publish_samples(r, cluster, [GpuTelemetry(node=NODE, gpu=g, util=0.0, mem_used=0, mem_total=80 << 30,
+                                              simulated=True, ts=now) for g in gpus])
 
 
 def lease_on(r, cluster: str, gpu: int) -> Lease | None:
@@ -166,7 +167,7 @@ def test_deposed_leader_cannot_lend_revoke_or_renew(redis_url, redis_client):
     # has drained meanwhile, so A's stale state machine wants to lend it.
     publish(redis_client, cl, busy={2})
     real_hold = a.election.hold
-    a.election.hold = lambda: True
+    a.election.hold = lambda renewed=None: True
     assert a.tick() == []
     a.election.hold = real_hold
     assert not a.leading and a.role == "standby" and a.live == {} and list(a.orphans) == [f"{NODE}-g0-t{lent.token}"]

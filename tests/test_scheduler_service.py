@@ -299,11 +299,39 @@ def test_bad_payloads_are_skipped_not_fatal(redis_url, redis_client):
     redis_client.sadd(state.key(CL, "workers"), "w0", "w1")
     redis_client.set(state.key(CL, "progress", worker="w0"), b'{"worker": "w0"}')
     redis_client.sadd(state.key(CL, "gpus"), "node0:0", "garbage")
-    redis_client.set(state.key(CL, "telemetry", node="node0", gpu=0), b"not json")
+    redis_client.set(state.key(CL, "gpu_health", node="node0"), b"not json")
     s.tick()
     s.tick()
     assert s.bad_payloads >= 6
     assert redis_client.get(state.key(CL, "scheduler_heartbeat")) is not None
+
+
+def test_only_drained_gpus_samples_are_read_and_a_malformed_one_is_not_lent(redis_url, redis_client):
+    """The scheduler reads a GPU's sample only while its worker reports it drained: a malformed sample of a generating
+    GPU is never decoded, a drained GPU's is reported at every tick and the GPU stays unknown, never lent."""
+    from tailspec.scheduler.dispatch import LocalDispatcher
+    from tailspec.scheduler.monitor import publish_samples
+    from tailspec.scheduler.service import Scheduler
+
+    s = Scheduler(make_cfg(redis_url), redis_client, LocalDispatcher(ENTRY))
+    now = time.time()
+    state.put(redis_client, state.key(CL, "phase"), state.PhaseInfo(phase="rollout", step=1, started_at=now - 30))
+    for g, active in ((0, 0), (1, 3)):
+        redis_client.sadd(state.key(CL, "workers"), f"w{g}")
+        state.put(redis_client, state.key(CL, "progress", worker=f"w{g}"),
+                  state.Progress(worker=f"w{g}", node="node0", gpus=[g], active=active, finished=5,
+                                 phase="rollout", step=1, ts=now))
+    publish_samples(redis_client, CL, [state.GpuTelemetry(node="node0", gpu=g, util=0.0, mem_used=0,
+                                                          mem_total=80 << 30, simulated=True, ts=now)
+                                       for g in (0, 1)])
+    for g in (0, 1):
+        redis_client.set(state.key(CL, "telemetry", node="node0", gpu=g), b"not json")
+    for _ in range(3):
+        s.tick()
+    assert s.bad_payloads == 3  # GPU 0's sample, once per tick; GPU 1's is never read
+    assert s.detector.machines[("node0", 0)].state == GpuState.UNKNOWN
+    assert s.detector.machines[("node0", 1)].state == GpuState.GENERATING
+    assert not redis_client.keys(state.key(CL, "lease", node="*", gpu="*"))
 
 
 def test_failing_session_entry_is_recorded_and_not_restarted_in_a_loop(redis_url, redis_client):

@@ -92,6 +92,18 @@ class GpuTelemetry(_Payload):
     ts: float
 
 
+class NodeHealth(_Payload):
+    """Which GPUs one node's telemetry monitor sampled and which of them failed: the part of its samples that changes
+    only when a GPU fails, recovers, appears or goes away. Written with the node's samples and expiring with them, so
+    a dead monitor's GPUs lose it too; its bytes stay the same from one sample to the next while nothing changes (no
+    time in it), which lets the scheduler read it every tick instead of every GPU's sample."""
+
+    node: str
+    gpus: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_WORKER_GPUS, description="GPUs sampled")
+    errors: dict[Annotated[int, Field(ge=0)], str] = Field(default_factory=dict,
+                                                           description="GPU → its telemetry error, as in its sample")
+
+
 class GpuStatus(_Payload):
     """The scheduler's view of one GPU (its state machine)."""
 
@@ -275,6 +287,9 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("workers", "workers", "set", "rollout worker (client)", None, "names of workers that reported"),
         KeySpec("telemetry", "gpu:{node}:{gpu}", "string", "telemetry monitor", GpuTelemetry,
                 "latest telemetry sample of one GPU"),
+        KeySpec("gpu_health", "gpu_health:{node}", "string", "telemetry monitor", NodeHealth,
+                "the GPUs one node's monitor sampled and their errors, written with its samples and expiring with "
+                "them; the scheduler reads it every tick and a GPU's sample only while the GPU is drained"),
         KeySpec("gpus", "gpus", "set", "telemetry monitor", None, "'{node}:{gpu}' of every known GPU"),
         KeySpec("telemetry_history", "history:gpu", "stream", "telemetry monitor", GpuTelemetry,
                 "capped stream (MAXLEN ~) of telemetry samples, field 'data'"),
