@@ -47,6 +47,9 @@ class StepIndex:
 
     def __init__(self) -> None:
         self.order: dict[GpuKey, int] = {}  # key → creation number: machines are stepped in creation order
+        # Each machine's key object, which the state sets and the drained set hold: a set operation between sets of
+        # the same objects matches by identity, between equal tuples it compares them (0.1 ms per thousand).
+        self._canon: dict[GpuKey, GpuKey] = {}
         self.by_state: dict[GpuState, set[GpuKey]] = {s: set() for s in GpuState}
         self.sessions: dict[str, GpuKey] = {}  # session id → the GPU it is lent on (LENT, RECLAIMING)
         self._phase: Any = _MISSING
@@ -64,6 +67,7 @@ class StepIndex:
 
     def added(self, key: GpuKey) -> None:
         self.order[key] = len(self.order)
+        self._canon[key] = key
         self.by_state[GpuState.UNKNOWN].add(key)
         self.touched(key)
 
@@ -75,7 +79,7 @@ class StepIndex:
     def moved(self, key: GpuKey, old: GpuState, new: GpuState) -> None:
         if old != new:
             self.by_state[old].discard(key)
-            self.by_state[new].add(key)
+            self.by_state[new].add(self._canon.get(key, key))
 
     def unseen(self, telemetry: Mapping[GpuKey, Any], owner: Mapping[GpuKey, Any],
                machines: Mapping[GpuKey, Any]) -> list[GpuKey]:
@@ -122,10 +126,11 @@ class StepIndex:
         if rebuild:
             self._drain, self._drain_count, self._drained = {}, {}, set()
             workers = progress.keys()
-        drain, counts, drained = self._drain, self._drain_count, self._drained
+        drain, counts, drained, canon = self._drain, self._drain_count, self._drained, self._canon
         for w in workers:
             p = progress[w]
-            keys = tuple((p.node, g) for g in p.gpus) if p.active == 0 and p.phase == "rollout" else ()
+            keys = tuple(canon.get(k, k) for k in ((p.node, g) for g in p.gpus)) \
+                if p.active == 0 and p.phase == "rollout" else ()
             old = drain.get(w, ())
             if old == keys:
                 continue
@@ -144,10 +149,7 @@ class StepIndex:
         those LENT whose session is not among `stopped`."""
         drained = self._drained
         keys = drained - self.by_state[GpuState.LENT]
-        for sid in stopped:
-            k = self.sessions.get(sid)
-            if k is not None and k in drained:
-                keys.add(k)
+        keys.update(drained.intersection(filter(None, map(self.sessions.get, stopped))))
         return keys
 
     def due(self, now: float, phase: Any, owner: Mapping[GpuKey, Any], telemetry: Mapping[GpuKey, Any],
@@ -174,10 +176,7 @@ class StepIndex:
             self._changed.update(keys)
             return keys
         dirty |= self.by_state[GpuState.DRAINED]
-        for sid in stopped:
-            k = self.sessions.get(sid)
-            if k is not None:
-                dirty.add(k)
+        dirty.update(filter(None, map(self.sessions.get, stopped)))
         timers = self._timers
         while timers and timers[0][0] <= now + TIMER_EARLY_S:
             due, _, k = heapq.heappop(timers)
@@ -199,7 +198,7 @@ class StepIndex:
             heapq.heappush(self._timers, (deadline, self.order[key], key))
 
     def lent(self, key: GpuKey, session: str) -> None:
-        self.sessions[session] = key
+        self.sessions[session] = self._canon.get(key, key)
         self.touched(key)
 
     def take_changed(self) -> list[GpuKey]:

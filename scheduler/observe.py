@@ -8,10 +8,12 @@ recovers, appears or goes away (scheduler/monitor.py). So a tick reads:
 
 1. `read`, one round trip: phase, the sizes of the worker and GPU sets and one MGET of every progress key and every
    node's health key (one command, not a GET each: at a thousand GPUs the client's per-command cost dominates),
-   sent as bytes packed once while the sets stay the same. The sets themselves are read when a size changed and
+   sent as bytes packed once while the sets stay the same, in one send (one system call). The sets themselves are read when a size changed and
    every MEMBERS_REFRESH_S; when one changed, the keys are built again and the MGET of the new keys follows.
-2. `telemetry(sampled)`, one more round trip only when some sampled GPU is listed by its node's health: one MGET of
-   those GPUs' samples, packed once while the set stays the same.
+2. `telemetry(sampled)`: the samples of the sampled GPUs that their node's health lists. The first round trip
+   carries one MGET of the samples of the GPUs sampled at the last tick (packed once while that set stays the
+   same), so only GPUs sampled for the first time cost one more round trip. The leading scheduler sends its leader
+   renewal in the first round trip too (`read(lead=...)`): a tick is one round trip when nothing is written.
 
 Both answers are compared with the last ones position by position (in C: map and compress), so only payloads whose
 bytes changed are decoded; an unchanged payload yields the same object as at the last tick, and a GPU's health the
@@ -26,8 +28,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from itertools import compress, count
-from operator import ne
+from itertools import compress, count, repeat
+from operator import is_, ne
 from typing import Any
 
 from tailspec.scheduler.idle import Health
@@ -79,7 +81,8 @@ class Observer:
         self._progress: dict[str, Progress] = {}
         self._health: dict[GpuKey, Health] = {}  # every GPU its node's health lists, in the GPU set's order
         self._health_stale = False
-        # The second MGET: the sampled GPUs listed by their node's health, their last payloads and objects.
+        # The samples: the GPUs sampled at the last tick that their node's health lists, the MGET of their samples
+        # (sent with `read`'s commands), their last payloads and objects.
         self._want: set[GpuKey] = set()
         self._want_keys: list[GpuKey] = []
         self._want_cmds: list[tuple] = []
@@ -144,14 +147,9 @@ class Observer:
             bad.discard(i)
             objs[i] = None if raw[i] is None else self._decode_sample(i, raw[i])
         self._want_raw = raw
-        if None in objs:
-            for k, o in zip(self._want_keys, objs):
-                if o is None:
-                    del tel[k]
-                else:
-                    tel[k] = o
-        else:
-            tel.update(zip(self._want_keys, objs))
+        tel.update(zip(self._want_keys, objs))
+        for k in compress(self._want_keys, map(is_, objs, repeat(None))):  # (`None in objs` calls each __eq__)
+            del tel[k]  # its sample is missing or malformed: no telemetry
         return tel
 
     def _want_again(self, want: set[GpuKey]) -> None:
@@ -325,6 +323,7 @@ def _send_packed(r: Any, packed: list[bytes], names: list[str], lead: tuple | No
     if lead is not None:
         packed = [*conn.pack_command(*lead), *packed]
         names = [lead[0], *names]
+    packed = [b"".join(packed)]  # one send, not one per chunk: each is a system call and a wake-up of the server
 
     def call() -> list[Any]:
         try:

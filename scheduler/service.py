@@ -1,15 +1,15 @@
 """The scheduler loop: read the cluster state, step the per-GPU state machines, act.
 
-Each tick (default 50 ms) reads phase, progress and every node's GPU health from Redis in one round trip, and the
-telemetry samples of the drained GPUs in a second (scheduler/observe.py: a payload unchanged since the last tick is
-not decoded again), runs `IdleDetector.tick` (which steps only the machines whose step could decide something new,
-scheduler/idle_index.py), and executes its actions: lend (fenced
-lease + session start), revoke (revoke flag + lease delete), reclaimed (release, backstop stop, final records).
-However many GPUs the actions concern, they take a fixed number of round trips and commands (one bulk lease
-script per kind and one MGET of the session records, then the new sessions' records), every lease the leader
-renews goes in one script call (Leases.renew_many), and the tick's events, status history and final records are
-written at its end with one command per stream and one MSET (scheduler/tick_writes.py): at 1,024 GPUs a tick is
-about three round trips (`tailspec bench scheduler --gpus 1024`, BENCHMARKS.md). It also keeps the
+Each tick (default 50 ms) renews the leader key and reads phase, progress, every node's GPU health and the
+telemetry samples of the drained GPUs from Redis in one round trip (scheduler/observe.py: a GPU drained since the
+last tick costs one more; a payload unchanged since the last tick is not decoded again), runs `IdleDetector.tick`
+(which steps only the machines whose step could decide something new, scheduler/idle_index.py), and executes its
+actions: lend (fenced lease + session start), revoke (revoke flag + lease delete), reclaimed (release, backstop
+stop, final records). However many GPUs the actions concern, they take a fixed number of round trips and commands
+(one bulk lease script per kind and one MGET of the session records, then the new sessions' records), every lease
+the leader renews goes in one script call (Leases.renew_many), and the tick's events, status history and final
+records are written at its end with one command per stream and one MSET (scheduler/tick_writes.py): at 1,024 GPUs
+a tick is about two round trips (`tailspec bench scheduler --gpus 1024`, BENCHMARKS.md). It also keeps the
 dashboards' keys filled: gpu_status + history:status on every transition, counters (idle/lent
 GPU-seconds, sessions started/stopped/preempted), events, and the heartbeat that sessions' lease
 renewals require — so a dead scheduler means every session stops within one lease TTL.

@@ -1,5 +1,6 @@
 """Telemetry: NVML missing → clear error / labelled fallback, simulated telemetry from reported activity,
-the monitor's state keys, NVML per-device error isolation, and (marked gpu) real NVML under load."""
+the monitor's state keys (each node's GPU health among them) and what the scheduler's observer reads of them, NVML
+per-device error isolation, and (marked gpu) real NVML under load."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from tailspec.scheduler.monitor import TelemetryMonitor
+from tailspec.scheduler.monitor import TelemetryMonitor, publish_samples
 from tailspec.scheduler.telemetry import NvmlTelemetry, SimulatedTelemetry, TelemetryError, make_telemetry
 
 from tailspec.core import state
-from tailspec.core.state import Event, GpuTelemetry, Progress
+from tailspec.core.state import Event, GpuTelemetry, NodeHealth, Progress
 
 
 def _nvml_works() -> bool:
@@ -129,6 +130,55 @@ def test_monitor_writes_latest_expiring_sample_and_capped_history(redis_client):
     time.sleep(0.1)
     mon.stop()
     assert mon.errors == 0 and mon.samples > 150
+
+
+def _fixed(samples: list[GpuTelemetry]) -> SimpleNamespace:
+    return SimpleNamespace(node=samples[0].node, sample=lambda: samples, close=lambda: None, simulated=False)
+
+
+def _sample(g: int, error: str | None = None, node: str = "n0") -> GpuTelemetry:
+    return GpuTelemetry(node=node, gpu=g, util=float(g), mem_used=0, mem_total=1, simulated=False, error=error,
+                        ts=time.time())
+
+
+def test_monitor_writes_each_nodes_gpu_health_expiring_with_its_samples(redis_client):
+    samples = [_sample(0), _sample(1, error="NVML: GPU is lost")]
+    mon = TelemetryMonitor(_fixed(samples), redis_client, "h", period_s=0.1)
+    mon.sample_once()
+    k = state.key("h", "gpu_health", node="n0")
+    health = state.get(redis_client, k, NodeHealth)
+    assert health == NodeHealth(node="n0", gpus=[0, 1], errors={1: "NVML: GPU is lost"})
+    assert 0 < redis_client.pttl(k) <= 2000
+    first = redis_client.get(k)
+    samples[0] = _sample(0)  # a new sample (another time): the health record's bytes stay the same
+    mon.sample_once()
+    assert redis_client.get(k) == first
+    assert state.get(redis_client, state.key("h", "telemetry", node="n0", gpu=0), GpuTelemetry) == samples[0]
+
+
+def test_observer_reads_samples_of_sampled_gpus_and_health_of_the_others(redis_client):
+    from tailspec.scheduler.idle import Health
+    from tailspec.scheduler.observe import Observer
+
+    bad: list[str] = []
+    obs = Observer(redis_client, "o", lambda where, e: bad.append(where))
+    publish_samples(redis_client, "o", [_sample(0), _sample(1), _sample(0, node="n1")])
+    obs.read()
+    tel = obs.telemetry(set())
+    assert set(tel) == {("n0", 0), ("n0", 1), ("n1", 0)}
+    assert all(v == Health() for v in tel.values())
+    obs.read()
+    again = obs.telemetry({("n0", 1)})
+    assert again[("n0", 1)] == state.get(redis_client, state.key("o", "telemetry", node="n0", gpu=1), GpuTelemetry)
+    assert again[("n0", 0)] is tel[("n0", 0)]  # the same Health while nothing changed
+    redis_client.set(state.key("o", "telemetry", node="n0", gpu=1), b"not json")
+    obs.read()
+    assert ("n0", 1) not in obs.telemetry({("n0", 1)}) and bad == ["gpu:n0:1"]  # a malformed sample: no telemetry
+    publish_samples(redis_client, "o", [_sample(0, error="NVML: Unknown Error"), _sample(1)])
+    redis_client.delete(state.key("o", "gpu_health", node="n1"))  # n1's monitor is gone
+    obs.read()
+    tel = obs.telemetry(set())
+    assert tel == {("n0", 0): Health("NVML: Unknown Error"), ("n0", 1): Health()}
 
 
 def test_monitor_survives_redis_errors():
