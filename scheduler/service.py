@@ -312,7 +312,7 @@ class Scheduler:
 
     def _publish_status(self, now: float, pipe: Any) -> None:
         changed: dict[str, bytes] = {}
-        machines = self.detector.machines
+        machines, history = self.detector.machines, state.key(self.c, "status_history")
         for key in self.detector.changed():  # a machine neither stepped nor changed kept its state and since
             m = machines[key]
             cur = (m.state, m.since)
@@ -330,7 +330,7 @@ class Scheduler:
             )
             data = state.encode(st)
             changed[state.key(self.c, "gpu_status", node=m.node, gpu=m.gpu)] = data
-            self._writes.append(state.key(self.c, "status_history"), data)
+            self._writes.append(history, data)
         if changed:
             pipe.mset(changed)
 
