@@ -3,11 +3,16 @@
 Defaults are the demo's (`tailspec demo`): the deep policy, its EAGLE-3 drafter, one simulated GPU per core
 up to 4. Step times are means over the steps after the first (`--skip-first`); `speedup_vs_frozen_last_third`
 compares the last third of the steps, where a frozen drafter is stalest.
+
+Paired by design: under the demo's verify rule (`rollout.verify_rule` coupled) the three modes decode the same
+tokens while their policies agree, and the modes run in lockstep — step i of each (in rotating order) before
+step i+1 of any — so a shared machine's load drifts over all three alike instead of landing on one mode's run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import sys
@@ -66,25 +71,32 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+MODES = ("nospec", "frozen", "cotrained")
+
+
 def _run_modes(args: argparse.Namespace, cfg, root: Path, out, print_to) -> tuple[dict, dict]:
-    """The demo's RL loop with no SD, a frozen drafter and co-training, same seeds: each mode's rows and demo."""
+    """The demo's RL loop with no SD, a frozen drafter and co-training, same seeds, in lockstep (module
+    docstring): each mode's rows and demo. Each demo's services stay up between its own steps, idle."""
     # deferred: the RL loop loads torch and every component; the CLI imports every bench module to build its parser
     from tailspec.demo.run import Demo
 
-    runs, demos = {}, {}
-    for mode in ("nospec", "frozen", "cotrained"):
-        opts = DemoOptions(steps=args.steps, workers=args.workers, mode=mode, seed=args.seed, policy=args.policy,
-                           prompts_per_step=args.prompts, group_size=args.group, run_dir=root / mode,
-                           dashboard=False, export=False)
-        demo = demos[mode] = Demo(opts, cfg)
-        print(f"== {mode}: {args.steps} steps; {demo.placement.note}", file=out)
-        rows = demo.run(on_row=lambda r: print(
-            f"  step {r.step}: {r.step_time_s:.1f}s (rollout {r.rollout_time_s:.1f}s) acc.len {r.acceptance_length:.2f}"
-            f" idle {r.idle_gpu_seconds:.1f} lent {r.lent_gpu_seconds:.1f} reward {r.mean_reward:.2f}"
-            f" acc {r.accuracy:.2f} alt {r.alt_style_share:.2f}"
-            + (f" frozen {r.acceptance_frozen:.2f}" if r.acceptance_frozen is not None else ""), file=print_to))
-        runs[mode] = rows
-    return runs, demos
+    demos = {}
+    with contextlib.ExitStack() as stack:
+        for mode in MODES:
+            opts = DemoOptions(steps=args.steps, workers=args.workers, mode=mode, seed=args.seed, policy=args.policy,
+                               prompts_per_step=args.prompts, group_size=args.group, run_dir=root / mode,
+                               dashboard=False, export=False)
+            demo = demos[mode] = Demo(opts, cfg)
+            stack.enter_context(demo.opened())
+            print(f"== {mode}: {args.steps} steps; {demo.placement.note}", file=out)
+        for step in range(args.steps):
+            for mode in MODES[step % 3:] + MODES[: step % 3]:
+                demos[mode].record(demos[mode].step(step), on_row=lambda r: print(
+                    f"  {r.mode:9s} step {r.step}: {r.step_time_s:.1f}s (rollout {r.rollout_time_s:.1f}s) acc.len "
+                    f"{r.acceptance_length:.2f} idle {r.idle_gpu_seconds:.1f} lent {r.lent_gpu_seconds:.1f} reward "
+                    f"{r.mean_reward:.2f} acc {r.accuracy:.2f} alt {r.alt_style_share:.2f}"
+                    + (f" frozen {r.acceptance_frozen:.2f}" if r.acceptance_frozen is not None else ""), file=print_to))
+    return {m: d.rows for m, d in demos.items()}, demos
 
 
 def _mean_after(rows, attr: str, skip_first: int) -> float:

@@ -11,13 +11,13 @@ Per RL step:
   → grade, GRPO update, submit samples (ids, reward, policy version), publish policy version N+1
   → workers load the newest promoted drafter at the next phase start.
 
-Three modes share every seed: `cotrained` (the above), `frozen` (speculative decoding with the first
-drafter forever, no lending) and `nospec` (plain decoding, no lending). All three run the scheduler in
-watch mode, so idle GPU-seconds are measured the same way.
+Three modes share every seed: `cotrained` (the above), `frozen` (the first drafter forever, no lending) and
+`nospec` (plain decoding, no lending), all with the scheduler watching, so idle GPU-seconds count alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -126,6 +126,7 @@ class Demo:
         self.export_errors: dict[str, str] = {}
         self.timeline: list[dict] = []
         self.rows: list[StepRow] = []
+        self.metrics = None  # metrics.jsonl, open inside `opened`
         self.promotions = 0
         self.worker_restarts = 0
         self.should_stop: Callable[[], bool] | None = None  # checked after each step: end the run early
@@ -394,12 +395,22 @@ class Demo:
         return row
 
     def wait_sessions_stopped(self, timeout_s: float = 15.0) -> float:
-        """The RL trainer owns every GPU now: wait until every lent GPU is back (TailspecClient.wait_reclaimed:
-        no GPU lent or reclaiming, every session process ended). Returns the seconds waited."""
+        """The trainer owns every GPU now: wait until each is back (TailspecClient.wait_reclaimed). Seconds waited."""
         return self.client.wait_reclaimed(timeout_s).waited_s
 
     # -- the whole run -------------------------------------------------------------------------------------
     def run(self, on_row=None, on_progress=None) -> list[StepRow]:
+        with self.opened(on_progress):
+            for step in range(self.o.steps):
+                self.record(self.step(step, on_progress), on_row)
+                if self.should_stop is not None and self.should_stop():
+                    break
+        return self.rows
+
+    @contextlib.contextmanager
+    def opened(self, on_progress=None):
+        """Services up and all before step 0 done; on exit the export, the timeline, services stopped. A bench that
+        interleaves demos' steps opens each: between its own steps a demo's phase stays train, so nothing lends."""
         self.start_services()
         try:
             self.load_initial_policy()
@@ -408,23 +419,22 @@ class Demo:
                 self.seed_version_store()
             self.wait_warm_sessions()
             self.warm_up_workers(on_progress)
-            with open(self.run_dir / "metrics.jsonl", "w") as metrics:
-                for step in range(self.o.steps):
-                    row = self.step(step, on_progress)
-                    self.rows.append(row)
-                    metrics.write(json.dumps(asdict(row)) + "\n")
-                    metrics.flush()
-                    if on_row is not None:
-                        on_row(row)
-                    if self.should_stop is not None and self.should_stop():
-                        break
+            with open(self.run_dir / "metrics.jsonl", "w") as self.metrics:
+                yield self
             if self.o.export and self.o.mode != "nospec":
                 self.export()
             self.timeline = read_timeline(self.r, self.cluster)
             self.promotions = count_promotions(self.r, self.cluster)
         finally:
             self.stop_services()
-        return self.rows
+
+    def record(self, row: StepRow, on_row=None) -> None:
+        """Keep a finished step's row and append it to metrics.jsonl (inside `opened`)."""
+        self.rows.append(row)
+        self.metrics.write(json.dumps(asdict(row)) + "\n")
+        self.metrics.flush()
+        if on_row is not None:
+            on_row(row)
 
     def export(self) -> None:
         cur = self.current_drafter()
