@@ -204,8 +204,9 @@ def identical_steps(runs: dict) -> dict[str, float]:
 
 
 def reward_agreement(runs: dict, n: int) -> dict:
-    """Do the modes' reward curves agree within seed noise? Speculative decoding is lossless but draws
-    different random numbers, so each step's responses are other draws from the same policy. The test: at
+    """Do the modes' reward curves agree within seed noise? Under the coupled rule the modes decode the same
+    responses while their policies agree, so the gap is 0; under the residual rule each step's responses are
+    other draws from the same policy (speculation draws other random numbers). The test: at
     every step, |mean reward of a mode − no SD's| ≤ 2 standard errors of the difference of two means of n
     rewards in [0, 1], each with variance at most p(1 − p) (p: the two modes' pooled mean; reward here is
     0/1, so this is the binomial bound). Returns the largest gap, its bound, and whether every step holds."""
