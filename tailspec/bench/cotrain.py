@@ -28,13 +28,15 @@ from pathlib import Path
 
 from tailspec.cli import config_from_args
 from tailspec.core import state
+from tailspec.demo.options import DemoOptions
 from tailspec.core.state import DrafterVersion, Event, PhaseInfo, Sample
 from tailspec.rollout.sequence import SamplingParams
 from tailspec.tasks.runsum import grade, sample_problems
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", help="policy preset (default: the demo's, tiny)")
+    p.add_argument("--preset", default=DemoOptions.policy,
+                   help=f"policy preset (default: the demo's, {DemoOptions.policy})")
     p.add_argument("--steps", type=int, default=120, help="optimizer steps in total, per configuration")
     p.add_argument("--samples", type=int, default=256, help="rollouts of v1 in the stream")
     p.add_argument("--heldout", type=int, default=64, help="held-out rollouts of v1 the acceptance is measured on")
