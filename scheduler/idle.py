@@ -272,7 +272,9 @@ class IdleDetector:
             m._forget_drain()
             m._enter(GpuState.GENERATING, now)
         elif drained:
-            assert phase is not None and isinstance(t, GpuTelemetry), "a drained GPU's step reads its sample"
+            # a Health marker has no values to read: fail loudly (the projection passes its own sample type)
+            assert phase is not None and t is not None and not isinstance(t, Health), \
+                "a drained GPU's step reads its sample"
             self._step_drained(m, now, phase, tail, p, t, out)
         else:
             m._forget_drain()
