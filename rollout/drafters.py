@@ -64,7 +64,7 @@ class Proposer:
 def _draw(logits: torch.Tensor, batch: Batch, j: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Processed q [n, V] from logits [n, V] with each row's params, and draft j (at position length + j)
     drawn from it with the DRAFT-stream uniform of that position (the engine's precomputed one when set), or,
-    when the engine verifies coupled, the Gumbel race of q with the target's noise of that position."""
+    when the engine verifies coupled, the race of q with the target's noise of that position."""
     q = process(
         logits[:, None], batch.temperature, batch.top_k, batch.top_p,
         batch.any_sampled, batch.any_greedy, batch.any_truncated, batch.any_scaled,

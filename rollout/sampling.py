@@ -15,9 +15,9 @@ distribution given the tokens before it):
 - `verify` (residual, Leviathan et al. / Chen et al.): accept draft x with probability min(1, p(x)/q(x)),
   else draw from the normalised residual max(0, p - q). The highest acceptance an exact rule has (1 - TV(p, q)),
   but which tokens come out depends on the drafter and on k.
-- `verify_coupled` (drafter-invariant: a Gumbel-max race): every position has its own Gumbel noise per
-  vocabulary id (stream RACE), the target's token there is argmax(log p + g) and the drafter drafts
-  argmax(log q + g) with the same g; a draft is accepted iff it equals the target's token. The output is then
+- `verify_coupled` (drafter-invariant: an exponential race, i.e. Gumbel-max): every position has its own
+  exponential noise e per vocabulary id (stream RACE), the target's token there is argmax(p / e) and the
+  drafter drafts argmax(q / e) with the same e; a draft is accepted iff it equals the target's token. The output is then
   plain Gumbel-max sampling of the target with that noise: the same tokens whatever the drafter, k or batch
   (up to float ties), so a run with speculation produces the very rollouts of a run without it. The price is
   acceptance: P(accept) >= (1 - TV) / (1 + TV), below the residual rule's 1 - TV.
@@ -231,14 +231,14 @@ def race(probs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return (probs.double() / e).argmax(-1)
 
 
-def verify_coupled(p: torch.Tensor, drafts: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_coupled(p: torch.Tensor, drafts: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafter-invariant exact speculative sampling (see the module docstring).
 
-    p [B, k+1, V] the target's processed distributions at the k+1 verify positions, drafts [B, k], g [B, k+1, V]
-    the race noise of those positions (`race_noise`). The target's token at every position is race(p, g); the
+    p [B, k+1, V] the target's processed distributions at the k+1 verify positions, drafts [B, k], e [B, k+1, V]
+    the race noise of those positions (`race_noise`). The target's token at every position is race(p, e); the
     leading drafts equal to it are accepted, so the step's tokens are the race winners themselves.
     Returns (tokens [B, k+1], n_acc [B]) as `verify` does."""
-    tokens = race(p, g)
+    tokens = race(p, e)
     k = drafts.shape[1]
     if k == 0:
         return tokens, torch.zeros(p.shape[0], dtype=torch.long, device=p.device)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from tailspec.cli import config_from_args
 from tailspec.core import state
-from tailspec.demo.options import DemoOptions
 from tailspec.core.state import DrafterVersion, Event, PhaseInfo, Sample
+from tailspec.demo.options import DemoOptions
 from tailspec.rollout.sequence import SamplingParams
 from tailspec.tasks.runsum import grade, sample_problems
 
