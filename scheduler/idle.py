@@ -10,6 +10,11 @@ Rules (docs/architecture.md):
 - A GPU is DRAINED when its rollout worker reports no active request in the current rollout step.
   It is *idle* once a telemetry sample taken after the drain shows utilization below the threshold and
   nothing above it has been seen for `window_s` (telemetry confirms nothing else is using the GPU).
+  A worker that reports its memory released (`mem_released=True`) makes its GPU idle at once
+  (`lend_on_release`): the window waits out utilisation averaged over a sampling period from before the
+  drain and tells a drained GPU from one between requests, and a worker that gave its memory back has
+  said both itself. A sample after the drain at or above the threshold (someone else computing there)
+  still puts the GPU back on the window, and a GPU is not lent again at the tick its last session ended.
 - It is lent only while the rollout phase goes on and the expected remaining tail exceeds the session
   start-up cost, and only once the memory handshake allows it: a worker that reports `mem_released=False`
   (or none, under `require_release`) holds its GPU memory and is not lent; the free memory (telemetry's,
@@ -135,6 +140,7 @@ class IdleDetector:
     stop_deadline_s: float = 1.0
     lend: bool = True  # False: detect and count idle time, never lend (baseline runs)
     require_release: bool = False  # a worker that never reported mem_released is not lent either
+    lend_on_release: bool = True  # a worker's mem_released=True makes its GPU idle without the window
     min_free_bytes: int = 0
     mem_needed: int = 0  # the largest footprint a session computed (learn_need): a GPU with less free is not lent
     # False: every machine is stepped at every tick. True: only those whose step could decide something new
@@ -305,7 +311,10 @@ class IdleDetector:
         elif t.ts >= m.drained_at and m.low_since is None:
             m.low_since = t.ts if m.last_high is not None else m.drained_at
         low_since = m.low_since
-        idle = (
+        # not at the tick of a reclaim or inside a back-off (floor): what the ended session taught (its memory
+        # need, a failure's back-off) is applied after the tick that saw it end
+        released = self.lend_on_release and p.mem_released is True and m.last_high is None and now > m.floor
+        idle = released or (
             low_since is not None
             and t.ts >= low_since
             and t.util < self.util_threshold

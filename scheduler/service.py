@@ -105,6 +105,7 @@ class Scheduler:
             stop_deadline_s=sc.stop_deadline_s,
             lend=sc.lend,
             require_release=sc.require_release,
+            lend_on_release=sc.lend_on_release,
             min_free_bytes=int(sc.min_free_mem_gib * (1 << 30)),
         )
 

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from tailspec.core import state
+from tailspec.core.state import Progress
 
 pytestmark = pytest.mark.slow
 
@@ -272,6 +273,10 @@ def test_worker_rollouts_do_not_depend_on_the_drafter_under_the_coupled_rule(mic
             assert tokens({"drafter": "ngram", "selector": "fixed", "k": k}) == plain
         assert tokens({"drafter": "ngram", "selector": "adaptive"}) == plain
         assert tokens({"drafter": "ngram", "selector": "fixed", "k": 3, "verify_rule": "residual"}) != plain
+        # the drain's report says the engine's memory is given back (the scheduler lends on it at once)
+        assert w.client.flush(5)
+        p = state.get(w.r, state.key("cfgtest", "progress", worker="w0"), Progress)
+        assert p is not None and (p.active, p.finished, p.mem_released) == (0, 8, True) and w.pool is None
     finally:
         w.client.close()
 
@@ -471,3 +476,21 @@ def test_worker_health_guard_trips_on_a_broken_drafter_and_decodes_exactly(micro
         assert [o.token_ids for o in first.outputs] == [o.token_ids for o in plain.outputs]
     finally:
         w.client.close()
+
+
+def test_lent_in_tail_counts_lent_time_inside_each_workers_idle_tail():
+    """Hand-computed: w0 done at 10, w1 at 14 (the step's last result). GPU 0 lent 10.3-13.0 and again 13.5-15
+    (clipped at 14): 2.7 + 0.5 of w0's 4 idle seconds; GPU 1 lent after its own finish counts nothing."""
+    from tailspec.demo.report import lent_in_tail
+
+    tl = [
+        {"node": "n", "gpu": 0, "state": "generating", "since": 1.0, "worker": "w0"},
+        {"node": "n", "gpu": 0, "state": "lent", "since": 10.3, "worker": "w0"},
+        {"node": "n", "gpu": 0, "state": "reclaiming", "since": 13.0, "worker": "w0"},
+        {"node": "n", "gpu": 0, "state": "lent", "since": 13.5, "worker": "w0"},
+        {"node": "n", "gpu": 0, "state": "unknown", "since": 15.0, "worker": "w0"},
+        {"node": "n", "gpu": 1, "state": "lent", "since": 14.2, "worker": "w1"},
+    ]
+    lent, idle = lent_in_tail([{"worker_finished_at": {"w0": 10.0, "w1": 14.0}}], tl)
+    assert idle == pytest.approx(4.0) and lent == pytest.approx(3.2)
+    assert lent_in_tail([{"worker_finished_at": {}}], tl) == (0.0, 0.0)  # rows recorded before the field

@@ -95,6 +95,27 @@ def test_high_utilization_after_drain_blocks_lending():
     assert [a.kind for a in d.tick(1.81, ph, p, {(N, 0): tel(0, 2, 1.8)})] == ["idle", "lend"]
 
 
+def test_released_memory_makes_a_drained_gpu_idle_at_once():
+    """A worker that reports its memory released is lendable at the first tick after its drain, with only
+    samples from before the drain; a busy sample after the drain puts it back on the window; with
+    lend_on_release off, or mem_released not True, the window applies."""
+    ph = rollout()
+    released = {"w0": prog(0, 0, 2.0).model_copy(update={"mem_released": True}), "w1": prog(1, 2, 2.0)}
+    old = {(N, 0): tel(0, 90, 1.9)}  # taken while the worker still decoded
+    assert [a.kind for a in IdleDetector(window_s=0.2, startup_s=0.0).tick(2.01, ph, released, old)] == ["idle", "lend"]
+    # without the handshake (False, None) or with the rule off: the window, from a sample after the drain
+    for p, det in ((dict(released, w0=prog(0, 0, 2.0)), IdleDetector(window_s=0.2, startup_s=0.0)),
+                   (released, IdleDetector(window_s=0.2, startup_s=0.0, lend_on_release=False))):
+        assert det.tick(2.01, ph, p, old) == []
+        assert det.tick(2.1, ph, p, {(N, 0): tel(0, 1, 2.05)}) == []
+        assert [a.kind for a in det.tick(2.21, ph, p, {(N, 0): tel(0, 1, 2.2)})] == ["idle", "lend"]
+    # released, but a sample after the drain shows the GPU busy: the window from the next low sample
+    d = IdleDetector(window_s=0.2, startup_s=0.0)
+    assert d.tick(2.1, ph, released, {(N, 0): tel(0, 80, 2.05)}) == []
+    assert d.tick(2.2, ph, released, {(N, 0): tel(0, 1, 2.15)}) == []
+    assert [a.kind for a in d.tick(2.36, ph, released, {(N, 0): tel(0, 1, 2.3)})] == ["idle", "lend"]
+
+
 def test_tail_gate_and_worker_estimate():
     d = IdleDetector(window_s=0.0, startup_s=5.0)
     ph = rollout(started=0.0)

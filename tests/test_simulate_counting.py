@@ -4,6 +4,8 @@ tick, and the window's inputs read from a recorded demo step."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -15,7 +17,7 @@ from tailspec.simulate.lending import Latencies, decide
 from tailspec.simulate.step import StepInputs, run_step
 
 LAT = Latencies(see_s=0.025, phase_s=0.035, lead_s=0.004, telemetry_s=0.1, window_s=0.2, tick_s=0.05,
-                startup_s=0.3, stop_s=0.1)
+                startup_s=0.3, stop_s=0.1, on_release=False)
 
 
 def test_counting_window_hand_computed():
@@ -37,6 +39,10 @@ def test_counting_window_hand_computed():
     assert out.lent_gpu_s == pytest.approx(2.035 - 1.221)
     assert out.wait_s == pytest.approx(0.135)
     assert sum(out.states.values()) == pytest.approx(2 * out.step_s)
+    # the worker reports its memory released and the scheduler lends on that: no window, no telemetry wait,
+    # lent at 1.0 - 0.004 + 0.025 + 0.025 = 1.046 s
+    released = decide(np.array([1.0, 2.0]), 2.0, 1, replace(LAT, on_release=True), lend=True)
+    assert released.lent[0] == pytest.approx(1.046) and released.reclaimed[0] == pytest.approx(2.135)
 
 
 def test_a_drain_read_with_the_phase_change_is_not_counted():

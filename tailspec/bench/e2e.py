@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tailspec.cli import config_from_args
 from tailspec.demo.options import DemoOptions
-from tailspec.demo.report import tail_idle_share
+from tailspec.demo.report import lent_in_tail, tail_idle_share
 from tailspec.tasks.runsum import sample_problems
 
 
@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> dict:
           ", ".join(f"{m} {v:.1f}s" for m, v in step.items()) +
           f"; co-trained speedup {result['speedup_vs_nospec']['cotrained']:.2f}x, frozen "
           f"{result['speedup_vs_nospec']['frozen']:.2f}x; co-trained / frozen over the last third "
-          f"{result['speedup_vs_frozen_last_third']:.2f}x; reclaimed share {result['reclaimed_share']:.2f}; "
+          f"{result['speedup_vs_frozen_last_third']:.2f}x; reclaimed share {result['reclaimed_share']:.2f} "
+          f"(of the tail on the workers' clocks {result['reclaimed_share_of_tail']:.2f}); "
           f"{result['promotions']} promotions; tail idle share {result['tail_idle_share']:.2f}; "
           f"drafter step / target forward {result['drafter_cost_ratio']}", file=out)
     first, last = result["acceptance_first_last"]["frozen"]
@@ -107,6 +108,22 @@ def _mean_after(rows, attr: str, skip_first: int) -> float:
     return statistics.fmean(xs)
 
 
+def _lending(co: list, timeline: list[dict]) -> dict:
+    """The co-trained run's lending: the scheduler's counters (its idle count starts when it sees a drain) and the
+    same on the workers' clocks (lent GPU-s inside each worker's idle tail ÷ the tail's idle GPU-s)."""
+    idle = sum(r.idle_gpu_seconds for r in co)
+    lent = sum(r.lent_gpu_seconds for r in co)
+    tail_lent, tail_idle = lent_in_tail([asdict(r) for r in co], timeline)
+    return {
+        "reclaimed_share": round(lent / idle, 3) if idle else 0.0,
+        "reclaimed_share_of_tail": round(tail_lent / tail_idle, 3) if tail_idle else 0.0,
+        "idle_gpu_seconds": round(idle, 2),
+        "lent_gpu_seconds": round(lent, 2),
+        "tail_idle_gpu_seconds": round(tail_idle, 2),
+        "tail_lent_gpu_seconds": round(tail_lent, 2),
+    }
+
+
 def _result(args: argparse.Namespace, runs: dict, demos: dict, step: dict[str, float]) -> dict:
     """The bench's JSON; `step`: each mode's mean step time over the steps after --skip-first."""
     # deferred: a cycle (tailspec.commands.bench imports this module to build its parser)
@@ -118,8 +135,6 @@ def _result(args: argparse.Namespace, runs: dict, demos: dict, step: dict[str, f
     measured = {m: sum(r.measure_s for r in rows) for m, rows in runs.items()}
     rollout = {m: _mean_after(rows, "rollout_time_s", args.skip_first) for m, rows in runs.items()}
     co, fr = runs["cotrained"], runs["frozen"]
-    idle = sum(r.idle_gpu_seconds for r in co)
-    lent = sum(r.lent_gpu_seconds for r in co)
     placement = demos["cotrained"].placement
     return {
         "device": machine(),
@@ -152,9 +167,7 @@ def _result(args: argparse.Namespace, runs: dict, demos: dict, step: dict[str, f
         "tail_idle_share_by_mode": {m: round(tail_idle_share([asdict(r) for r in rows]), 3) for m, rows in runs.items()},
         # instrumentation (logprob check, acceptance of both drafters) ÷ the run's wall time over its steps
         "instrumentation_share": {m: round(measured[m] / wall[m], 3) if wall[m] else 0.0 for m in runs},
-        "reclaimed_share": round(lent / idle, 3) if idle else 0.0,
-        "idle_gpu_seconds": round(idle, 2),
-        "lent_gpu_seconds": round(lent, 2),
+        **_lending(co, demos["cotrained"].timeline),
         "reward_final": {m: rows[-1].mean_reward for m, rows in runs.items()},
         "reward_curves": {m: [r.mean_reward for r in rows] for m, rows in runs.items()},
         "accuracy_curves": {m: [round(r.accuracy, 3) for r in rows] for m, rows in runs.items()},

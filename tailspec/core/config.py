@@ -101,6 +101,9 @@ class SchedulerConfig(_Section):
     require_release: bool = Field(False, description="lend a drained GPU only after its worker reported its memory "
                                   "released (report_progress(mem_released=True)); a worker that reports "
                                   "mem_released=False is never lent before it reports True, whatever this says")
+    lend_on_release: bool = Field(True, description="a drained GPU whose worker reported its memory released is "
+                                  "idle at once, without idle_window_s (a busy sample after the drain still "
+                                  "puts it back on the window); false: the window applies to every GPU")
     min_free_mem_gib: float = Field(0.0, ge=0, le=1e6, description="lend only when at least this much GPU memory is free "
                                     "(telemetry, and the worker's own report); sessions that declined raise the bar "
                                     "to what they computed they need")

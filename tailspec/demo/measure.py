@@ -66,6 +66,7 @@ class StepRow:
     # worker its drain report → its result
     phase_lag_s: float = 0.0
     worker_drain_lead_s: dict[str, float] = field(default_factory=dict)
+    worker_finished_at: dict[str, float] = field(default_factory=dict)  # each worker's last result (time.time())
     # share of the step's responses written well-formed in the task's alternative scratchpad style: the drift
     # the reward's style bonus drives (tailspec/tasks/runsum.py)
     alt_style_share: float = 0.0
@@ -143,6 +144,7 @@ def step_row(step: int, mode: str, t: StepTimes, results: list[WorkResult], befo
         worker_cost={r.worker: r.cost_model for r in results if r.cost_model is not None},
         phase_lag_s=t.phase_lag_s,
         worker_drain_lead_s={r.worker: r.finished_at - r.drained_at for r in results if r.drained_at is not None},
+        worker_finished_at={r.worker: r.finished_at for r in results},
         alt_style_share=float(np.mean([s == ALT for s in styles])) if styles else 0.0,
         responses_digest=responses_digest(results),
     )

@@ -88,6 +88,33 @@ def tail_idle_share(rows: list[dict]) -> float:
     return sum(r.get("tail_idle_gpu_seconds", 0.0) for r in rows) / gpu_s if gpu_s else 0.0
 
 
+def lent_in_tail(rows: list[dict], timeline: list[dict]) -> tuple[float, float]:
+    """(GPU-seconds lent while the long tail idled them, the tail's idle GPU-seconds), both on the workers' clocks:
+    per step and worker, the GPU's LENT spans (the scheduler's status history) inside [the worker's last result,
+    the step's last result]. Unlike the scheduler's own counters, whose idle count starts when the scheduler
+    sees a drain, this charges lending with every delay from the drain on."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    by_gpu: dict[tuple, list[dict]] = {}
+    for t in timeline:
+        by_gpu.setdefault((t["node"], t["gpu"]), []).append(t)
+    for trans in by_gpu.values():
+        trans.sort(key=lambda t: t["since"])
+        for cur, nxt in zip(trans, trans[1:] + [None]):
+            if cur["state"] == "lent" and cur.get("worker"):
+                end = nxt["since"] if nxt is not None else float("inf")
+                spans.setdefault(cur["worker"], []).append((cur["since"], end))
+    lent = idle = 0.0
+    for r in rows:
+        done = r.get("worker_finished_at") or {}
+        if not done:
+            continue
+        last = max(done.values())
+        for w, f in done.items():
+            idle += last - f
+            lent += sum(max(0.0, min(e, last) - max(s, f)) for s, e in spans.get(w, []))
+    return lent, idle
+
+
 def plot_acceptance(rows: list[dict], out: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -234,10 +234,14 @@ class Worker:
             sp = SamplingParams(max_tokens=max_tokens, temperature=item.temperature, seed=req.seed)
             rid_of[engine.add_request(req.prompt_ids, sp)] = req.rid
         outputs, records = self._decode(engine, item, rid_of)
-        # Drained: the scheduler may lend this GPU while the other workers' tail runs.
+        # Drained: the engine (the target's KV cache, the drafter's, a graph pool) is dropped before the report,
+        # so mem_released=True is true, and the scheduler may lend this GPU at once while the tail runs. The
+        # next item builds its engine anew (it does at every item: the shape follows the item).
+        engine = self.pool = None  # noqa: F841 - the last references to the engine and its caches
         drained_at = time.time()
         self.client.report_progress(self.name, [self.gpu], active=0, finished=n, phase="rollout", total=n,
-                                    step=item.step, tokens_done=sum(len(o.token_ids) for o in outputs))
+                                    step=item.step, tokens_done=sum(len(o.token_ids) for o in outputs),
+                                    mem_released=True)
         mix = Counter(str(r.k) for r in records)
         by_k: dict[str, list[int]] = {}
         for r in records:

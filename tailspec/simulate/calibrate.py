@@ -258,6 +258,8 @@ def calibrate(run_dir: str | Path, online: bool = True, context: bool = True,
     lent_rows = [r for r in rows if r["lent_gpu_seconds"] > 0]
     lat = Latencies(see_s=sc["tick_s"] / 2, telemetry_s=sc["sample_period_s"] / 2, window_s=sc["idle_window_s"],
                     tick_s=sc["tick_s"], startup_s=sc["session_startup_s"],
+                    # a run recorded before workers reported their memory released (no such key) used the window
+                    on_release=sc.get("lend_on_release", False),
                     stop_s=mean([r["wait_sessions_s"] for r in lent_rows]) if lent_rows else 0.1)
     train_s = mean([r["train_time_s"] - r["wait_sessions_s"] for r in rows])
 

@@ -41,9 +41,14 @@ class Latencies:
     tick_s: float = 0.05
     startup_s: float = 0.5  # lend only if the expected tail is longer (scheduler.session_startup_s)
     stop_s: float = 0.2  # revoke → session stopped and GPU free
+    # the worker reports its memory released at the drain and the scheduler lends on that report without the
+    # window (scheduler.lend_on_release); False: telemetry and the window decide
+    on_release: bool = True
 
     @property
     def detect_s(self) -> float:
+        if self.on_release:
+            return self.see_s + self.tick_s / 2
         return max(self.see_s, self.telemetry_s, self.window_s) + self.tick_s / 2
 
 
@@ -108,7 +113,7 @@ def decide(finish: np.ndarray, phase_end: float, tp: int, lat: Latencies, lend: 
         if now >= end:
             continue
         det = IdleDetector(window_s=lat.window_s, startup_s=lat.startup_s, stop_deadline_s=max(lat.stop_s, 1e-3) * 4,
-                           lend=lend)
+                           lend=lend, lend_on_release=lat.on_release)
         still = int(len(order) - np.searchsorted(order, now + lat.lead_s, side="right"))  # not drained at `now`
         progress = {"r": _Report("r", gpus, 0, step, f - lat.lead_s), "others": _Report("others", (), still, step, now)}
         tel = {("sim", g): _Sample(g, 0.0, f - lat.lead_s + lat.telemetry_s) for g in gpus}
