@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tailspec.scheduler import cpu_quota
+from tailspec.scheduler.cpu_quota import CGROUP_ENV
 from tailspec.scheduler.placement import CPUS_ENV, format_cpus, pin_process
 from tailspec.scheduler.session import CONTEXT_ENV, DONE_ENV, NICE_ENV, READY_ENV, SessionContext, run_context
 
@@ -76,6 +78,9 @@ class LocalDispatcher:
     # Simulated GPUs that own CPU cores (scheduler/placement.py): GPU index → its cores. A session lent on
     # GPU g pins itself there (session._place), so it trains on g's cores and no other GPU's.
     gpu_cpus: dict[int, list[int]] | None = None
+    # ... and where simulated GPUs share a core, GPU index → its CPU quota's cgroup (scheduler/cpu_quota.py),
+    # which the session joins with the GPU's rollout worker
+    gpu_cgroups: dict[int, str] | None = None
 
     def __post_init__(self) -> None:
         self.procs: dict[str, _Proc] = {}
@@ -99,7 +104,7 @@ class LocalDispatcher:
         env.update(self.extra_env)
         return env
 
-    def _refill(self, cpus: list[int] | None = None) -> None:
+    def _refill(self, cpus: list[int] | None = None, cgroup: str | None = None) -> None:
         """Start warm processes until the pool has `warm` (one died, or at start). `cpus`: the cores a
         replacement imports on — those of the GPU being lent (its session is the only other user there), so
         the seconds of imports never run on a core another GPU's tail is decoding on."""
@@ -113,8 +118,11 @@ class LocalDispatcher:
             env = self._base_env()
             env.pop("CUDA_VISIBLE_DEVICES", None)  # chosen at assignment
             env.pop(CPUS_ENV, None)
+            env.pop(CGROUP_ENV, None)
             if cpus:
                 env[CPUS_ENV] = format_cpus(cpus)
+            if cgroup:
+                env[CGROUP_ENV] = cgroup
             env[READY_ENV] = log_path[: -len(".log")] + ".ready"
             with open(log_path, "ab") as logf:
                 proc = subprocess.Popen(
@@ -144,12 +152,17 @@ class LocalDispatcher:
 
     def start(self, ctx: SessionContext) -> None:
         cores = self._cores(ctx.gpu)
+        cgroup = (self.gpu_cgroups or {}).get(ctx.gpu)
         placement = {CPUS_ENV: format_cpus(cores)} if cores else {}
+        if cgroup:
+            placement[CGROUP_ENV] = cgroup
         taken = self._take_warm(ctx.gpu)
         if taken is not None:
             proc, log_path = taken
             if cores:  # at once: a process still importing reads its assignment (and pins) only after
                 pin_process(proc.pid, cores)
+            if cgroup:
+                cpu_quota.join(cgroup, proc.pid)
             done = os.path.join(self.log_dir or ".", f"{ctx.session_id}.done")
             msg = {"env": {**self.extra_env, **session_env(ctx, self.entry), **placement, DONE_ENV: done},
                    "context": json.loads(ctx.to_json())}
@@ -157,7 +170,7 @@ class LocalDispatcher:
                 proc.stdin.write((json.dumps(msg) + "\n").encode())
                 proc.stdin.flush()
                 self.procs[ctx.session_id] = _Proc(ctx, proc, log_path, done_path=done)
-                self._refill(cores)
+                self._refill(cores, cgroup)
                 return
             except OSError:  # it died meanwhile: fall back to a cold start
                 proc.kill()

@@ -7,15 +7,25 @@ share (`sched_setaffinity`, and torch's thread count to match). Without the spli
 drained GPU trains on the cores the other GPUs' long tail is decoding on, and the miniature measures the
 opposite of what the cluster does.
 
-A run that asks for more simulated GPUs than there are cores gets fewer (`gpus_that_fit`): a fractional core
-per GPU would need a CPU quota (cgroups), which unprivileged processes cannot set here, and an unsplit
-machine breaks the ratio the miniature stands for.
+More simulated GPUs than cores need a CPU quota: where the machine lets this process create one
+(scheduler/cpu_quota.py: a writable cgroup cpu controller), up to `MAX_GPUS_PER_CORE` GPUs share a core, each
+held to an equal fraction of it (`shares`). Elsewhere a run that asks for more GPUs than cores gets fewer
+(`gpus_that_fit`): an unsplit machine breaks the ratio the miniature stands for.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import sys
+from dataclasses import dataclass
+
+from tailspec.scheduler import cpu_quota
+
+from tailspec.core.config import TailspecConfig
+
+log = logging.getLogger("tailspec.scheduler")
 
 CPUS_ENV = "TAILSPEC_CPUS"  # "0,1": the cores the process pins itself to (session processes)
 
@@ -29,9 +39,38 @@ def host_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def gpus_that_fit(requested: int, cpus: list[int] | None = None) -> int:
-    """How many simulated GPUs get at least one core of their own: min(requested, cores)."""
-    return max(1, min(requested, len(host_cpus() if cpus is None else cpus)))
+MAX_GPUS_PER_CORE = 2  # below half a core a simulated GPU's decode steps wait on the quota more than they compute
+
+
+@dataclass(frozen=True)
+class Share:
+    """A simulated GPU's compute: its cores, and the fraction of them it may use (1.0: whole cores, no quota)."""
+
+    cpus: list[int]
+    fraction: float = 1.0
+
+
+def gpus_that_fit(requested: int, cpus: list[int] | None = None, quota: bool = False) -> int:
+    """How many simulated GPUs get compute of their own: min(requested, cores), or up to MAX_GPUS_PER_CORE per
+    core where a CPU quota can hold each to its share (`quota`)."""
+    n = len(host_cpus() if cpus is None else cpus)
+    return max(1, min(requested, n * (MAX_GPUS_PER_CORE if quota else 1)))
+
+
+def shares(n_gpus: int, cpus: list[int] | None = None, quota: bool = False) -> list[Share]:
+    """Each simulated GPU's compute: whole cores (`split`) when there are enough; else, with `quota`, GPU g gets
+    core g // k at 1/k of it, k = GPUs per core (equal shares; a core left half used stays the host's)."""
+    cpus = host_cpus() if cpus is None else list(cpus)
+    if n_gpus <= len(cpus):
+        return [Share(c) for c in split(n_gpus, cpus)]
+    if not quota:
+        split(n_gpus, cpus)  # raises, naming how many fit
+    if n_gpus > len(cpus) * MAX_GPUS_PER_CORE:
+        raise ValueError(f"{n_gpus} simulated GPUs on {len(cpus)} cores ({format_cpus(cpus)}): at most "
+                         f"{MAX_GPUS_PER_CORE} share a core under a CPU quota; run at most "
+                         f"{len(cpus) * MAX_GPUS_PER_CORE}")
+    k = math.ceil(n_gpus / len(cpus))
+    return [Share([cpus[g // k]], 1.0 / k) for g in range(n_gpus)]
 
 
 def split(n_gpus: int, cpus: list[int] | None = None) -> list[list[int]]:
@@ -96,3 +135,30 @@ def pin_from_env() -> list[int] | None:
     cpus = parse_cpus(raw)
     pin(cpus)
     return cpus
+
+
+def _shares(cfg: TailspecConfig) -> list[Share] | None:
+    sc = cfg.scheduler
+    if sc.simulated_gpu_cpus != "split":
+        return None
+    try:
+        return shares(sc.simulated_gpus, quota=cpu_quota.root()[0] is not None)
+    except ValueError as e:
+        log.warning("simulated GPUs share cores: %s", e)
+        return None
+
+
+def simulated_gpu_cpus(cfg: TailspecConfig) -> dict[int, list[int]] | None:
+    """GPU → owned cores for simulated GPUs under `scheduler.simulated_gpu_cpus: split` (None when shared, or
+    when this host has too few cores for the simulated GPUs: then nothing is pinned and the run says so)."""
+    shares = _shares(cfg)
+    return None if shares is None else {g: s.cpus for g, s in enumerate(shares)}
+
+
+def simulated_gpu_cgroups(cfg: TailspecConfig) -> dict[int, str] | None:
+    """GPU → its CPU quota's cgroup (made here if missing) where simulated GPUs share cores under a quota
+    (scheduler/cpu_quota.py; the demo's workers join the same ones); None with whole cores each."""
+    shares = _shares(cfg)
+    if shares is None or shares[0].fraction >= 1:
+        return None
+    return {g: cpu_quota.create(cpu_quota.name_for(cfg.cluster.name, g), s.fraction) for g, s in enumerate(shares)}

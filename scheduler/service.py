@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
-from tailspec.scheduler import placement
+from tailspec.scheduler import cpu_quota
 from tailspec.scheduler.actions import execute_all, finalize_record
 from tailspec.scheduler.dispatch import LocalDispatcher
 from tailspec.scheduler.idle import Action, IdleDetector
@@ -41,6 +41,7 @@ from tailspec.scheduler.leader import LeaderElection
 from tailspec.scheduler.leases import LeaderLost, Leases
 from tailspec.scheduler.monitor import TelemetryMonitor
 from tailspec.scheduler.observe import Observer, Sent
+from tailspec.scheduler.placement import simulated_gpu_cgroups, simulated_gpu_cpus
 from tailspec.scheduler.telemetry import make_telemetry
 from tailspec.scheduler.tick_writes import TickWrites
 
@@ -396,19 +397,6 @@ def _quiet_gc() -> None:
     gc.set_threshold(20_000, 20, 10)
 
 
-def simulated_gpu_cpus(cfg: TailspecConfig) -> dict[int, list[int]] | None:
-    """GPU → owned cores for simulated GPUs under `scheduler.simulated_gpu_cpus: split` (None when shared, or
-    when this host has fewer cores than simulated GPUs: then nothing is pinned and the run says so)."""
-    sc = cfg.scheduler
-    if sc.simulated_gpu_cpus != "split":
-        return None
-    try:
-        return dict(enumerate(placement.split(sc.simulated_gpus)))
-    except ValueError as e:
-        log.warning("simulated GPUs share cores: %s", e)
-        return None
-
-
 def run_local(
     cfg: TailspecConfig,
     stop: threading.Event | None = None,
@@ -427,7 +415,8 @@ def run_local(
         telemetry, r, cfg.cluster.name, sc.sample_period_s, sc.history_maxlen, warning=warning
     ).start()
     dispatcher = LocalDispatcher(sc.session_entry, log_dir=log_dir, warm=sc.warm_sessions, nice=sc.session_nice,
-                                 gpu_cpus=simulated_gpu_cpus(cfg) if telemetry.simulated else None)
+                                 gpu_cpus=simulated_gpu_cpus(cfg) if telemetry.simulated else None,
+                                 gpu_cgroups=simulated_gpu_cgroups(cfg) if telemetry.simulated else None)
     sched = Scheduler(cfg, r, dispatcher, redis_url=url)
     stop = stop or threading.Event()
     try:
@@ -435,3 +424,5 @@ def run_local(
     finally:
         monitor.stop()
         sched.shutdown()
+        for cg in (dispatcher.gpu_cgroups or {}).values():  # sessions are gone: the quotas with them
+            cpu_quota.remove(cg)

@@ -26,7 +26,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
+from tailspec.scheduler import cpu_quota
 from tailspec.scheduler import leases as L
+from tailspec.scheduler.cpu_quota import CGROUP_ENV
 from tailspec.scheduler.placement import CPUS_ENV, pin_from_env
 
 from tailspec.core import state
@@ -321,6 +323,7 @@ def _serve(line: str, entry: str) -> int | None:
         print(f"tailspec warm session: bad assignment: {e}", file=sys.stderr)
         return 2
     os.environ.pop(CPUS_ENV, None)
+    os.environ.pop(CGROUP_ENV, None)
     os.environ.pop(DONE_ENV, None)
     os.environ.update(env)
     _renice()
@@ -362,9 +365,13 @@ _AFFINITY_AT_START = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffin
 
 
 def _unpin() -> None:
-    # assigned without cores (shared placement): the cores the process started with again
+    # assigned without cores (shared placement): the cores the process started with again, and no quota
     if _AFFINITY_AT_START is not None and set(os.sched_getaffinity(0)) != _AFFINITY_AT_START:
         os.sched_setaffinity(0, _AFFINITY_AT_START)
+    try:
+        cpu_quota.leave()
+    except OSError:
+        pass
 
 
 REFILL_NICE = 10
@@ -375,9 +382,12 @@ def _place() -> bool:
     # dispatcher): the other GPUs' rollout tail keeps its own compute.
     try:
         cpus = pin_from_env()
+        cgroup = cpu_quota.join_from_env()  # the GPU's share of its core, where GPUs share one
     except (ValueError, OSError) as e:
         print(f"tailspec session: could not pin to the GPU's cores: {e}", file=sys.stderr)
         return False
+    if cgroup is not None:
+        print(f"tailspec session: CPU quota {cgroup}", flush=True)
     if cpus is not None:
         print(f"tailspec session: pinned to cores {cpus}", flush=True)
     return cpus is not None

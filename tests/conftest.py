@@ -82,3 +82,18 @@ def test_output_dir(tmp_path_factory):
     out = Path(__file__).resolve().parent.parent / "test-output"
     out.mkdir(exist_ok=True)
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_quotas_left_behind():
+    """Tests that SIGKILL a scheduler leave its simulated GPUs' CPU quotas (scheduler/cpu_quota.py) behind: remove
+    the ones this test session made, once it is over (each is emptied into its parent first)."""
+    from tailspec.scheduler import cpu_quota
+
+    base, _ = cpu_quota.root()
+    before = set(os.listdir(base)) if base is not None else set()
+    yield
+    if base is not None:
+        for name in set(os.listdir(base)) - before:
+            if name.startswith("tailspec-"):
+                cpu_quota.remove(os.path.join(base, name))

@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from tailspec.scheduler import placement
+from tailspec.scheduler import cpu_quota, placement
 from tailspec.scheduler.dispatch import LocalDispatcher
 from tailspec.scheduler.session import SessionContext
 
@@ -25,6 +25,19 @@ def test_split_refuses_more_gpus_than_cores_and_fit_says_how_many():
         placement.split(4, [0, 1])
     assert placement.gpus_that_fit(4, [0, 1]) == 2
     assert placement.gpus_that_fit(1, [0, 1]) == 1
+    assert placement.gpus_that_fit(4, [0, 1], quota=True) == 4
+    assert placement.gpus_that_fit(8, [0, 1], quota=True) == 2 * placement.MAX_GPUS_PER_CORE
+
+
+def test_shares_put_two_gpus_on_a_core_under_a_quota_only():
+    S = placement.Share
+    assert placement.shares(2, [0, 1], quota=True) == [S([0]), S([1])]  # enough cores: no quota
+    assert placement.shares(4, [0, 1], quota=True) == [S([0], 0.5), S([0], 0.5), S([1], 0.5), S([1], 0.5)]
+    assert placement.shares(3, [0, 1], quota=True) == [S([0], 0.5), S([0], 0.5), S([1], 0.5)]
+    with pytest.raises(ValueError, match="cannot each own a core"):
+        placement.shares(4, [0, 1])
+    with pytest.raises(ValueError, match="at most 2 share a core.*run at most 4"):
+        placement.shares(5, [0, 1], quota=True)
 
 
 def test_parse_cpus_names_the_bad_entry():
@@ -49,9 +62,13 @@ def test_place_workers_runs_fewer_simulated_gpus_than_asked_on_a_small_machine(m
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(placement, "host_cpus", lambda: [0, 1])
+    monkeypatch.setattr(cpu_quota, "root", lambda: (None, "no cgroup cpu controller mounted"))
     p = place_workers(4, load_config(environ={}))
-    assert (p.workers, p.cpus) == (2, [[0], [1]])
-    assert "4 asked" in p.note and "2 cores" in p.note
+    assert (p.workers, p.cpus, p.quota) == (2, [[0], [1]], None)
+    assert "4 asked" in p.note and "2 cores" in p.note and "no CPU quota" in p.note
+    monkeypatch.setattr(cpu_quota, "root", lambda: ("/a/writable/hierarchy", ""))
+    q = place_workers(4, load_config(environ={}))
+    assert (q.workers, q.cpus, q.quota) == (4, [[0], [0], [1], [1]], [0.5] * 4) and "0.5 of a core" in q.note
     shared = place_workers(4, load_config(overrides=["scheduler.simulated_gpu_cpus=shared"], environ={}))
     assert (shared.workers, shared.cpus) == (4, None)
 
@@ -91,11 +108,12 @@ def test_a_session_lent_on_a_simulated_gpu_runs_on_that_gpus_cores(tmp_path, red
 
 
 def test_service_splits_only_simulated_gpus_that_fit(monkeypatch):
-    from tailspec.scheduler.service import simulated_gpu_cpus
+    from tailspec.scheduler.placement import simulated_gpu_cpus
 
     from tailspec.core.config import load_config
 
     monkeypatch.setattr(placement, "host_cpus", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(cpu_quota, "root", lambda: (None, "no cgroup cpu controller mounted"))
     cfg = load_config(overrides=["scheduler.simulated_gpus=2"], environ={})
     assert simulated_gpu_cpus(cfg) == {0: [0, 1], 1: [2, 3]}
     cfg = load_config(overrides=["scheduler.simulated_gpus=8"], environ={})
@@ -162,3 +180,50 @@ def test_on_real_gpus_a_warm_process_serves_only_the_gpu_it_initialised(tmp_path
         assert pids[1] != pids[0] and pids[2] == pids[0]  # GPU 1 got another process; GPU 0 its own back
     finally:
         d.shutdown()
+
+
+needs_quota = pytest.mark.skipif(cpu_quota.root()[0] is None, reason=f"no CPU quota here: {cpu_quota.root()[1]}")
+
+
+@needs_quota
+def test_a_quota_holds_a_busy_process_to_its_share_of_a_core(tmp_path):
+    """Two busy processes pinned to one core, each in its own half-core quota, each get about half of it; the
+    cgroups are gone after remove(). The figure the CPU quota exists for: a simulated GPU's compute is its own."""
+    core = placement.host_cpus()[-1]
+    paths = [cpu_quota.create(cpu_quota.name_for(f"qtest-{os.getpid()}", g), 0.5) for g in range(2)]
+    code = ("import os, sys, time; from tailspec.scheduler import cpu_quota; cpu_quota.join(sys.argv[1]); "
+            f"os.sched_setaffinity(0, [{core}]); t0 = time.time(); c0 = time.process_time()\n"
+            "while time.time() - t0 < 1.5: pass\n"
+            "print((time.process_time() - c0) / (time.time() - t0))")
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", code, p], stdout=subprocess.PIPE, text=True) for p in paths]
+        got = [float(p.communicate(timeout=60)[0]) for p in procs]
+        assert all(0.35 < g < 0.6 for g in got), got
+    finally:
+        for p in paths:
+            cpu_quota.remove(p)
+    assert not any(os.path.exists(p) for p in paths)
+
+
+@needs_quota
+def test_the_scheduler_gives_gpus_sharing_a_core_a_quota_each(monkeypatch):
+    from tailspec.scheduler.placement import simulated_gpu_cgroups, simulated_gpu_cpus
+
+    from tailspec.core.config import load_config
+
+    monkeypatch.setattr(placement, "host_cpus", lambda: [0, 1])
+    cfg = load_config(overrides=["scheduler.simulated_gpus=4", f"cluster.name=qsvc{os.getpid()}"], environ={})
+    assert simulated_gpu_cpus(cfg) == {0: [0], 1: [0], 2: [1], 3: [1]}
+    groups = simulated_gpu_cgroups(cfg)
+    try:
+        assert sorted(groups) == [0, 1, 2, 3] and len(set(groups.values())) == 4
+        for g, path in groups.items():
+            assert path.endswith(cpu_quota.name_for(cfg.cluster.name, g))
+            quota = open(os.path.join(path, "cpu.cfs_quota_us")).read().strip() if os.path.exists(
+                os.path.join(path, "cpu.cfs_quota_us")) else open(os.path.join(path, "cpu.max")).read().split()[0]
+            assert int(quota) == cpu_quota.PERIOD_US // 2
+        cfg2 = load_config(overrides=["scheduler.simulated_gpus=2"], environ={})
+        assert simulated_gpu_cgroups(cfg2) is None  # a core each: no quota
+    finally:
+        for path in (groups or {}).values():
+            cpu_quota.remove(path)

@@ -18,9 +18,11 @@ from pathlib import Path
 import redis
 
 from tailspec.core.config import TailspecConfig
+from tailspec.scheduler import cpu_quota
 from tailspec.scheduler.dispatch import LocalDispatcher
 from tailspec.scheduler.monitor import TelemetryMonitor
-from tailspec.scheduler.service import Scheduler, simulated_gpu_cpus
+from tailspec.scheduler.placement import simulated_gpu_cgroups, simulated_gpu_cpus
+from tailspec.scheduler.service import Scheduler
 from tailspec.scheduler.telemetry import SimulatedNodes, SimulatedTelemetry
 
 
@@ -110,7 +112,8 @@ def serve(args: argparse.Namespace) -> int:
         dispatcher = NullDispatcher()
     else:
         dispatcher = LocalDispatcher(sc.session_entry, log_dir=args.log_dir, warm=sc.warm_sessions,
-                                     nice=sc.session_nice, gpu_cpus=simulated_gpu_cpus(cfg))
+                                     nice=sc.session_nice, gpu_cpus=simulated_gpu_cpus(cfg),
+                                     gpu_cgroups=simulated_gpu_cgroups(cfg))
     sched = Scheduler(cfg, r, dispatcher, redis_url=url)
     ticks = _time_ticks(sched, rt)
     prof = None
@@ -120,6 +123,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         sched.serve(stop)
     finally:
+        for cg in (getattr(dispatcher, "gpu_cgroups", None) or {}).values():
+            cpu_quota.remove(cg)
         if prof is not None:
             prof.disable()
             prof.dump_stats(args.profile)

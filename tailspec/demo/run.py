@@ -105,7 +105,7 @@ class Demo:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cluster = f"demo-{opts.mode}-{ts}-{os.getpid()}"
         self.base_cfg = cfg
-        self.services = Services(self.run_dir, self.placement.cpus, opts.redis_url, opts.dashboard,
+        self.services = Services(self.run_dir, self.placement, opts.redis_url, opts.dashboard,
                                  schedulers=opts.schedulers, redis_aof=opts.redis_aof)
         self.redis_url: str | None = opts.redis_url
         self.r = None  # redis.Redis, once the services are up

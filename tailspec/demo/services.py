@@ -23,7 +23,7 @@ from tailspec.core.redis_conn import connect
 from tailspec.dashboards.server import start_dashboard
 from tailspec.demo.protocol import WorkItem, work_key
 from tailspec.redis_server import start_redis
-from tailspec.scheduler import placement
+from tailspec.scheduler import cpu_quota, placement
 from tailspec.scheduler.client import TailspecClient
 from tailspec.scheduler.placement import format_cpus
 from tailspec.scheduler.service import run_local
@@ -33,33 +33,41 @@ log = logging.getLogger("tailspec.demo")
 
 @dataclass(frozen=True)
 class Placement:
-    """How the run's simulated GPUs share this host: `cpus[g]` are GPU g's own cores (None: all shared)."""
+    """How the run's simulated GPUs share this host: `cpus[g]` are GPU g's own cores (None: all shared) and
+    `quota[g]` the fraction of them it may use (None: whole cores; scheduler/cpu_quota.py)."""
     workers: int
     cpus: list[list[int]] | None
     note: str
+    quota: list[float] | None = None
 
 
 def place_workers(requested: int, cfg: TailspecConfig) -> Placement:
-    """One simulated GPU per worker, each owning an equal share of the cores (scheduler/placement.py) under
-    `scheduler.simulated_gpu_cpus: split`: at most one per core, so fewer than requested on a small machine.
-    With CUDA the workers run on real devices and nothing is pinned."""
+    """One simulated GPU per worker, each with compute of its own (scheduler/placement.py) under
+    `scheduler.simulated_gpu_cpus: split`: whole cores, or where a CPU quota can be set up to two GPUs per core at
+    half of it each; fewer GPUs than requested on a machine too small for either. With CUDA the workers run on
+    real devices and nothing is pinned."""
     if torch.cuda.is_available():
         return Placement(requested, None, f"{requested} rollout workers on CUDA devices")
     host = placement.host_cpus()
     if cfg.scheduler.simulated_gpu_cpus != "split":
         return Placement(requested, None, f"{requested} simulated GPUs sharing {len(host)} cores "
                                           "(scheduler.simulated_gpu_cpus=shared)")
-    n = placement.gpus_that_fit(requested, host)
-    cpus = placement.split(n, host)
-    fewer = f" ({requested} asked, {len(host)} cores)" if n < requested else ""
-    per = len(cpus[0])
-    return Placement(n, cpus, f"{n} simulated GPUs{fewer}, {per} own core{'s' if per > 1 else ''} each")
+    quota_root, why = cpu_quota.root()
+    n = placement.gpus_that_fit(requested, host, quota=quota_root is not None)
+    shares = placement.shares(n, host, quota=quota_root is not None)
+    fewer = f" ({requested} asked, {len(host)} cores{'' if quota_root else '; no CPU quota: ' + why})" \
+        if n < requested else ""
+    if shares[0].fraction < 1:
+        return Placement(n, [s.cpus for s in shares], f"{n} simulated GPUs{fewer}, {shares[0].fraction:g} of a core "
+                         "each (CPU quota)", [s.fraction for s in shares])
+    per = len(shares[0].cpus)
+    return Placement(n, [s.cpus for s in shares], f"{n} simulated GPUs{fewer}, {per} own core{'s' if per > 1 else ''} each")
 
 
 @dataclass
 class Services:
     run_dir: Path
-    cpus: list[list[int]] | None  # each worker's own cores (None: not pinned)
+    placement: Placement  # each worker's own cores (None: not pinned) and CPU quota
     redis_url: str | None = None  # None: start a private redis-server
     dashboard: bool = True
     # 0: the scheduler runs as a thread of this process. n >= 1: n `tailspec scheduler run` processes (one
@@ -76,6 +84,7 @@ class Services:
     _sched_stop: threading.Event = field(default_factory=threading.Event)
     _sched_thread: threading.Thread | None = None
     _dash: object | None = None
+    _cgroups: list[str] = field(default_factory=list)  # each worker's CPU quota (GPU w's cgroup)
 
     def start_redis(self) -> str:
         """Connect to the given Redis, or start a private redis-server; returns its URL."""
@@ -107,6 +116,9 @@ class Services:
             self._sched_thread.start()
         if self.dashboard:
             self._start_dashboard(cluster)
+        if self.placement.quota:  # the same cgroups the scheduler's sessions join (scheduler.service)
+            self._cgroups = [cpu_quota.create(cpu_quota.name_for(cluster, w), q)
+                             for w, q in enumerate(self.placement.quota)]
         for w in range(workers):
             self.procs.append(self._start_worker(w, cluster, cfg.cluster.node))
 
@@ -136,8 +148,10 @@ class Services:
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         cmd = [sys.executable, "-m", "tailspec.demo.worker", "--name", f"w{w}", "--gpu", str(w),
                "--redis", self.redis_url, "--cluster", cluster, "--node", node]
-        if self.cpus is not None:
-            cmd += ["--cpus", format_cpus(self.cpus[w])]
+        if self.placement.cpus is not None:
+            cmd += ["--cpus", format_cpus(self.placement.cpus[w])]
+        if self._cgroups:
+            cmd += ["--cgroup", self._cgroups[w]]
         with open(self.run_dir / f"worker-w{w}.log", "a") as logf:  # the child keeps its own descriptor
             return subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
 
@@ -176,3 +190,5 @@ class Services:
             self._dash.stop()
         if self._redis_server is not None:
             self._redis_server.stop()
+        for cg in self._cgroups:
+            cpu_quota.remove(cg)

@@ -37,6 +37,7 @@ from tailspec.rollout.graph_pool import build_pool
 from tailspec.rollout.health_guard import GuardPolicy, HealthGuard, chain_alpha, guarded, record_verdict
 from tailspec.rollout.selector import make_selector
 from tailspec.rollout.sequence import SamplingParams
+from tailspec.scheduler import cpu_quota
 from tailspec.scheduler.client import TailspecClient
 from tailspec.scheduler.placement import parse_cpus, pin
 
@@ -346,7 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", required=True)
     ap.add_argument("--node", default="node0")
     ap.add_argument("--cpus", help="the simulated GPU's own cores, e.g. '0' or '2,3': pin to them (default: share all)")
+    ap.add_argument("--cgroup", help="the simulated GPU's CPU quota (a cgroup directory) to join")
     args = ap.parse_args(argv)
+    if args.cgroup:
+        cpu_quota.join(args.cgroup)  # the GPU's share of its core, with any session lent on this GPU
     if args.cpus:
         pin(parse_cpus(args.cpus))  # the GPU's cores, shared only with a session lent on this GPU
     else:
