@@ -41,3 +41,10 @@ def env_probe_session(ctx: SessionContext) -> None:
     with open(out, "w") as f:
         json.dump({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
                    "nice": os.nice(0), "cpus": sorted(os.sched_getaffinity(0))}, f)
+
+
+def slow_stop_session(ctx: SessionContext) -> None:
+    """Works for $TAILSPEC_DEMO_STEP_SLEEP_S seconds before its first lease check (tests of the stop backstop:
+    a session that is slow to see its revocation)."""
+    time.sleep(float(os.environ.get(SLEEP_ENV, "1.0")))
+    ctx.should_continue()

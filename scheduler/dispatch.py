@@ -58,6 +58,7 @@ class _Proc:
     log_path: str
     terminated_at: float | None = None
     done_path: str | None = None  # a warm process: it writes the exit code here and waits for the next session
+    stop_at: float | None = None  # a warm process's session passed its stop deadline (stop(): SIGTERM later)
 
 
 @dataclass
@@ -72,6 +73,10 @@ class LocalDispatcher:
     entry: str
     log_dir: str | None = None
     kill_grace_s: float = 2.0
+    # A warm process whose session passed its stop deadline gets this long to stop on its own lease check before
+    # SIGTERM: the GPU counts as reclaimed at the deadline either way, and SIGTERM ends the process, whose
+    # replacement then imports for seconds on the lent GPU's compute (and a lend handed to it meanwhile waits).
+    warm_stop_grace_s: float = 10.0
     extra_env: dict[str, str] = field(default_factory=dict)
     warm: int = 0
     nice: int = 0  # scheduler.session_nice: applied by the session process itself (see session.main)
@@ -141,7 +146,10 @@ class LocalDispatcher:
         return cpus
 
     def _take_warm(self, gpu: int) -> tuple[subprocess.Popen, str] | None:
+        """An idle warm process for `gpu`, one whose imports are done first (a process still importing starts the
+        session only when they are)."""
         self._warm = [(p, lp) for p, lp in self._warm if p.poll() is None]
+        self._warm.sort(key=lambda w: not os.path.exists(w[1][: -len(".log")] + ".ready"))  # stable: oldest first
         for match in (lambda p: self._served.get(p.pid) == gpu, lambda p: p.pid not in self._served,
                       lambda p: bool(self.gpu_cpus)):
             for i, (p, _) in enumerate(self._warm):
@@ -198,9 +206,15 @@ class LocalDispatcher:
             self.stop(session_id)
 
     def stop(self, session_id: str) -> None:
-        """Backstop after the deadline: the session should already have stopped on its lease check."""
+        """Backstop after the deadline: the session should already have stopped on its lease check. A cold process
+        is terminated now; a warm one after `warm_stop_grace_s` more (poll), unless its session ends first."""
         p = self.procs.get(session_id)
-        if p is not None and p.proc.poll() is None and p.terminated_at is None:
+        if p is None or p.proc.poll() is not None or p.terminated_at is not None:
+            return
+        if p.done_path is not None and p.stop_at is None and not self._closing:
+            p.stop_at = time.monotonic()
+            return
+        if p.done_path is None or self._closing or time.monotonic() - p.stop_at >= self.warm_stop_grace_s:
             p.proc.terminate()
             p.terminated_at = time.monotonic()
 
@@ -227,6 +241,8 @@ class LocalDispatcher:
                     self._end_warm(p.proc)
             elif p.terminated_at is not None and time.monotonic() - p.terminated_at > self.kill_grace_s:
                 p.proc.kill()
+            elif p.stop_at is not None and p.terminated_at is None:
+                self.stop(sid)  # a warm session past its deadline: SIGTERM once its grace is over
         return set(self.ended)
 
     def forget(self, session_id: str) -> None:

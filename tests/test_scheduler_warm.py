@@ -3,7 +3,7 @@
 import json
 import time
 
-from tailspec.scheduler.dispatch import LocalDispatcher
+from tailspec.scheduler.dispatch import LocalDispatcher, warm_ready
 from tailspec.scheduler.session import SessionContext
 
 
@@ -66,8 +66,6 @@ def test_session_nice_applies_to_warm_and_cold_sessions(tmp_path, redis_url):
 
 
 def test_warm_ready_counts_processes_whose_imports_are_done(tmp_path):
-    from tailspec.scheduler.dispatch import warm_ready
-
     assert warm_ready(tmp_path / "missing") == 0
     d = LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=2)
     try:
@@ -75,5 +73,35 @@ def test_warm_ready_counts_processes_whose_imports_are_done(tmp_path):
         while warm_ready(tmp_path) < 2 and time.time() < deadline:
             time.sleep(0.05)
         assert warm_ready(tmp_path) == 2
+    finally:
+        d.shutdown()
+
+
+def test_a_warm_session_past_its_deadline_gets_a_grace_before_sigterm(tmp_path, redis_url):
+    """The stop backstop SIGTERMs a cold process at once, but gives a warm one `warm_stop_grace_s` to stop on its
+    own lease check: SIGTERM would end the pooled process, and its replacement would import for seconds on the
+    lent GPU's compute. Past the grace it is terminated."""
+    entry = "tailspec.scheduler.demo_session:slow_stop_session"
+    d = LocalDispatcher(entry, log_dir=str(tmp_path), warm=1, extra_env={"TAILSPEC_DEMO_STEP_SLEEP_S": "1.0"})
+    try:
+        deadline = time.time() + 60
+        while warm_ready(tmp_path) < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        pid = d._warm[0][0].pid
+        d.start(_ctx(redis_url, "s-slow", gpu=0))
+        time.sleep(0.2)
+        d.stop("s-slow")  # past the deadline: the session has not looked at its lease yet
+        assert d.procs["s-slow"].terminated_at is None
+        _wait_ended(d, "s-slow")
+        assert d.ended.get("s-slow") == 0 and [p.pid for p, _ in d._warm] == [pid]  # stopped itself, still pooled
+
+        d.warm_stop_grace_s = 0.0
+        d.start(_ctx(redis_url, "s-slow2", gpu=0))
+        time.sleep(0.2)
+        d.stop("s-slow2")  # marks it
+        d.poll()  # the grace is over: SIGTERM
+        assert d.procs["s-slow2"].terminated_at is not None
+        _wait_ended(d, "s-slow2")
+        assert d.ended.get("s-slow2") != 0
     finally:
         d.shutdown()
