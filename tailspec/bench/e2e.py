@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DemoOptions()
     p.add_argument("--steps", type=int, default=d.steps, help=f"RL steps per run (default {d.steps}, the demo's)")
     p.add_argument("--workers", type=int, default=d.workers,
-                   help=f"simulated GPUs (default {d.workers}; at most one per core)")
+                   help=f"simulated GPUs (default {d.workers}; one per core, or two per "
+                        "core under a CPU quota where one can be set)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--policy", default=d.policy, help=f"policy preset or directory (default {d.policy})")

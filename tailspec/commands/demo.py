@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="RL with long-tail rollouts, idle-GPU drafter co-training, export (the main job)")
     p.add_argument("--steps", type=int, default=DemoOptions.steps, help=f"RL steps (default {DemoOptions.steps})")
     p.add_argument("--workers", type=int, default=DemoOptions.workers,
-                   help=f"simulated GPUs / rollout workers (default {DemoOptions.workers}; at most one per core)")
+                   help=f"simulated GPUs / rollout workers (default {DemoOptions.workers}; one per core, or two per "
+                        "core under a CPU quota where one can be set)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--no-spec", action="store_true", help="baseline: plain decoding, no co-training")
     mode.add_argument("--frozen-drafter", action="store_true",

@@ -224,7 +224,9 @@ class TaskConfig(_Section):
     # frozen drafter go stale).
     alt_style_rate: float | None = Field(None, ge=0, le=0.5, description="share of the pre-training corpus in "
                                          "the alternative style (None: the policy preset's)")
-    style_bonus: float = Field(0.5, ge=0, le=2, description="reward bonus of a well-formed response in the "
+    # 1.0: the demo's GRPO (10 steps, lr 1e-4) moves `deep` to the alternative style in every seed tried; at 0.5
+    # the coupled verify rule's seed-0 trajectory barely moved (BENCHMARKS.md, end to end: drift)
+    style_bonus: float = Field(1.0, ge=0, le=2, description="reward bonus of a well-formed response in the "
                                "alternative style")
 
 

@@ -13,8 +13,8 @@ Mode = Literal["cotrained", "frozen", "nospec"]
 @dataclass
 class DemoOptions:
     # 10 steps at lr 1e-4: enough for GRPO to move the deep policy from its main scratchpad style toward the one
-    # the reward's style bonus favours (10% -> most of the responses), the drift a frozen drafter does not follow
-    # (BENCHMARKS.md, "Drift"). At 6 steps and lr 3e-5 the frozen drafter moved by under 1%.
+    # the reward's style bonus (task.style_bonus, 1.0) favours (10% -> most of the responses), the drift a frozen
+    # drafter does not follow (BENCHMARKS.md, "Drift"). At 6 steps and lr 3e-5 the frozen drafter moved by under 1%.
     steps: int = 10
     workers: int = 4
     mode: Mode = "cotrained"
