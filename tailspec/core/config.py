@@ -114,6 +114,8 @@ class SchedulerConfig(_Section):
 class TrainerConfig(_Section):
     backend: Literal["torch", "deepspeed"] = "torch"
     lr: float = Field(3e-4, gt=0, le=1)
+    bootstrap_lr: float | None = Field(None, gt=0, le=1, description="lr of the offline first drafter (the demo's "
+                                       "bootstrap); None: lr. Sessions on lent GPUs fine-tune it at lr")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay (momentum) of the drafter's optimizer")
     weight_decay: float = Field(0.0, ge=0, le=10)
     grad_clip: float = Field(1.0, gt=0, le=1e6)

@@ -96,7 +96,8 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
     buffer = make_buffer(cfg)
     fill_buffer(buffer, samples, teacher.config.vocab_size, cfg.trainer.max_seq_len)
     with tempfile.TemporaryDirectory(prefix="tailspec-boot-") as tmp:
-        session = TrainingSession(cfg.trainer, teacher, buffer, checkpoint_dir=Path(tmp) / "ckpt")
+        tc = cfg.trainer.model_copy(update={"lr": cfg.trainer.bootstrap_lr or cfg.trainer.lr})
+        session = TrainingSession(tc, teacher, buffer, checkpoint_dir=Path(tmp) / "ckpt")
         res = session.run(max_seconds=seconds, max_steps=steps)
         drafter: Eagle3Module = session.drafter
         drafter.eval()

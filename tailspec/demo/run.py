@@ -77,7 +77,7 @@ log = logging.getLogger("tailspec.demo")
 #   versions' 64 samples each, and at 0.1 that was 12-18 samples, below the paired test's 16; training is
 #   short of seconds, not of samples.
 DEMO_TRAINER = {"batch_size": 8, "micro_batch_size": 2, "validate_every_s": 5.0, "merge_every_steps": 2,
-                "holdout_fraction": 0.25, "propose_min_steps": 5, "lr": 6e-4}
+                "holdout_fraction": 0.25, "propose_min_steps": 5, "lr": 2e-4, "bootstrap_lr": 6e-4}
 # Lend when the expected tail exceeds this (scheduler.session_startup_s; see Demo.config).
 DEMO_SESSION_STARTUP_S = 0.3
 
