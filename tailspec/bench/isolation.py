@@ -32,10 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=4, help="tail worker's batch (default 4: a tail's few sequences)")
     p.add_argument("--window-s", type=float, default=4.0, help="seconds per measurement window (default 4)")
     p.add_argument("--repeats", type=int, default=5, help="alone/with pairs (default 5)")
-    p.add_argument("--placement", choices=("split", "shared", "both"), default="both",
-                   help="split: each simulated GPU on its own cores (the demo's default); shared: no pinning")
+    p.add_argument("--placement", choices=("split", "quota", "shared", "both", "all"), default="all",
+                   help="split: each simulated GPU on its own cores; quota: both GPUs on one core, half of it each "
+                        "under a CPU quota (the demo's placement with more GPUs than cores, where a quota can be "
+                        "set); shared: no pinning; both: split and shared; all (default): the three")
     p.add_argument("--child", choices=("decode", "train"), help=argparse.SUPPRESS)
     p.add_argument("--cpus", help=argparse.SUPPRESS)
+    p.add_argument("--cgroup", help=argparse.SUPPRESS)
 
 
 # -- children --------------------------------------------------------------------------------------------
@@ -102,7 +105,7 @@ def _train_child(args: argparse.Namespace) -> int:
 
 
 # -- parent ----------------------------------------------------------------------------------------------
-def _spawn(kind: str, args: argparse.Namespace, cpus: list[int] | None) -> subprocess.Popen:
+def _spawn(kind: str, args: argparse.Namespace, cpus: list[int] | None, cgroup: str | None = None) -> subprocess.Popen:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.scheduler.placement import format_cpus
 
@@ -110,6 +113,8 @@ def _spawn(kind: str, args: argparse.Namespace, cpus: list[int] | None) -> subpr
            "--batch", str(args.batch)]
     if cpus is not None:
         cmd += ["--cpus", format_cpus(cpus)]  # the child pins itself, as demo workers and sessions do
+    if cgroup is not None:
+        cmd += ["--cgroup", cgroup]  # ... and joins its GPU's CPU quota
     env = dict(os.environ, OMP_NUM_THREADS=str(len(cpus) if cpus else 1), TOKENIZERS_PARALLELISM="false")
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
@@ -126,13 +131,27 @@ def _window(decoder: subprocess.Popen, seconds: float) -> float:
     return r["tokens"] / r["seconds"]
 
 
-def _measure(args: argparse.Namespace, split: bool, out) -> dict:
+def _measure(args: argparse.Namespace, mode: str, out) -> dict:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.scheduler import placement
+    from tailspec.scheduler import cpu_quota, placement
 
-    cpus = placement.split(2) if split else [None, None]
-    decoder = _spawn("decode", args, cpus[0])
-    trainer = _spawn("train", args, cpus[1])
+    cgroups: list = [None, None]
+    if mode == "quota":  # GPUs 0 and 1 on one core, half of it each (placement.shares with a quota)
+        cpus = [s.cpus for s in placement.shares(2, placement.host_cpus()[:1], quota=True)]
+        cgroups = [cpu_quota.create(cpu_quota.name_for(f"isolation-{os.getpid()}", g), 0.5) for g in (0, 1)]
+    else:
+        cpus = placement.split(2) if mode == "split" else [None, None]
+    try:
+        return _pairs(args, mode, cpus, cgroups, out)
+    finally:
+        for cg in cgroups:
+            if cg is not None:
+                cpu_quota.remove(cg)
+
+
+def _pairs(args: argparse.Namespace, mode: str, cpus: list, cgroups: list, out) -> dict:
+    decoder = _spawn("decode", args, cpus[0], cgroups[0])
+    trainer = _spawn("train", args, cpus[1], cgroups[1])
     os.kill(trainer.pid, signal.SIGSTOP)
     alone, with_, ratios = [], [], []
     try:
@@ -145,7 +164,7 @@ def _measure(args: argparse.Namespace, split: bool, out) -> dict:
             alone.append(a)
             with_.append(w)
             ratios.append(w / a)
-            print(f"  {'split' if split else 'shared'} pair {i + 1}/{args.repeats}: alone {a:.0f} tok/s, "
+            print(f"  {mode} pair {i + 1}/{args.repeats}: alone {a:.0f} tok/s, "
                   f"with a session on the other GPU {w:.0f} tok/s ({w / a:.3f})", file=out, flush=True)
     finally:
         os.kill(trainer.pid, signal.SIGCONT)
@@ -154,7 +173,8 @@ def _measure(args: argparse.Namespace, split: bool, out) -> dict:
         decoder.wait(timeout=30)
         trainer.wait(timeout=30)
     ratio = statistics.median(ratios)
-    return {"cpus": cpus if split else "shared", "alone_tok_s": [round(x, 1) for x in alone],
+    return {"cpus": cpus if mode != "shared" else "shared", "quota": 0.5 if mode == "quota" else None,
+            "alone_tok_s": [round(x, 1) for x in alone],
             "with_session_tok_s": [round(x, 1) for x in with_], "ratios": [round(x, 4) for x in ratios],
             "with_over_alone": round(ratio, 4), "slowdown": round(1 - ratio, 4)}
 
@@ -168,18 +188,25 @@ def run(args: argparse.Namespace) -> dict:
     host = placement.host_cpus()
     result: dict = {"device": machine(), "policy": args.policy, "batch": args.batch, "window_s": args.window_s,
                     "repeats": args.repeats, "host_cpus": host}
-    modes = ("split", "shared") if args.placement == "both" else (args.placement,)
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    from tailspec.scheduler import cpu_quota
+
+    modes = {"both": ("split", "shared"), "all": ("split", "quota", "shared")}.get(args.placement, (args.placement,))
     if "split" in modes and len(host) < 2:
         print(f"isolation: {len(host)} core: two simulated GPUs cannot each own one; split skipped", file=out)
         modes = tuple(m for m in modes if m != "split")
+    if "quota" in modes and cpu_quota.root()[0] is None:
+        print(f"isolation: no CPU quota here ({cpu_quota.root()[1]}); quota skipped", file=out)
+        modes = tuple(m for m in modes if m != "quota")
     print(f"bench isolation: policy={args.policy} batch={args.batch} {args.repeats} x ({args.window_s:.0f} s alone, "
           f"{args.window_s:.0f} s with a session) on {len(host)} cores", file=out, flush=True)
     for m in modes:
-        result[m] = _measure(args, m == "split", out)
+        result[m] = _measure(args, m, out)
     for m in modes:
         r = result[m]
         print(f"{m}: tail worker with a session training on the other simulated GPU runs at "
-              f"{r['with_over_alone']:.3f} x its speed alone (slowdown {r['slowdown']:.1%}; target ≤ 5% split)", file=out)
+              f"{r['with_over_alone']:.3f} x its speed alone (slowdown {r['slowdown']:.1%}; target ≤ 5% split "
+              "and quota)", file=out)
     return result
 
 
@@ -187,6 +214,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     add_arguments(ap)
     args = ap.parse_args()
+    if args.cgroup:
+        # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+        from tailspec.scheduler import cpu_quota
+
+        cpu_quota.join(args.cgroup)
     if args.cpus:
         # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
         from tailspec.scheduler.placement import parse_cpus, pin
