@@ -63,7 +63,11 @@ def _run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
             servers.append(start_exporter(redis_url, cluster, host, metrics_port, allow_remote))
         print(f"tailspec dashboard: {web.url}/  (cluster {cluster!r}, state {_redacted(redis_url)})", flush=True)
         print(f"prometheus metrics: {servers[-1].url}/metrics", flush=True)
-        (stop or threading.Event()).wait()
+        ev = stop or threading.Event()
+        # Wait in short slices: a process-directed SIGINT may land on a server thread, and CPython runs the handler
+        # only when the main thread executes bytecode; an untimed wait could sleep through Ctrl-C forever.
+        while not ev.wait(0.2):
+            pass
     except KeyboardInterrupt:
         pass
     finally:
