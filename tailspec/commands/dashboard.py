@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import threading
 from urllib.parse import urlsplit, urlunsplit
 
@@ -64,8 +65,13 @@ def _run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         print(f"tailspec dashboard: {web.url}/  (cluster {cluster!r}, state {_redacted(redis_url)})", flush=True)
         print(f"prometheus metrics: {servers[-1].url}/metrics", flush=True)
         ev = stop or threading.Event()
-        # Wait in short slices: a process-directed SIGINT may land on a server thread, and CPython runs the handler
-        # only when the main thread executes bytecode; an untimed wait could sleep through Ctrl-C forever.
+        if stop is None and threading.current_thread() is threading.main_thread():
+            # Ctrl-C and SIGTERM end the server, also where SIGINT came in ignored (a job started in the
+            # background of a non-interactive shell: Python then installs no KeyboardInterrupt handler).
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: ev.set())
+        # Wait in short slices: a process-directed signal may land on a server thread, and CPython runs the handler
+        # only when the main thread executes bytecode.
         while not ev.wait(0.2):
             pass
     except KeyboardInterrupt:
