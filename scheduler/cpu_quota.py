@@ -48,11 +48,11 @@ def root() -> tuple[Path | None, str]:
 def _own(mount: str) -> Path:
     """This process's own cgroup in the hierarchy mounted at `mount` (/proc/self/cgroup): quotas are made below it,
     never beside it, so a run inside a container's CPU limit stays inside it."""
-    want = {"cpu"} if not mount.endswith("/cgroup") else {""}
+    v2 = mount.endswith("/cgroup")  # the unified hierarchy: its line names no controller ("0::/path")
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
             _, ctrls, path = line.split(":", 2)
-            if want & set(ctrls.split(",")) or (ctrls == "" and "" in want):
+            if (ctrls == "") if v2 else ("cpu" in ctrls.split(",")):
                 return Path(mount) / path.lstrip("/")
     except (OSError, ValueError):
         pass
