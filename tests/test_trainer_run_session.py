@@ -108,3 +108,18 @@ def test_a_head_is_proposed_once_and_only_with_enough_new_steps():
     assert not worth_proposing(3, 7, (3, 7), 1)  # proposed already
     assert not worth_proposing(1, 0, (0, 0), 1)  # no training
     assert not worth_proposing(5, 11, (3, 7), 5) and worth_proposing(6, 12, (3, 7), 5)
+
+
+def test_one_validation_at_a_time_and_only_its_holder_releases_it(redis_client):
+    from tailspec.core import state
+    from tailspec.sessions import claim_validation, release_validation
+
+    assert claim_validation(redis_client, "c", 17, "node0-g1-t4")
+    assert not claim_validation(redis_client, "c", 17, "node0-g2-t5")  # the same head: train instead
+    assert not claim_validation(redis_client, "c", 18, "node0-g2-t5")  # a newer head waits its turn too
+    assert not release_validation(redis_client, "c", "node0-g2-t5")  # not its claim
+    assert not release_validation(redis_client, "c", "g1-t4")  # a suffix of the holder's id is not the holder
+    assert redis_client.get(state.key("c", "drafter_validating")) == b"17 node0-g1-t4"
+    assert 0 < redis_client.pttl(state.key("c", "drafter_validating")) <= 30_000  # a killed holder's claim expires
+    assert release_validation(redis_client, "c", "node0-g1-t4")
+    assert claim_validation(redis_client, "c", 18, "node0-g2-t5")

@@ -318,6 +318,9 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("drafter_proposed", "drafter:proposed", "string", "drafter trainer (sessions)", None,
                 "'NUMBER STEPS': lineage head last proposed as a candidate and its optimizer steps (skips proposing "
                 "one head twice, and heads with fewer than trainer.propose_min_steps new steps)"),
+        KeySpec("drafter_validating", "drafter:validating", "string", "drafter trainer (sessions)", None,
+                "'NUMBER SESSION': the one session validating a lineage head now (SET NX PX, released when its "
+                "validation ends or is cut short); the others train instead of scoring the same head again"),
         KeySpec("drafter_validation", "drafter:validation", "hash", "drafter trainer (versions)", None,
                 "paired scores of the validation in progress: field id = 'HEAD:BASELINE:K', one field "
                 "per held-out sample key = 'CANDIDATE CURRENT ANCHORS' (resumed by the next session)"),
