@@ -224,9 +224,10 @@ class TailspecClient(ClientWriter):
             self._refreshed.wait(wait_s)
         return self._drafter
 
-    def wait_reclaimed(self, timeout_s: float = 15.0, poll_s: float = 0.05) -> ReclaimWait:
-        """Block until every GPU lent to drafter training is back: no GPU lent or reclaiming, and every
-        session process ended (its final record written; the scheduler writes one for a killed session).
+    def wait_reclaimed(self, timeout_s: float = 15.0, poll_s: float = 0.01) -> ReclaimWait:
+        """Block until every GPU lent to drafter training is back: every session process ended (its final
+        record written after its memory is freed; the scheduler writes one for a killed session), and no GPU
+        lent or reclaiming except by a session that has ended (the scheduler marks those at its next tick).
         Call it after `set_phase("train", …)` and before the optimizer step needs the GPUs. A revoked GPU
         counts as reclaimed at the scheduler's stop deadline, but a session still merging there would take
         compute from the update, so sessions are waited for too. Returns how long it waited; on timeout,
@@ -252,13 +253,8 @@ class TailspecClient(ClientWriter):
             time.sleep(poll_s)
 
     def _held(self) -> list[str]:
+        ended: set[str] = set()  # sessions whose final record is written: their GPU is free
         held = []
-        for m in sorted(self.r.smembers(state.key(self.cluster, "gpus"))):
-            node, gpu = m.decode().split(":")
-            st = state.get(self.r, state.key(self.cluster, "gpu_status", node=node, gpu=int(gpu)), state.GpuStatus)
-            if st is not None and st.state in (state.GpuState.LENT, state.GpuState.RECLAIMING):
-                who = f"session {st.session_id}" if st.session_id else f"lease {st.lease_token}"
-                held.append(f"{node}:gpu{gpu} {st.state.value} by {who}")
         keys = [state.key(self.cluster, "session", session_id=sid.decode())
                 for sid in sorted(self.r.smembers(state.key(self.cluster, "sessions")))]
         for key, raw in zip(keys, self.r.mget(keys) if keys else []):
@@ -267,9 +263,22 @@ class TailspecClient(ClientWriter):
             except state.StateError as e:  # one bad record must not make the trainer wait for nothing
                 log.warning("tailspec: skipping %s", e)
                 continue
-            if info is not None and info.status not in ("stopped", "failed"):
+            if info is None:
+                continue
+            if info.status in ("stopped", "failed"):
+                ended.add(info.session_id)
+            else:
                 held.append(f"{info.node}:gpu{info.gpu} held by session {info.session_id} ({info.status}, "
                             f"step {info.step})")
+        for m in sorted(self.r.smembers(state.key(self.cluster, "gpus"))):
+            node, gpu = m.decode().split(":")
+            st = state.get(self.r, state.key(self.cluster, "gpu_status", node=node, gpu=int(gpu)), state.GpuStatus)
+            # A GPU whose session has ended is back, although the scheduler marks it so only at its next tick
+            # (up to scheduler.tick_s later): the session's final record is written after its memory is freed.
+            if st is not None and st.state in (state.GpuState.LENT, state.GpuState.RECLAIMING) \
+                    and not (st.session_id and st.session_id in ended):
+                who = f"session {st.session_id}" if st.session_id else f"lease {st.lease_token}"
+                held.append(f"{node}:gpu{gpu} {st.state.value} by {who}")
         return held
 
     def current_phase(self) -> PhaseInfo | None:

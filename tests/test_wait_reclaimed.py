@@ -76,6 +76,24 @@ def test_times_out_naming_the_holder_when_a_session_ignores_its_stop(redis_url, 
         c.close()
 
 
+def test_a_gpu_whose_session_has_ended_is_back_before_the_scheduler_marks_it(redis_url, redis_client):
+    cluster = _cluster()
+    _lend(redis_client, cluster, 1, "node0-g1-t1", status="stopped")  # final record written, GPU still LENT
+    _lend(redis_client, cluster, 2, "node0-g2-t2", status="stopped")
+    state.put(redis_client, state.key(cluster, "gpu_status", node="node0", gpu=2),  # another session's lease now
+              GpuStatus(node="node0", gpu=2, state=GpuState.RECLAIMING, since=time.time(), lease_token=4,
+                        session_id="node0-g2-t5"))
+    c = TailspecClient(redis_url, cluster=cluster)
+    try:
+        res = c.wait_reclaimed(timeout_s=0.3)
+        assert not res.reclaimed and res.held == ("node0:gpu2 reclaiming by session node0-g2-t5",), res
+        state.put(redis_client, state.key(cluster, "gpu_status", node="node0", gpu=2),
+                  GpuStatus(node="node0", gpu=2, state=GpuState.DRAINED, since=time.time()))
+        assert c.wait_reclaimed(timeout_s=2).reclaimed
+    finally:
+        c.close()
+
+
 def test_a_malformed_session_record_is_skipped(redis_url, redis_client):
     cluster = _cluster()
     redis_client.sadd(state.key(cluster, "sessions"), "bad")

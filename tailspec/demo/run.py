@@ -64,15 +64,13 @@ log = logging.getLogger("tailspec.demo")
 # - batch_size ≤ 8 in micro-batches of 2: a lend is often shorter than a step (0.25-0.6 s against ~0.2-0.4 s a
 #   step), and a revoked step keeps the micro-batches it finished (drafter_trainer/session.py: Stopping);
 # - validate every 5 s: tails are seconds long;
-# - merge into the lineage every 2 steps (one atomic directory write, ~0.03 s for this drafter, against ~0.5 s a
-#   step): a session starved past its stop deadline and killed loses at most one step, and concurrent
-#   contributors see each other's work 2 steps late (measured: merging every 10 steps cost 0.31 of acceptance
-#   length against one session, every 2 steps 0.20; BENCHMARKS.md, cotrain).
-# - propose a head only once it holds 5 steps more than the last one proposed: a paired validation (~1.3 s on one
-#   core) is longer than most lends, so proposing every merged head spent the lent time validating (a run with
-#   4.7 lent GPU-s merged 4 steps);
-# - lr 6e-4: this one-layer drafter's progress is limited by steps x lr, not by gradient noise (120 steps at lr
-#   3e-4 / 4.5e-4 / 6e-4 gave acceptance 3.37 / 3.99 / 4.17; BENCHMARKS.md, cotrain), and a lend holds few steps;
+# - merge every 2 steps (~0.03 s against ~0.5 s a step): a session killed past its deadline loses at most one
+#   step, and contributors see each other's work 2 steps late (every 10 steps cost 0.31 of acceptance, every 2 0.20);
+# - propose a head once it holds 5 more steps than the last one proposed: a paired validation (~1.3 s on a core)
+#   outlasts most lends, so proposing every head spent the lent time validating (4.7 lent GPU-s merged 4 steps);
+# - lr 2e-4: sessions fine-tune the bootstrap drafter (trained offline at bootstrap_lr 6e-4) with three or four
+#   contributors at once, and at 6e-4 their merged deltas made the lineage worse than its start (BENCHMARKS.md,
+#   end to end); two contributors at 2e-4 lose 0.06 of acceptance against one (cotrain);
 # - hold out a quarter of the samples: a session validates on its buffer's held-out share of ~2 policy
 #   versions' 64 samples each, and at 0.1 that was 12-18 samples, below the paired test's 16; training is
 #   short of seconds, not of samples.
