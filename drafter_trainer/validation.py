@@ -174,6 +174,8 @@ def validate_paired(candidate: Eagle3Module, current: Eagle3Module, teacher: Tea
         for batch, out, part in _teacher_batches(teacher, todo, batch_size, check):
             scores = []
             for d in (candidate, current):
+                if check is not None:  # each drafter's unroll costs about what the teacher's forward does
+                    check()
                 alpha, valid = acceptance_rates(d, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
                                                 k, temperature)
                 e = expected_length(alpha).double() * valid

@@ -171,12 +171,12 @@ def test_a_validation_cut_short_is_resumed_not_restarted(trained, tmp_path, redi
     samples = holdout[:24]
     ref = validate_paired(better, untrained, teacher, samples, k=3, batch_size=4)
     saved: dict = {}
-    batches = 0
+    checks = 0
 
-    def stop_after_two():
-        nonlocal batches
-        batches += 1
-        if batches > 2:
+    def stop_after_two():  # three checks a batch: before the teacher's forward and before each drafter's scores
+        nonlocal checks
+        checks += 1
+        if checks > 2 * 3 + 2:  # in the third batch, before the second drafter's scores
             raise StopRequested("revoked")
 
     with pytest.raises(StopRequested):
@@ -197,7 +197,7 @@ def test_a_validation_cut_short_is_resumed_not_restarted(trained, tmp_path, redi
     def stop_after_one():
         nonlocal calls
         calls += 1
-        if calls > 1:
+        if calls > 3:  # the second batch's first check
             raise StopRequested("revoked")
 
     with pytest.raises(StopRequested):
