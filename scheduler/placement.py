@@ -148,17 +148,16 @@ def _shares(cfg: TailspecConfig) -> list[Share] | None:
         return None
 
 
-def simulated_gpu_cpus(cfg: TailspecConfig) -> dict[int, list[int]] | None:
-    """GPU → owned cores for simulated GPUs under `scheduler.simulated_gpu_cpus: split` (None when shared, or
-    when this host has too few cores for the simulated GPUs: then nothing is pinned and the run says so)."""
+def simulated_gpu_placement(cfg: TailspecConfig) -> tuple[dict[int, list[int]] | None, dict[int, str] | None]:
+    """For simulated GPUs under `scheduler.simulated_gpu_cpus: split`: GPU → its own cores, and GPU → its CPU
+    quota's cgroup (made here if missing; scheduler/cpu_quota.py, the demo's workers join the same ones) where
+    GPUs share a core. Cores None when shared, or when this host has too few cores for the simulated GPUs (then
+    nothing is pinned and the run says so, once); cgroups None with whole cores each."""
     shares = _shares(cfg)
-    return None if shares is None else {g: s.cpus for g, s in enumerate(shares)}
-
-
-def simulated_gpu_cgroups(cfg: TailspecConfig) -> dict[int, str] | None:
-    """GPU → its CPU quota's cgroup (made here if missing) where simulated GPUs share cores under a quota
-    (scheduler/cpu_quota.py; the demo's workers join the same ones); None with whole cores each."""
-    shares = _shares(cfg)
-    if shares is None or shares[0].fraction >= 1:
-        return None
-    return {g: cpu_quota.create(cpu_quota.name_for(cfg.cluster.name, g), s.fraction) for g, s in enumerate(shares)}
+    if shares is None:
+        return None, None
+    cpus = {g: s.cpus for g, s in enumerate(shares)}
+    if shares[0].fraction >= 1:
+        return cpus, None
+    return cpus, {g: cpu_quota.create(cpu_quota.name_for(cfg.cluster.name, g), s.fraction)
+                  for g, s in enumerate(shares)}

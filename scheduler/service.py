@@ -41,7 +41,7 @@ from tailspec.scheduler.leader import LeaderElection
 from tailspec.scheduler.leases import LeaderLost, Leases
 from tailspec.scheduler.monitor import TelemetryMonitor
 from tailspec.scheduler.observe import Observer, Sent
-from tailspec.scheduler.placement import simulated_gpu_cgroups, simulated_gpu_cpus
+from tailspec.scheduler.placement import simulated_gpu_placement
 from tailspec.scheduler.telemetry import make_telemetry
 from tailspec.scheduler.tick_writes import TickWrites
 
@@ -414,9 +414,9 @@ def run_local(
     monitor = TelemetryMonitor(
         telemetry, r, cfg.cluster.name, sc.sample_period_s, sc.history_maxlen, warning=warning
     ).start()
+    gpu_cpus, gpu_cgroups = simulated_gpu_placement(cfg) if telemetry.simulated else (None, None)
     dispatcher = LocalDispatcher(sc.session_entry, log_dir=log_dir, warm=sc.warm_sessions, nice=sc.session_nice,
-                                 gpu_cpus=simulated_gpu_cpus(cfg) if telemetry.simulated else None,
-                                 gpu_cgroups=simulated_gpu_cgroups(cfg) if telemetry.simulated else None)
+                                 gpu_cpus=gpu_cpus, gpu_cgroups=gpu_cgroups)
     sched = Scheduler(cfg, r, dispatcher, redis_url=url)
     stop = stop or threading.Event()
     try:

@@ -108,9 +108,12 @@ def test_a_session_lent_on_a_simulated_gpu_runs_on_that_gpus_cores(tmp_path, red
 
 
 def test_service_splits_only_simulated_gpus_that_fit(monkeypatch):
-    from tailspec.scheduler.placement import simulated_gpu_cpus
+    from tailspec.scheduler.placement import simulated_gpu_placement
 
     from tailspec.core.config import load_config
+
+    def simulated_gpu_cpus(cfg):
+        return simulated_gpu_placement(cfg)[0]
 
     monkeypatch.setattr(placement, "host_cpus", lambda: [0, 1, 2, 3])
     monkeypatch.setattr(cpu_quota, "root", lambda: (None, "no cgroup cpu controller mounted"))
@@ -207,14 +210,14 @@ def test_a_quota_holds_a_busy_process_to_its_share_of_a_core(tmp_path):
 
 @needs_quota
 def test_the_scheduler_gives_gpus_sharing_a_core_a_quota_each(monkeypatch):
-    from tailspec.scheduler.placement import simulated_gpu_cgroups, simulated_gpu_cpus
+    from tailspec.scheduler.placement import simulated_gpu_placement
 
     from tailspec.core.config import load_config
 
     monkeypatch.setattr(placement, "host_cpus", lambda: [0, 1])
     cfg = load_config(overrides=["scheduler.simulated_gpus=4", f"cluster.name=qsvc{os.getpid()}"], environ={})
-    assert simulated_gpu_cpus(cfg) == {0: [0], 1: [0], 2: [1], 3: [1]}
-    groups = simulated_gpu_cgroups(cfg)
+    cpus, groups = simulated_gpu_placement(cfg)
+    assert cpus == {0: [0], 1: [0], 2: [1], 3: [1]}
     try:
         assert sorted(groups) == [0, 1, 2, 3] and len(set(groups.values())) == 4
         for g, path in groups.items():
@@ -223,7 +226,7 @@ def test_the_scheduler_gives_gpus_sharing_a_core_a_quota_each(monkeypatch):
                 os.path.join(path, "cpu.cfs_quota_us")) else open(os.path.join(path, "cpu.max")).read().split()[0]
             assert int(quota) == cpu_quota.PERIOD_US // 2
         cfg2 = load_config(overrides=["scheduler.simulated_gpus=2"], environ={})
-        assert simulated_gpu_cgroups(cfg2) is None  # a core each: no quota
+        assert simulated_gpu_placement(cfg2) == ({0: [0], 1: [1]}, None)  # a core each: no quota
     finally:
         for path in (groups or {}).values():
             cpu_quota.remove(path)

@@ -21,7 +21,7 @@ from tailspec.core.config import TailspecConfig
 from tailspec.scheduler import cpu_quota
 from tailspec.scheduler.dispatch import LocalDispatcher
 from tailspec.scheduler.monitor import TelemetryMonitor
-from tailspec.scheduler.placement import simulated_gpu_cgroups, simulated_gpu_cpus
+from tailspec.scheduler.placement import simulated_gpu_placement
 from tailspec.scheduler.service import Scheduler
 from tailspec.scheduler.telemetry import SimulatedNodes, SimulatedTelemetry
 
@@ -111,9 +111,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.session == "none":
         dispatcher = NullDispatcher()
     else:
+        gpu_cpus, gpu_cgroups = simulated_gpu_placement(cfg)
         dispatcher = LocalDispatcher(sc.session_entry, log_dir=args.log_dir, warm=sc.warm_sessions,
-                                     nice=sc.session_nice, gpu_cpus=simulated_gpu_cpus(cfg),
-                                     gpu_cgroups=simulated_gpu_cgroups(cfg))
+                                     nice=sc.session_nice, gpu_cpus=gpu_cpus, gpu_cgroups=gpu_cgroups)
     sched = Scheduler(cfg, r, dispatcher, redis_url=url)
     ticks = _time_ticks(sched, rt)
     prof = None
