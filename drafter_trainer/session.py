@@ -9,11 +9,13 @@ the lineage, not a checkpoint of its own. Without one it resumes from and saves 
 Stopping. `should_continue()` (the scheduler's lease renewal) is called once per step; `request_stop()`
 (thread-safe: a signal handler, another thread, the scheduler's revoke watcher) is also checked between
 the phases of a step (after the teacher, between unroll steps, after backward). The micro-batch in flight
-is then abandoned. A step is `trainer.micro_batch_size` micro-batches whose gradients accumulate (batch
-sorted by length first, so a micro-batch pads little): when a stop comes after at least one of them, the
-optimizer steps on the gradient of the micro-batches done, rescaled to the batch's token count — a smaller
-batch's step, as sound as any SGD step, so a lend shorter than a step still trains (with micro_batch_size 0,
-the whole batch at once, the step in flight is abandoned). Then the state as of the last step is saved
+is then abandoned. A step is `trainer.micro_batch_size` micro-batches whose gradients accumulate (formed
+from the batch sorted by length, so a micro-batch pads little, and run in random order): when a stop comes
+after at least one of them, the optimizer steps on the per-token mean gradient of the micro-batches done at
+lr × their share of the batch's tokens — a smaller batch's step, so a lend shorter than a step still trains
+(with micro_batch_size 0, the whole batch at once, the step in flight is abandoned). Both halves matter: in
+lends of a second or two a third of the steps are cut short, and a clipped Adam step does not shrink with its
+batch, so at the full lr a cut step on the two shortest responses would count as much as a whole step. Then the state as of the last step is saved
 (drafter + optimizer + counters, see checkpoint.py) and the session returns. The stop latency (request →
 checkpoint whole and memory freed) is recorded.
 
@@ -67,15 +69,21 @@ class TorchBackend:
     def accumulate(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def apply(self, scale: float = 1.0) -> None:
+    def apply(self, scale: float = 1.0, lr_scale: float = 1.0) -> None:
         """Clip and step on the accumulated gradient x `scale` (a step cut short by a stop: batch tokens ÷
-        tokens done, so its gradient is a per-token mean like a whole step's)."""
+        tokens done, so its gradient is a per-token mean like a whole step's), at lr x `lr_scale`."""
         if scale != 1.0:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
         torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        if lr_scale != 1.0:
+            for g in self.optimizer.param_groups:
+                g["lr"] = self.cfg.lr * lr_scale
         self.optimizer.step()
+        if lr_scale != 1.0:
+            for g in self.optimizer.param_groups:
+                g["lr"] = self.cfg.lr
 
     def set_beta1(self, beta1: float) -> None:
         """AdamW's first-moment decay from the next step on (the delayed-merge momentum, see TrainingSession.merge)."""
@@ -259,7 +267,7 @@ class TrainingSession:
         micro = self.cfg.micro_batch_size if hasattr(self.backend, "accumulate") else 0
         if not micro or micro >= len(samples):
             return self._whole_step(collate(samples, w).to(self.teacher.device))
-        return self._micro_step(samples, w, micro)
+        return self._micro_step(samples, w, micro, rng)
 
     def _whole_step(self, batch) -> tuple[float, int, list[float]]:
         out = self.teacher(batch)
@@ -271,15 +279,17 @@ class TrainingSession:
         self._count_step(batch.tokens)
         return float(res.loss.detach()), batch.tokens, res.step_accuracy
 
-    def _micro_step(self, samples: list, weights: list[float], micro: int) -> tuple[float, int, list[float]]:
+    def _micro_step(self, samples: list, weights: list[float], micro: int,
+                    rng: random.Random) -> tuple[float, int, list[float]]:
         order = sorted(range(len(samples)), key=lambda j: len(samples[j].prompt_ids) + len(samples[j].response_ids))
+        parts = [order[s : s + micro] for s in range(0, len(order), micro)]
+        rng.shuffle(parts)  # micro-batches by length, in random order: a step cut short is a random part of the batch
         whole = collate(samples, weights)
         denominators = step_token_counts(whole.lengths, whole.prompt_lens, self.cfg.ttt_length)
         loss, tokens = 0.0, 0
         agree, done = [0.0] * self.cfg.ttt_length, [0.0] * self.cfg.ttt_length
         self.backend.zero_grad()
-        for s in range(0, len(order), micro):
-            part = order[s : s + micro]
+        for part in parts:
             batch = collate([samples[j] for j in part], [weights[j] for j in part]).to(self.teacher.device)
             try:
                 out = self.teacher(batch)
@@ -301,7 +311,7 @@ class TrainingSession:
             agree = [a + acc * c for a, acc, c in zip(agree, res.step_accuracy, counts)]
             done = [d + c for d, c in zip(done, counts)]
         scale = denominators[0] / max(1.0, done[0])  # 1 for a whole step
-        self.backend.apply(scale)
+        self.backend.apply(scale, lr_scale=1.0 / scale)
         self._count_step(tokens)
         return loss * scale, tokens, [a / max(1.0, d) for a, d in zip(agree, done)]
 

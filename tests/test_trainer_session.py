@@ -255,7 +255,7 @@ def _grads_of_one_step(tmp_path, teacher, buf, **kw) -> tuple[dict[str, torch.Te
     s = TrainingSession(cfg(tmp_path, batch_size=8, **kw), teacher, buf)
     seen = {}
 
-    def apply(scale=1.0):
+    def apply(scale=1.0, lr_scale=1.0):
         seen.update({n: p.grad.detach().clone() * scale for n, p in s.drafter.named_parameters() if p.grad is not None})
 
     s.backend.apply = apply
@@ -273,6 +273,49 @@ def test_micro_batches_step_on_the_whole_batchs_gradient(tmp_path, teacher):
     assert loss_micro == pytest.approx(loss_whole, rel=1e-5)
     for n in whole:
         torch.testing.assert_close(micro[n], whole[n], rtol=1e-4, atol=1e-7, msg=n)
+
+
+class _SeenTeacher:
+    """The session's teacher, keeping the batches it is called on."""
+
+    def __init__(self, teacher: Teacher, seen: list):
+        self.inner, self.seen = teacher, seen
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, batch):
+        self.seen.append(batch)
+        return self.inner(batch)
+
+
+def test_a_step_cut_short_is_a_random_part_of_the_batch_at_a_proportional_lr(tmp_path, teacher):
+    """A stop after the first micro-batch steps on a random part of the batch (the micro-batches are formed by
+    length but run in random order, so short responses are not favoured), at lr x that part's share of the
+    batch's tokens; the next step is back at the configured lr."""
+    from tailspec.drafter_trainer.loss import step_token_counts
+    from tailspec.drafter_trainer.teacher import collate
+
+    buf = make_buffer()
+    firsts, shortest = [], []
+    for i in range(8):
+        s = TrainingSession(cfg(tmp_path / f"r{i}", batch_size=8, micro_batch_size=2, seed=i), teacher, buf)
+        lrs, parts = [], []
+        step = s.backend.optimizer.step
+        s.backend.optimizer.step = lambda *a, **k: (lrs.append(s.backend.optimizer.param_groups[0]["lr"]), step(*a, **k))[1]
+        s.teacher = _SeenTeacher(s.teacher, parts)
+        accumulate = s.backend.accumulate
+        s.backend.accumulate = lambda loss, _a=accumulate, _s=s: (_a(loss), _s.request_stop("test"))
+        s.train_step()
+        samples, w = buf.batch(8, random.Random((s.cfg.seed * 1_000_003 + 0) * 1009))
+        whole = collate(samples, w)
+        done = step_token_counts(parts[0].lengths, parts[0].prompt_lens, s.cfg.ttt_length)[0]
+        total = step_token_counts(whole.lengths, whole.prompt_lens, s.cfg.ttt_length)[0]
+        assert s.partial_steps == 1 and lrs == [pytest.approx(s.cfg.lr * done / total)]
+        assert s.backend.optimizer.param_groups[0]["lr"] == s.cfg.lr
+        firsts.append(sorted(parts[0].lengths.tolist()))
+        shortest.append(sorted(whole.lengths.tolist())[:2])
+    assert any(f != sh for f, sh in zip(firsts, shortest))  # not always the two shortest
 
 
 def test_a_stop_after_a_micro_batch_still_takes_the_step(tmp_path, teacher):
