@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from pydantic import ValidationError
 from tailspec.drafter_trainer.files import DrafterFileError, read_json_object
-from tailspec.drafter_trainer.model import Eagle3Module
+from tailspec.drafter_trainer.model import CONFIG_NAME, Eagle3Module
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.drafter_trainer.validation import (
     CHECKED_BATCH,
@@ -90,6 +91,52 @@ class VersionStore:
 
     def path(self, version: int) -> Path:
         return self.root / f"v{version:05d}"
+
+    # -- pending candidates: a validation that outlasts its lend is finished by later sessions -----------------
+    def pending_path(self, head: int) -> Path:
+        return self.root / "pending" / f"head-{head:08d}"
+
+    def save_pending(self, head: int, steps: int, drafter: Eagle3Module) -> Path:
+        """A copy of lineage head `head` as it is validated: the lineage keeps only its newest heads, and the
+        session that finishes this validation may start when the head has moved on."""
+        device = next(drafter.parameters()).device
+        try:  # as propose saves a version: to host memory for the write, back after it
+            return drafter.to("cpu").save(self.pending_path(head), extra={"lineage_head": head, "lineage_steps": steps})
+        finally:
+            drafter.to(device)
+
+    def load_pending(self, head: int, target_embedding: Any = None, map_location: str = "cpu"
+                     ) -> tuple[Eagle3Module, int] | None:
+        """(drafter, lineage steps) of pending head `head`; None when it is gone or does not load."""
+        path = self.pending_path(head)
+        try:
+            steps = int(read_json_object(path / CONFIG_NAME)["extra"]["lineage_steps"])
+            return Eagle3Module.load(path, target_embedding, map_location=map_location), steps
+        except (OSError, DrafterFileError, KeyError, TypeError, ValueError) as e:
+            log.info("pending candidate head %d not resumed: %s", head, e)
+            return None
+
+    def drop_pending(self, keep: int | None = None) -> None:
+        """Delete pending copies other than head `keep`'s."""
+        root = self.root / "pending"
+        for p in root.iterdir() if root.is_dir() else ():
+            if keep is None or p.name != self.pending_path(keep).name:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def validation_in_progress(self) -> tuple[int, int, int, int] | None:
+        """(lineage head, baseline version, k, pairs scored) of the validation whose scores `drafter:validation`
+        keeps; None without Redis or when none is kept."""
+        if self.redis is None:
+            return None
+        try:
+            ident = self.redis.hget(self._key("drafter_validation"), "id")
+            if ident is None:
+                return None
+            head, cur, k = (int(x) for x in (ident.decode() if isinstance(ident, bytes) else ident).split(":"))
+            return head, cur, k, int(self.redis.hlen(self._key("drafter_validation"))) - 1
+        except Exception as e:  # noqa: BLE001 — resuming is an optimisation: start a new validation instead
+            log.info("validation progress unreadable: %s", e)
+            return None
 
     def current(self) -> DrafterVersion | None:
         if self.redis is not None:
@@ -180,6 +227,7 @@ class VersionStore:
             pipe.delete(key)
             pipe.hset(key, "id", identity)
             pipe.execute()
+            self.drop_pending(keep=int(identity.split(":")[0]))
 
         def on_batch(new: dict[str, Score]) -> None:
             try:

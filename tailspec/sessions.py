@@ -5,9 +5,10 @@
 policy (`phase.policy_path`), samples come from the cluster's sample stream, checkpoints and versions live
 under `trainer.checkpoint_dir`. It trains while `ctx.should_continue()` (the lease renewal) holds, reports
 progress through `ctx.report(step, loss, tokens)`, and proposes candidates to the version store:
-- first, the lineage head if it was never proposed and holds `trainer.propose_min_steps` steps more than the
-  last head proposed (a session that was revoked had no time left to validate; validation needs the GPU, so
-  it runs while a lease is held);
+- first, a validation another session was stopped in (its scores kept in Redis, its head's weights in the
+  version store's pending copy), else the lineage head if it was never proposed and holds
+  `trainer.propose_min_steps` steps more than the last head proposed (a session that was revoked had no time
+  left to validate; validation needs the GPU, so it runs while a lease is held);
 - then every `trainer.validate_every_s` of training, right after the session's merge.
 Every session contributes to one drafter lineage (drafter_trainer/lineage.py): it starts from the head,
 merges its work into it (fenced by its lease) and proposes heads, not private copies.
@@ -106,25 +107,29 @@ class Contributor:
             write_text_atomic(self.root / PROPOSED, value)
 
     def propose(self) -> DrafterVersion | None:
-        """Validate the lineage head (this session's drafter right after its merge) as a candidate, unless
-        that head was proposed already or holds no training since the last proposal."""
+        """Validate a lineage head as a candidate: the one another session began validating and was stopped in
+        (its scores kept, its weights in the store's pending copy), else this session's own head (its drafter
+        right after its merge) unless that head was proposed already or holds too little training since."""
         s = self.session
         tc = self.cfg.trainer
         holdout = list(self.buffer.holdout)  # the store picks tc.validation_samples of them (pick_holdout)
-        head = s.base
-        if head is None or not holdout or not worth_proposing(head.number, head.steps, self.proposed_head(),
-                                                              tc.propose_min_steps):
+        if s.base is None or not holdout:
             return None
-        if s.fenced_out or s.unmerged_steps:  # the drafter is not the head's weights
+        cand = self._resumable() or self._own_head()
+        if cand is None:
             return None
-        if not self._claim_validation(head.number):  # another session is validating: train instead
+        number, steps, drafter = cand
+        if not self._claim_validation(number):  # another session is validating: train instead
             return None
         t0 = time.monotonic()
         try:
-            info = self.store.propose(s.drafter, self.teacher, holdout, tc.validation_k, session_id=s.session_id,
-                                      note=f"lineage head {head.number} ({head.steps} steps)", check=s.check_continue,
+            if drafter is None:  # this session's head: kept for whoever finishes the validation
+                self.store.save_pending(number, steps, s.drafter)
+                drafter = s.drafter
+            info = self.store.propose(drafter, self.teacher, holdout, tc.validation_k, session_id=s.session_id,
+                                      note=f"lineage head {number} ({steps} steps)", check=s.check_continue,
                                       level=tc.promotion_level, min_pairs=tc.promotion_min_pairs,
-                                      lineage_head=head.number, lineage_steps=head.steps,
+                                      lineage_head=number, lineage_steps=steps,
                                       max_samples=tc.validation_samples)
         except StopRequested:
             return None
@@ -132,11 +137,39 @@ class Contributor:
             log.info("candidate not validated: %s", e)
             return None
         else:  # marked before the claim is released, so no session validates this head again
-            self._mark_proposed(head.number, head.steps)
+            self._mark_proposed(number, steps)
+            self.store.drop_pending()
         finally:
             self.validate_s += time.monotonic() - t0
             self._release_validation()
         return info
+
+    def _own_head(self) -> tuple[int, int, None] | None:
+        s, head = self.session, self.session.base
+        if not worth_proposing(head.number, head.steps, self.proposed_head(), self.cfg.trainer.propose_min_steps):
+            return None
+        if s.fenced_out or s.unmerged_steps:  # the drafter is not the head's weights
+            return None
+        return head.number, head.steps, None
+
+    def _resumable(self) -> tuple[int, int, Any] | None:
+        """A validation cut short by its session's stop, to finish here: in lends shorter than a validation,
+        starting over on each session's newer head never finished one (a quarter of the lent time went to
+        validations in the 4-GPU demo, half of it thrown away). Only while its baseline is still the
+        current version, and when it scored at least one pair."""
+        tc = self.cfg.trainer
+        got = self.store.validation_in_progress()
+        cur = self.store.current()
+        if got is None or cur is None:
+            return None
+        head, baseline, k, pairs = got
+        if baseline != cur.version or k != tc.validation_k or pairs < 1 or head <= self.proposed_head()[0]:
+            return None
+        pending = self.store.load_pending(head, self.teacher.embedding(), map_location=str(self.teacher.device))
+        if pending is None:
+            return None
+        drafter, steps = pending
+        return head, steps, drafter
 
     def _claim_validation(self, number: int) -> bool:
         if self.redis is None:  # one process (`tailspec train`): nothing to race with

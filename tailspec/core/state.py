@@ -323,7 +323,8 @@ KEYS: dict[str, KeySpec] = {
                 "validation ends or is cut short); the others train instead of scoring the same head again"),
         KeySpec("drafter_validation", "drafter:validation", "hash", "drafter trainer (versions)", None,
                 "paired scores of the validation in progress: field id = 'HEAD:BASELINE:K', one field "
-                "per held-out sample key = 'CANDIDATE CURRENT ANCHORS' (resumed by the next session)"),
+                "per held-out sample key = 'CANDIDATE CURRENT ANCHORS' (finished by a later session, on "
+                "the version store's pending copy of HEAD)"),
         KeySpec("drafter_health", "history:drafter_health", "stream", "drafter trainer / RL loop", DrafterHealth,
                 "current drafter's acceptance on the newest samples beside its value at promotion"),
         KeySpec("drafter_guard", "drafter:guard", "hash", "rollout worker", GuardStatus,

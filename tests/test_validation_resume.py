@@ -1,0 +1,77 @@
+"""A validation cut short by its session's stop is finished by a later session on the lineage head it began
+with, even when the head has moved on meanwhile; the scores kept are not computed again."""
+
+from __future__ import annotations
+
+import torch
+from tailspec.drafter_trainer.loss import StopRequested
+from tailspec.drafter_trainer.validation import CHECKED_BATCH
+
+from tailspec.core import state
+from tailspec.core.config import TailspecConfig
+from tailspec.sessions import Contributor, make_buffer
+from tests.test_trainer_session import frozen_teacher, synthetic_samples
+
+torch.set_num_threads(1)
+
+
+class CountingTeacher:
+    """The session's teacher, counting its forwards."""
+
+    def __init__(self, teacher):
+        self.inner, self.calls = teacher, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, batch):
+        self.calls += 1
+        return self.inner(batch)
+
+
+def stop_on_call(n: int):
+    calls = 0
+
+    def check():
+        nonlocal calls
+        calls += 1
+        if calls >= n:
+            raise StopRequested("revoked")
+
+    return check
+
+
+def test_the_next_session_finishes_a_validation_cut_short_on_the_head_it_began(redis_client, tmp_path):
+    for s in synthetic_samples(120, seed=1, version=0):
+        state.append(redis_client, state.key("vr", "samples"), s)
+    cfg = TailspecConfig.model_validate({"cluster": {"name": "vr"}, "trainer": {
+        "checkpoint_dir": str(tmp_path), "batch_size": 8, "draft_vocab_size": 16, "holdout_fraction": 0.3,
+        "propose_min_steps": 1, "validation_k": 3, "merge_every_steps": 1, "lr": 3e-3}})
+    teacher = frozen_teacher()
+    a = Contributor(cfg, teacher, make_buffer(cfg), redis=redis_client, session_id="a")
+    a.session.run(max_steps=2)
+    assert a.propose().promoted  # v1, the baseline
+    a.session.run(max_steps=2)
+    began = a.session.base
+    a.session.check_continue = stop_on_call(4)  # 3 checks a batch: stopped at the second batch
+    assert a.propose() is None
+    key = state.key("vr", "drafter_validation")
+    assert redis_client.hget(key, "id") == f"{began.number}:1:3".encode()
+    assert redis_client.hlen(key) == 1 + CHECKED_BATCH
+    weights = {n: p.detach().clone() for n, p in a.session.drafter.state_dict().items()}
+
+    b = Contributor(cfg, teacher, make_buffer(cfg), redis=redis_client, session_id="b")
+    b.session.run(max_steps=1)
+    assert b.session.base.number > began.number  # the head moved on
+    b.teacher = CountingTeacher(teacher)
+    info = b.propose()
+    assert info is not None and info.lineage_head == began.number and info.lineage_steps == began.steps
+    held_out = len(b.buffer.holdout)
+    assert info.pairs == held_out
+    assert b.teacher.calls == -(-(held_out - CHECKED_BATCH) // CHECKED_BATCH)  # only what was not scored
+    saved = b.store.load(info.version, teacher.embedding())[0].state_dict()
+    for n, w in weights.items():
+        torch.testing.assert_close(saved[n], w, msg=n)
+    assert not any((tmp_path / "versions" / "pending").iterdir())
+    # b's own, newer head is the next candidate
+    assert b.propose().lineage_head == b.session.base.number
