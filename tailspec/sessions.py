@@ -158,6 +158,8 @@ class Contributor:
         validations in the 4-GPU demo, half of it thrown away). Only while its baseline is still the
         current version, and when it scored at least one pair."""
         tc = self.cfg.trainer
+        if self._validation_claimed():  # its holder is finishing it: not worth loading the copy
+            return None
         got = self.store.validation_in_progress()
         cur = self.store.current()
         if got is None or cur is None:
@@ -170,6 +172,14 @@ class Contributor:
             return None
         drafter, steps = pending
         return head, steps, drafter
+
+    def _validation_claimed(self) -> bool:
+        try:
+            return self.redis is not None and bool(
+                self.redis.exists(state.key(self.cfg.cluster.name, "drafter_validating")))
+        except Exception as e:  # noqa: BLE001 — the claim itself decides; this only saves a load
+            log.info("validation claim unreadable: %s", e)
+            return False
 
     def _claim_validation(self, number: int) -> bool:
         if self.redis is None:  # one process (`tailspec train`): nothing to race with
