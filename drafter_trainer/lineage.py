@@ -35,8 +35,8 @@ SGD). That delay, not the merge arithmetic (exact), is what two contributors los
 the same total steps. Two things depend on it, and neither on anything else:
 - outer_lr (trainer.merge_outer_lr) scales the delayed delta only; an undelayed merge publishes the local
   weights as they are;
-- the session (session.py) runs its next chunk with AdamW's β1 = trainer.merge_delayed_beta1 (default 0)
-  after a delayed merge, and with trainer.beta1 after an undelayed one. Contributors taking turns already
+- the session (session.py) can run its next chunk with AdamW's β1 = trainer.merge_delayed_beta1 (default
+  None: the rule off) after a delayed merge, and with trainer.beta1 after an undelayed one. Contributors taking turns already
   carry each other's recent updates into every step (asynchrony acts as momentum: a delta lands a chunk
   late, on top of the update that followed it), and each session's own moment sees only every n-th chunk
   of the head, so in head time it lags n times as far; adding β1 = 0.9 on top overshoots. Dropping the

@@ -354,10 +354,11 @@ class TrainingSession:
             self.merged_steps += res.steps
             self.merges += 1
             delayed = res.head.number != self.base.number + 1  # others merged meanwhile: our delta was delayed
-            if hasattr(self.backend, "set_beta1"):
+            rule = self.cfg.merge_delayed_beta1
+            if hasattr(self.backend, "set_beta1") and rule is not None:
                 # Delay-aware momentum: the next chunk runs with trainer.merge_delayed_beta1 while others merge
                 # between our merges, with trainer.beta1 otherwise (one contributor: never changed).
-                self.backend.set_beta1(self.cfg.merge_delayed_beta1 if delayed else self.cfg.beta1)
+                self.backend.set_beta1(rule if delayed else self.cfg.beta1)
             if delayed:  # continue from the sum of everyone's work
                 if self.backend.name != "torch":
                     # DeepSpeed keeps its own fp32 master weights: restart from the head instead of

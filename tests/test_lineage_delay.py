@@ -78,3 +78,12 @@ def test_a_delayed_merge_drops_momentum_for_the_next_chunk(redis_client, tmp_pat
     # the optimizer state a merge writes carries the chunk's betas; a session that loads it uses its config's
     c = _session(tmp_path, teacher, redis_client, "c", merge_delayed_beta1=0.25)
     assert _beta1(c) == 0.9
+
+
+def test_by_default_a_delayed_merge_keeps_momentum(redis_client, tmp_path):
+    teacher = frozen_teacher()
+    a = _session(tmp_path, teacher, redis_client, "a")
+    b = _session(tmp_path, teacher, redis_client, "b")
+    assert a.cfg.merge_delayed_beta1 is None
+    assert _chunk(a).merged and _chunk(b).merged  # b's merge is delayed (a merged since b's base)
+    assert _beta1(b) == 0.9 and _chunk(a).merged and _beta1(a) == 0.9

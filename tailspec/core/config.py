@@ -145,10 +145,11 @@ class TrainerConfig(_Section):
     merge_every_steps: int = Field(10, ge=0, le=1_000_000_000, description="a session merges its work into the lineage head this "
                                    "often (and when it stops); 0 = only when it stops")
     merge_outer_lr: float = Field(1.0, gt=0, le=2, description="outer step: head += merge_outer_lr * (local - base)")
-    merge_delayed_beta1: float = Field(
-        0.0, ge=0, lt=1, description="AdamW's beta1 for the chunk after a merge that found other sessions' merges "
+    merge_delayed_beta1: float | None = Field(
+        None, ge=0, lt=1, description="AdamW's beta1 for the chunk after a merge that found other sessions' merges "
         "since its base (asynchrony acts as momentum); beta1 after a merge that found none, so one contributor "
-        "is plain training. Set it to beta1 to turn the rule off")
+        "is plain training. None (default): beta1 throughout, the rule off; 0 helped two contributors training "
+        "a fresh drafter, and made the demo's mid-run heads worse (docs/architecture.md, Delay)")
     promotion_level: float = Field(0.05, gt=0, lt=0.5, description="a candidate is promoted when the one-sided "
                                    "(1 - level) lower confidence bound of its paired gain is above zero")
     promotion_min_pairs: int = Field(16, ge=2, le=1_000_000, description="held-out samples a promotion test needs at least")
