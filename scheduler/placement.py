@@ -9,8 +9,12 @@ opposite of what the cluster does.
 
 More simulated GPUs than cores need a CPU quota: where the machine lets this process create one
 (scheduler/cpu_quota.py: a writable cgroup cpu controller), up to `MAX_GPUS_PER_CORE` GPUs share a core, each
-held to an equal fraction of it (`shares`). Elsewhere a run that asks for more GPUs than cores gets fewer
-(`gpus_that_fit`): an unsplit machine breaks the ratio the miniature stands for.
+held to an equal fraction of what is left of it after `HOST_SHARE` (`shares`). The host's share is for
+what runs beside the GPUs on a real node's own CPUs (the RL driver, the scheduler, Redis): with the GPUs'
+quotas adding up to whole cores, every lent GPU training at its quota left that work to be taken from the
+tail's workers, so co-training slowed the tail it runs beside, which a GPU node does not. Elsewhere a run
+that asks for more GPUs than cores gets fewer (`gpus_that_fit`): an unsplit machine breaks the ratio the
+miniature stands for.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from tailspec.core.config import TailspecConfig
 
 log = logging.getLogger("tailspec.scheduler")
 
+# Of each core shared under a CPU quota, what no GPU gets (in the 4-GPU demo's tails the host side used 0.07 of
+# a core while lent GPUs trained at their quotas; BENCHMARKS.md, end to end).
+HOST_SHARE = 0.1
 CPUS_ENV = "TAILSPEC_CPUS"  # "0,1": the cores the process pins itself to (session processes)
 
 
@@ -59,7 +66,8 @@ def gpus_that_fit(requested: int, cpus: list[int] | None = None, quota: bool = F
 
 def shares(n_gpus: int, cpus: list[int] | None = None, quota: bool = False) -> list[Share]:
     """Each simulated GPU's compute: whole cores (`split`) when there are enough; else, with `quota`, GPU g gets
-    core g // k at 1/k of it, k = GPUs per core (equal shares; a core left half used stays the host's)."""
+    core g // k at (1 - HOST_SHARE)/k of it, k = GPUs per core (equal shares; a core left half used stays the
+    host's)."""
     cpus = host_cpus() if cpus is None else list(cpus)
     if n_gpus <= len(cpus):
         return [Share(c) for c in split(n_gpus, cpus)]
@@ -70,7 +78,7 @@ def shares(n_gpus: int, cpus: list[int] | None = None, quota: bool = False) -> l
                          f"{MAX_GPUS_PER_CORE} share a core under a CPU quota; run at most "
                          f"{len(cpus) * MAX_GPUS_PER_CORE}")
     k = math.ceil(n_gpus / len(cpus))
-    return [Share([cpus[g // k]], 1.0 / k) for g in range(n_gpus)]
+    return [Share([cpus[g // k]], round((1.0 - HOST_SHARE) / k, 6)) for g in range(n_gpus)]
 
 
 def split(n_gpus: int, cpus: list[int] | None = None) -> list[list[int]]:

@@ -32,8 +32,10 @@ def test_split_refuses_more_gpus_than_cores_and_fit_says_how_many():
 def test_shares_put_two_gpus_on_a_core_under_a_quota_only():
     S = placement.Share
     assert placement.shares(2, [0, 1], quota=True) == [S([0]), S([1])]  # enough cores: no quota
-    assert placement.shares(4, [0, 1], quota=True) == [S([0], 0.5), S([0], 0.5), S([1], 0.5), S([1], 0.5)]
-    assert placement.shares(3, [0, 1], quota=True) == [S([0], 0.5), S([0], 0.5), S([1], 0.5)]
+    # two to a core, each at half of what the host's share leaves
+    assert placement.HOST_SHARE == 0.1
+    assert placement.shares(4, [0, 1], quota=True) == [S([0], 0.45), S([0], 0.45), S([1], 0.45), S([1], 0.45)]
+    assert placement.shares(3, [0, 1], quota=True) == [S([0], 0.45), S([0], 0.45), S([1], 0.45)]
     with pytest.raises(ValueError, match="cannot each own a core"):
         placement.shares(4, [0, 1])
     with pytest.raises(ValueError, match="at most 2 share a core.*run at most 4"):
@@ -68,7 +70,7 @@ def test_place_workers_runs_fewer_simulated_gpus_than_asked_on_a_small_machine(m
     assert "4 asked" in p.note and "2 cores" in p.note and "no CPU quota" in p.note
     monkeypatch.setattr(cpu_quota, "root", lambda: ("/a/writable/hierarchy", ""))
     q = place_workers(4, load_config(environ={}))
-    assert (q.workers, q.cpus, q.quota) == (4, [[0], [0], [1], [1]], [0.5] * 4) and "0.5 of a core" in q.note
+    assert (q.workers, q.cpus, q.quota) == (4, [[0], [0], [1], [1]], [0.45] * 4) and "0.45 of a core" in q.note
     shared = place_workers(4, load_config(overrides=["scheduler.simulated_gpu_cpus=shared"], environ={}))
     assert (shared.workers, shared.cpus) == (4, None)
 
@@ -224,7 +226,7 @@ def test_the_scheduler_gives_gpus_sharing_a_core_a_quota_each(monkeypatch):
             assert path.endswith(cpu_quota.name_for(cfg.cluster.name, g))
             quota = open(os.path.join(path, "cpu.cfs_quota_us")).read().strip() if os.path.exists(
                 os.path.join(path, "cpu.cfs_quota_us")) else open(os.path.join(path, "cpu.max")).read().split()[0]
-            assert int(quota) == cpu_quota.PERIOD_US // 2
+            assert int(quota) == round(cpu_quota.PERIOD_US * (1 - placement.HOST_SHARE) / 2)
         cfg2 = load_config(overrides=["scheduler.simulated_gpus=2"], environ={})
         assert simulated_gpu_placement(cfg2) == ({0: [0], 1: [1]}, None)  # a core each: no quota
     finally:

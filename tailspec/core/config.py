@@ -95,8 +95,9 @@ class SchedulerConfig(_Section):
     simulated_gpus: int = Field(4, ge=1, le=64, description="GPUs per node shown by simulated telemetry")
     simulated_gpu_cpus: Literal["split", "shared"] = Field(
         "split", description="split: each simulated GPU owns an equal share of the host's cores, used by its rollout "
-        "worker and any session lent on it: whole cores, or, with more GPUs than cores, half a core each under a "
-        "CPU quota (cgroup) where one can be set, else fewer GPUs; shared: all cores shared by everything")
+        "worker and any session lent on it: whole cores, or, with more GPUs than cores, 0.45 of a core each under "
+        "a CPU quota (cgroup; a tenth stays the host's) where one can be set, else fewer GPUs; shared: all cores "
+        "shared by everything")
     progress_ttl_s: float = Field(5.0, gt=0, le=3600, description="a worker's progress expires unless re-reported within this")
     require_release: bool = Field(False, description="lend a drained GPU only after its worker reported its memory "
                                   "released (report_progress(mem_released=True)); a worker that reports "
