@@ -33,7 +33,6 @@ STALE = -2  # another holder's token is on the GPU now
 REVOKED = -3  # the scheduler flagged this token for revocation
 NO_SCHEDULER = -4  # scheduler heartbeat gone
 DEPOSED = -5  # the leader epoch that granted the lease no longer leads
-PHASE_ENDED = -6  # the phase is no longer rollout: the trainer needs its GPUs (asked for by sessions)
 
 REASONS = {
     RENEWED: "renewed",
@@ -42,7 +41,6 @@ REASONS = {
     REVOKED: "revoked",
     NO_SCHEDULER: "scheduler heartbeat lost",
     DEPOSED: "leader changed",
-    PHASE_ENDED: "phase ended",
 }
 
 
@@ -70,13 +68,6 @@ local ok, lease = pcall(cjson.decode, v)
 if not ok or tonumber(lease['token']) ~= tonumber(ARGV[1]) then return -2 end
 if type(lease['epoch']) == 'number' and not leads(KEYS[4], lease['epoch']) then return -5 end
 if ARGV[3] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then return -4 end
-if ARGV[4] == '1' then
-  local p = redis.call('GET', KEYS[5])
-  if p then
-    local okp, ph = pcall(cjson.decode, p)
-    if okp and type(ph) == 'table' and ph['phase'] ~= 'rollout' then return -6 end
-  end
-end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
@@ -285,19 +276,14 @@ class Leases:
         return state.decode(Lease, out, where=self._keys(node, gpu)[0])
 
     def renew(self, node: str, gpu: int, token: int, ttl_s: float, require_heartbeat: bool = True,
-              client: Any = None, stop_on_phase_end: bool = False) -> Any:
+              client: Any = None) -> Any:
         """Extend the lease by ttl_s if `token` still holds it (and, for a lease granted under a leader epoch,
-        that epoch still leads); returns RENEWED or a negative reason code. `stop_on_phase_end`: PHASE_ENDED
-        once the cluster's phase record says anything but rollout (a session then stops without waiting for
-        the scheduler's next tick to revoke it; the lease is left for the scheduler, which revokes it on the
-        same phase change). `client`: a pipeline to queue the call on (the result then comes with the
-        pipeline's)."""
+        that epoch still leads); returns RENEWED or a negative reason code. `client`: a pipeline to queue the
+        call on (the result then comes with the pipeline's)."""
         lease_key, revoke_key = self._keys(node, gpu)
         hb = state.key(self.cluster, "scheduler_heartbeat")
-        phase = state.key(self.cluster, "phase")
-        flags = ["1" if require_heartbeat else "0", "1" if stop_on_phase_end else "0"]
-        out = call_script(self._renew, [lease_key, revoke_key, hb, self._leader_key, phase],
-                          [token, _ms(ttl_s), *flags], client)
+        out = call_script(self._renew, [lease_key, revoke_key, hb, self._leader_key],
+                          [token, _ms(ttl_s), "1" if require_heartbeat else "0"], client)
         return out if client is not None else int(out)
 
     def renew_many(self, leases: list[tuple[str, int, int]], ttl_s: float, require_heartbeat: bool = True,

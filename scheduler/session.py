@@ -127,15 +127,12 @@ class SessionContext:
             return True
         self._last_check = now
         try:
-            # The phase is checked in the same call: at the end of the rollout the session stops at its next
-            # renewal instead of after the scheduler's next tick (its revoke), which the trainer waits for.
             code = self.leases.renew(
                 self.node,
                 self.gpu,
                 self.lease_token,
                 self.lease_ttl_s,
                 require_heartbeat=self.require_heartbeat,
-                stop_on_phase_end=True,
             )
         except Exception as e:  # redis down / timeout / script error: the last renewal still covers us
             # Stop a little before the lease's own expiry so the GPU is free when Redis says it is.

@@ -182,29 +182,6 @@ def test_session_context_round_trip_and_should_continue(redis_client, redis_url)
     assert not ctx2.report(4)  # fenced: refused after revoke
 
 
-def test_a_session_stops_at_its_next_renewal_once_the_phase_is_no_longer_rollout(redis_client, redis_url):
-    """The end of the rollout stops a session at its own renewal, not at the scheduler's next revoke; only
-    sessions ask for it (a plain renewal ignores the phase), and no phase record is not a phase end."""
-    _heartbeat(redis_client)
-    ls = Leases(redis_client, "t")
-    a = ls.acquire("n0", 1, "s", ttl_s=5)
-    assert ls.renew("n0", 1, a.token, 5, stop_on_phase_end=True) == L.RENEWED  # no phase record yet
-
-    def phase(name):
-        state.put(redis_client, state.key("t", "phase"),
-                  state.PhaseInfo(phase=name, step=3, started_at=0, policy_version=3, policy_path="/p/3"))
-
-    phase("rollout")
-    ctx = SessionContext(session_id="s2", node="n0", gpu=1, lease_token=a.token, redis_url=redis_url,
-                         cluster="t", config={}, lease_ttl_s=5, min_renew_interval_s=0)
-    assert ctx.should_continue()
-    phase("train")
-    assert ls.renew("n0", 1, a.token, 5) == L.RENEWED  # without asking: the phase is not looked at
-    assert ls.renew("n0", 1, a.token, 5, stop_on_phase_end=True) == L.PHASE_ENDED
-    assert not ctx.should_continue() and ctx.stop_reason == "phase ended"
-    assert ls.current("n0", 1).token == a.token  # the lease is the scheduler's to revoke
-
-
 def test_should_continue_stops_within_ttl_when_redis_is_unreachable():
     ctx = SessionContext(
         session_id="s",
