@@ -71,6 +71,12 @@ def _read_version(f: Path) -> DrafterVersion:
         raise DrafterFileError(f"{f}: bad version record at {where}: {first['msg']}") from None
 
 
+def parse_validation_id(identity: str) -> tuple[int, int, int]:
+    """'HEAD:BASELINE:K', the id of the validation whose scores `drafter:validation` keeps → its three numbers."""
+    head, baseline, k = (int(x) for x in identity.split(":"))
+    return head, baseline, k
+
+
 class VersionStore:
     def __init__(self, root: str | Path, redis: Any = None, cluster: str = "default"):
         self.root = Path(root)
@@ -132,7 +138,7 @@ class VersionStore:
             ident = self.redis.hget(self._key("drafter_validation"), "id")
             if ident is None:
                 return None
-            head, cur, k = (int(x) for x in (ident.decode() if isinstance(ident, bytes) else ident).split(":"))
+            head, cur, k = parse_validation_id(ident.decode() if isinstance(ident, bytes) else ident)
             return head, cur, k, int(self.redis.hlen(self._key("drafter_validation"))) - 1
         except Exception as e:  # noqa: BLE001 — resuming is an optimisation: start a new validation instead
             log.info("validation progress unreadable: %s", e)
@@ -227,7 +233,7 @@ class VersionStore:
             pipe.delete(key)
             pipe.hset(key, "id", identity)
             pipe.execute()
-            self.drop_pending(keep=int(identity.split(":")[0]))
+            self.drop_pending(keep=parse_validation_id(identity)[0])
 
         def on_batch(new: dict[str, Score]) -> None:
             try:
