@@ -149,6 +149,15 @@ def capture_plan(
     return CapturePlan(chosen, skipped, budget_bytes)
 
 
+def pool_reserved_bytes(handle) -> int:
+    """Bytes of the CUDA segments the caching allocator holds for one graph pool. A change in
+    `memory_reserved()` across a capture is not the pool: it also counts the eager warm-ups' default-pool blocks
+    and whatever other code frees or caches meanwhile; segments carry the id of the pool that owns them."""
+    want = tuple(handle)
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", ())) == want)
+
+
 @dataclass
 class _Graph:
     ids: torch.Tensor  # [bucket, k+1] static input
@@ -189,13 +198,11 @@ class GraphPool:
             for e in self.plan.entries:
                 self.graphs[(e.bucket, e.k)] = self._buffers(e.bucket, e.k)
             return self
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_reserved()
         self.pool_handle = torch.cuda.graph_pool_handle()
         for e in self.plan.entries:  # largest first
             self.graphs[(e.bucket, e.k)] = self._capture_one(e.bucket, e.k, self.pool_handle)
         torch.cuda.synchronize()
-        self.pool_bytes_measured = torch.cuda.memory_reserved() - before
+        self.pool_bytes_measured = pool_reserved_bytes(self.pool_handle)
         return self
 
     def _capture_one(self, bucket: int, k: int, pool) -> _Graph:
@@ -221,11 +228,10 @@ class GraphPool:
         total, alive = 0, []
         with torch.inference_mode():
             for e in self.plan.entries:
+                handle = torch.cuda.graph_pool_handle()
+                alive.append(self._capture_one(e.bucket, e.k, handle))
                 torch.cuda.synchronize()
-                before = torch.cuda.memory_reserved()
-                alive.append(self._capture_one(e.bucket, e.k, torch.cuda.graph_pool_handle()))
-                torch.cuda.synchronize()
-                total += torch.cuda.memory_reserved() - before
+                total += pool_reserved_bytes(handle)
         del alive  # all kept alive while measuring: no capture reuses another's freed blocks
         torch.cuda.empty_cache()
         return total

@@ -13,7 +13,14 @@ from tailspec.rollout.acceptance import AcceptanceTracker
 from tailspec.rollout.cost_model import CostModel
 from tailspec.rollout.drafters import NgramProposer
 from tailspec.rollout.engine import Engine
-from tailspec.rollout.graph_pool import GraphPool, GraphShape, build_pool, capture_plan, shared_bytes
+from tailspec.rollout.graph_pool import (
+    GraphPool,
+    GraphShape,
+    build_pool,
+    capture_plan,
+    pool_reserved_bytes,
+    shared_bytes,
+)
 from tailspec.rollout.model_runner import ModelRunner
 from tailspec.rollout.selector import AdaptiveSelector, candidate_ks
 from tailspec.rollout.sequence import SamplingParams
@@ -202,6 +209,20 @@ def test_gpu_replay_equals_eager_at_every_captured_shape(dtype):
             torch.testing.assert_close(lp, le, **tol)
             torch.testing.assert_close(ap.float(), ae.float(), **tol)
     assert pool.eager == 0 and pool.replays > 0
+
+
+def test_pool_bytes_are_the_segments_its_pool_owns(monkeypatch):
+    """A pool's size counts only the allocator segments tagged with its pool id: not the default pool's (eager
+    warm-ups) nor another graph pool's."""
+    segments = [
+        {"total_size": 2 << 20, "segment_pool_id": (0, 0)},  # default pool: warm-up activations
+        {"total_size": 20 << 20, "segment_pool_id": (0, 7)},
+        {"total_size": 2 << 20, "segment_pool_id": (0, 7)},
+        {"total_size": 4 << 20, "segment_pool_id": (0, 8)},  # another graph's pool
+    ]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert pool_reserved_bytes((0, 7)) == 22 << 20
+    assert pool_reserved_bytes((0, 9)) == 0
 
 
 @pytest.mark.gpu
