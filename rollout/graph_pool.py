@@ -14,6 +14,9 @@ rows n..bucket-1 are padding (token 0 at position 0..k of a free slot: the KV th
 running request owns, and admission's prefill overwrites it before anything attends to it). Inside a graph
 attention spans the whole cache (a fixed shape); the causal mask makes the extra keys exact zeros.
 
+The plan needs a cost table before any graph exists, so the first one is timed eagerly; the rollout worker then
+times it again through the replays (once per engine shape) and its selector reads that one.
+
 On CPU the pool is disabled (no capture), but the plan, budget and lookup are the same code; `emulate=True`
 runs the padded static-buffer path eagerly so that tests check everything except the replay itself.
 """

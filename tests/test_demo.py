@@ -311,6 +311,29 @@ def test_worker_graph_pool_replays_the_same_tokens(micro_policy, redis_url):
         w.client.close()
 
 
+def test_the_cost_table_is_timed_again_through_the_graph_pool_once(redis_url, micro_policy):
+    """With a graph pool the selector reads a table timed through the replays (a replayed verify costs a fraction
+    of the eager one on a GPU): the first attach re-times it through the pool, later engines of that shape reuse it."""
+    policy, tok = micro_policy
+    w = _worker(redis_url)
+    try:
+        item = _item(policy, tok, {"drafter": "ngram", "selector": "fixed", "k": 2, "k_max": 3, "max_batch": 4,
+                                   "max_seq_len": 96})
+        rc = _load(w, item)
+        w._measure_cost(w._engine(item, rc), item, rc)
+        eager = w.cost
+        assert not w.cost_graphed
+        eng = w._engine(item, rc)
+        w._attach_pool(eng, item, rc, emulate=True)
+        assert w.pool is not None and w.pool.replays > 0  # the new table's steps ran through the pool
+        assert w.cost_graphed and w.cost is not eager and w.cost.buckets == eager.buckets
+        graphed = w.cost
+        w._attach_pool(w._engine(item, rc), item, rc, emulate=True)
+        assert w.cost is graphed and w.pool.replays == 0  # same shape: reused, not timed again
+    finally:
+        w.client.close()
+
+
 # -- what the command prints ------------------------------------------------------------------------------------
 
 

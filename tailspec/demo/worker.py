@@ -124,6 +124,7 @@ class Worker:
         # measured once per worker on its first phase that needs one (same shapes after), per engine shape
         self.cost = None
         self.cost_key: tuple | None = None
+        self.cost_graphed = False  # the table was timed through a graph pool's replays
         self.acceptance = None
         self.pool = None  # the last engine's graph pool (None: eager)
         self.guard = None  # the drafter health guard (rollout.health_guard), one per worker across its engines
@@ -164,14 +165,16 @@ class Worker:
                              "ngram or none")
         return Eagle3Proposer(self.drafter_module, target=self.model)
 
-    def _measure_cost(self, engine, item: WorkItem, rc, on_step=None) -> None:
+    def _measure_cost(self, engine, item: WorkItem, rc, on_step=None, force: bool = False) -> None:
         """The cost model t(b, k) of this engine's shape, timed on the first phase that needs one (the
         adaptive selector, or a graph pool's plan) and reused while the shape stays (same drafter kind, k_max,
-        dtype, device; batch within the measured buckets)."""
-        key = (engine.k_max, type(engine.drafter).__name__, rc.dtype, str(self.device))
-        if self.cost is not None and self.cost_key == key and engine.max_batch <= max(self.cost.buckets):
+        dtype, device, graphs on or off; batch within the measured buckets). `force`: time it again (through a
+        graph pool just attached)."""
+        key = (engine.k_max, type(engine.drafter).__name__, rc.dtype, str(self.device), rc.cuda_graphs)
+        if not force and self.cost is not None and self.cost_key == key and engine.max_batch <= max(self.cost.buckets):
             return
-        if self.cost is None and item.cost_model is not None:  # a replacement: its predecessor's table
+        self.cost_graphed = False
+        if not force and self.cost is None and item.cost_model is not None:  # a replacement: its predecessor's table
             given = cost_model.CostModel.from_dict(item.cost_model)
             if engine.max_batch <= max(given.buckets) and set(given.ks) == set(cost_model.default_ks(engine.k_max)):
                 self.cost, self.cost_key = given, key
@@ -199,21 +202,33 @@ class Worker:
             validated, validated_k = validated_acceptance(item.drafter_path)
             prior = chain_alpha(validated, validated_k) if validated is not None else None
             self.acceptance.set_version(item.drafter_version, item.policy_version, prior=prior)
+        on_step = self.acceptance.observe if adaptive else None
         if adaptive or wants_pool:
-            self._measure_cost(engine, item, rc, on_step=self.acceptance.observe if adaptive else None)
+            self._measure_cost(engine, item, rc, on_step=on_step)
+        if wants_pool:
+            self._attach_pool(engine, item, rc, on_step)
         if drafter is not None:
             choose_k = make_selector(rc.model_copy(update={"k": min(rc.k, k_max)}), self.cost,
                                      self.acceptance if adaptive else None, seed=item.step)
             if self.guard is not None and self.drafter_module is not None:
                 choose_k = guarded(choose_k, self.guard, on_verdict=self._on_verdict)
             engine.configure(choose_k=choose_k)
-        if wants_pool:
-            t0 = time.perf_counter()
-            self.pool = attach_graph_pool(engine, rc, self.cost)
-            log.info("CUDA graph pool: %d graphs (%d shapes left eager), %.0f MiB, captured in %.2f s",
-                     len(self.pool.graphs), len(self.pool.plan.skipped), self.pool.pool_bytes_measured / 2**20,
-                     time.perf_counter() - t0)
         return engine
+
+    def _attach_pool(self, engine, item: WorkItem, rc, on_step=None, emulate: bool = False) -> None:
+        """Capture the verify graphs (planned from the cost table) and, the first time for this shape, time the
+        table again through the replays: the selector must weigh the forward that runs, and on a GPU a replayed
+        verify step costs a fraction of the eager one the first table timed. `emulate`: CPU tests."""
+        t0 = time.perf_counter()
+        self.pool = attach_graph_pool(engine, rc, self.cost, emulate=emulate)
+        if self.pool is None:
+            return
+        log.info("CUDA graph pool: %d graphs (%d shapes left eager), %.0f MiB, captured in %.2f s",
+                 len(self.pool.graphs), len(self.pool.plan.skipped), self.pool.pool_bytes_measured / 2**20,
+                 time.perf_counter() - t0)
+        if not self.cost_graphed:
+            self._measure_cost(engine, item, rc, on_step=on_step, force=True)
+            self.cost_graphed = True
 
     def run_item(self, item: WorkItem) -> WorkResult:
         started = time.time()
