@@ -31,3 +31,29 @@ def test_bench_adaptive_json_contract():
     sched = r["adaptive_schedule"]
     assert sched[0][0] == 1 and sched[-1][1] == 3
     assert "graph_pool" not in r  # CPU: no capture
+
+
+def test_with_graphs_each_batch_size_reuses_one_engine_idle_and_reconfigured():
+    """Graphs on (a GPU): once a cost table plans the pool, a batch size's engine is built once (its capture is the
+    expensive part) and handed back idle with the run's strategy; before that every call builds a fresh one."""
+    from tailspec.rollout.cost_model import CostModel
+    from tailspec.rollout.drafters import NgramProposer
+    from tailspec.rollout.sequence import SamplingParams
+
+    from tailspec.bench.adaptive import _engine_factory
+    from tailspec.core.config import TailspecConfig
+    from tailspec.tasks.runsum import sample_problems
+    from tailspec.tasks.tokenizer import encode_prompt
+
+    model, tok = micro_policy()
+    planned: dict = {}
+    make = _engine_factory(model, NgramProposer, TailspecConfig(), 160, 3, planned)
+    assert make(2, 0) is not make(2, 0)  # no table yet: eager, fresh engines
+    planned["cost"] = CostModel([1, 2], [0, 2], {(b, k): 0.01 * (1 + k) for b in (1, 2) for k in (0, 2)})
+    eng = make(2, 0)
+    eng.add_request(encode_prompt(tok, sample_problems(1, seed=3)[0].prompt), SamplingParams(max_tokens=32, temperature=0.0))
+    eng.step()
+    assert eng.has_unfinished()
+    again = make(2, 2)
+    assert again is eng and not again.has_unfinished() and again.choose_k.name == "fixed_k2"
+    assert make(1, 0) is not eng

@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="on CUDA, run every engine eagerly (default: as the main job, rollout.cuda_graphs: the verify "
+                        "forward replays a captured graph pool and the cost table is timed through it)")
 
 
 def _load(args, cfg):
@@ -198,12 +201,34 @@ def _graph_pool_section(target, cost, device: str) -> dict:
     return out
 
 
+def _engine_factory(target, make_drafter, cfg, max_seq: int, k_max: int, planned: dict | None):
+    """make_engine(batch, choose_k). With `planned` (graphs on): once planned["cost"] is set, each batch size gets
+    one engine with a captured graph pool, as the rollout worker attaches one, reused across runs."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    from tailspec.rollout.engine import Engine
+    from tailspec.rollout.graph_pool import build_pool
+
+    engines: dict[int, Engine] = {}
+
+    def make_engine(batch: int, choose_k):
+        if batch in engines:
+            engines[batch].abort_all()
+            return engines[batch].configure(choose_k=choose_k)
+        eng = Engine(target, make_drafter(), choose_k=choose_k, max_batch=batch, max_seq_len=max_seq, k_max=k_max,
+                     verify_rule=cfg.rollout.verify_rule)
+        if planned is not None and "cost" in planned:
+            build_pool(eng, planned["cost"], cfg.rollout.graph_memory_budget_mb << 20)
+            engines[batch] = eng
+        return eng
+
+    return make_engine
+
+
 def run(args: argparse.Namespace) -> dict:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import torch
 
     from tailspec.commands.bench import machine
-    from tailspec.rollout.engine import Engine
     from tailspec.rollout.selector import AdaptiveSelector, beg_selector, fixed_selector, threshold_selector
 
     out = sys.stderr if args.json else sys.stdout
@@ -215,13 +240,16 @@ def run(args: argparse.Namespace) -> dict:
     target, tok, make_drafter, drafter_label, device = _load(args, cfg)
     max_seq = min(int(target.config.max_position_embeddings), 1024)
 
-    def make_engine(batch: int, choose_k):
-        return Engine(target, make_drafter(), choose_k=choose_k, max_batch=batch, max_seq_len=max_seq, k_max=k_max,
-                      verify_rule=cfg.rollout.verify_rule)
-
+    graphs = device == "cuda" and cfg.rollout.cuda_graphs and not args.no_graphs
+    planned: dict = {}  # with graphs: the cost table that plans each engine's pool
+    make_engine = _engine_factory(target, make_drafter, cfg, max_seq, k_max, planned if graphs else None)
     t_start = time.perf_counter()
     pool_prompts = _prompts(tok, 512, 11, cfg.task)
     cost, acceptance = _cost_table(make_engine, pool_prompts, batches, ks, k_max, args, out, t_start)
+    if graphs:  # the eager table planned the capture; the selector weighs the replayed forward, as in the worker
+        planned["cost"] = cost
+        cost, acceptance = _cost_table(make_engine, pool_prompts, batches, ks, k_max, args, out, t_start)
+        planned["cost"] = cost
     starts = _starts(make_engine, pool_prompts, max_seq, args, out)
     adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=cfg.rollout.epsilon, seed=0)
     policies = {f"k{k}": fixed_selector(k) for k in ks}
@@ -239,7 +267,7 @@ def run(args: argparse.Namespace) -> dict:
         "adaptive_schedule": adaptive.schedule(max(batches)),
         "acceptance": adaptive.acceptance.summary()["expected_tokens"],
         "cost_model": cost.to_dict(),
-        "seconds": round(time.perf_counter() - t_start, 1),
+        "seconds": round(time.perf_counter() - t_start, 1), "graphs": graphs,
     }
     if device == "cuda":
         result["graph_pool"] = _graph_pool_section(target, cost, device)
