@@ -8,6 +8,9 @@ Set-up (the main job's: the demo's policy preset and its bootstrap drafter, cach
   `--steps` / 2 each, at the same time, merging into the lineage head as they go. Each runs against its own
   fresh redis-server and lineage seeded with the starting drafter, and proposes candidates every
   `--validate-every-s` (paired test, trainer.promotion_level).
+  With `--alternate` the sessions run in this process instead, taking turns one merge chunk each (each delta
+  delayed by the other sessions' chunks, as when they train at once; no validations, no Redis): the merge rule's
+  cost without the timing, deterministic to the last digit (`run_alternating`).
 
 Printed (JSON keys): `acceptance_before` (starting drafter), `acceptance_after_one` / `acceptance_after_two`
 (the lineage head after (a) / (b)): expected acceptance length at k (default 4) on held-out rollouts of v1
@@ -50,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate-every-s", type=float, default=5.0, help="a session proposes a candidate this often "
                    "(the demo's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--alternate", action="store_true",
+                   help="run the sessions in one process, taking turns one merge chunk each, instead of as concurrent "
+                        "processes: the same delay per merge, none of the timing (deterministic; no validations)")
 
 
 def rollouts(model, tok, cfg, n: int, seed: int, version: int, max_seq_len: int = 640) -> tuple[list, list[Sample]]:
@@ -142,6 +148,50 @@ def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_d
         server.stop()
 
 
+def run_alternating(n_sessions: int, args, cfg, boot: str, stream: list[Sample], teacher, root: Path) -> dict:
+    """n sessions in this process, no Redis, taking turns: one chunk (trainer.merge_every_steps steps) each,
+    each chunk starting from the head its own session merged last, so every delta lands after the other n - 1
+    sessions' chunks: the delay n contributors training at once have. What it leaves out is the timing (which
+    merges land between which, and the validations' pauses) that moves the concurrent figure by 0.1 from one
+    commit to the next; one session is the same run either way, bit for bit."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    import torch
+
+    from tailspec.demo.bootstrap import load_optimizer, load_samples
+    from tailspec.drafter_trainer.lineage import Lineage
+    from tailspec.drafter_trainer.model import Eagle3Module
+    from tailspec.drafter_trainer.samples import fill_buffer
+    from tailspec.drafter_trainer.session import TrainingSession
+    from tailspec.sessions import make_buffer
+
+    tc = cfg.trainer
+    lineage = Lineage(root / f"alternate-{n_sessions}" / "lineage", None, "alternate", outer_lr=tc.merge_outer_lr)
+    lineage.seed(Eagle3Module.load(boot), {"step": 0, "tokens": 0, "backend": tc.backend, "policy_version": 0},
+                 session_id="bootstrap", optimizer_state=load_optimizer(boot))
+    samples = load_samples(boot) + stream  # what the concurrent run's stream holds: v0's samples, then v1's
+    chunk = tc.merge_every_steps or 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each session process runs (OMP_NUM_THREADS=1): the same arithmetic
+    t0 = time.time()
+    try:
+        sessions = []
+        for g in range(n_sessions):
+            buffer = make_buffer(cfg)
+            fill_buffer(buffer, samples, teacher.config.vocab_size, tc.max_seq_len)
+            sessions.append(TrainingSession(tc, teacher, buffer, checkpoint_dir=root / f"alternate-{n_sessions}" / f"{g}",
+                                            session_id=f"s{n_sessions}-{g}", lineage=lineage, merge_every_steps=chunk))
+        left = [args.steps // n_sessions] * n_sessions
+        while any(left):
+            for g, session in enumerate(sessions):
+                if left[g]:
+                    done = session.run(max_steps=min(chunk, left[g])).steps  # ends with its merge
+                    left[g] -= done
+    finally:
+        torch.set_num_threads(threads)
+    return {"head": lineage.head(), "seconds": time.time() - t0, "first_promotion_s": None, "promotions": 0,
+            "candidates": 0, "contributions": lineage.contributions()}
+
+
 def _start_sessions(n_sessions: int, args, c, r, redis_url: str, root: Path) -> list[subprocess.Popen]:
     """n session processes, each on its own lease (GPUs n0:0..n-1), sharing args.steps."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
@@ -216,7 +266,8 @@ def run(args: argparse.Namespace) -> dict:
         out = {}
         for n in (1, 2):
             print(f"  ({'a' if n == 1 else 'b'}) {n} session(s), {args.steps} steps in total", file=sys.stderr, flush=True)
-            res = run_config(n, args, cfg, boot, v1_samples, v1_dir, root)
+            res = (run_alternating(n, args, cfg, boot, v1_samples, teacher, root) if args.alternate
+                   else run_config(n, args, cfg, boot, v1_samples, v1_dir, root))
             head = res["head"]
             after = acceptance(load_checkpoint(head.path, emb).drafter)
             out[n] = {**res, "after": after}
@@ -231,6 +282,7 @@ def _result(args: argparse.Namespace, rewards: list[float], before: float, befor
             two: dict) -> dict:
     result = {
         "preset": args.preset, "k": args.k, "steps": args.steps, "grpo_steps": args.grpo_steps,
+        "sessions": "alternate" if args.alternate else "concurrent",
         "grpo_rewards": rewards, "acceptance_before": before, "acceptance_before_on_v0": before_v0,
         "acceptance_after_one": one["after"], "acceptance_after_two": two["after"],
         "merges": two["head"].merges, "merges_one": one["head"].merges,
