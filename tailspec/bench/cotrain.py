@@ -4,8 +4,8 @@ Set-up (the main job's: the demo's policy preset and its bootstrap drafter, cach
 - policy v0 = the preset; its bootstrap drafter is the starting drafter (what `tailspec demo` starts from);
 - policy v1 = v0 after `--grpo-steps` GRPO steps on its own graded rollouts (real RL: the reward moves it);
 - the sample stream holds v0's rollouts, then v1's; the phase record names v1 as the teacher;
-- (a) one real session process trains `--steps` optimizer steps; (b) two session processes train
-  `--steps` / 2 each, at the same time, merging into the lineage head as they go. Each runs against its own
+- (a) one real session process trains `--steps` optimizer steps; (b) `--sessions` session processes (two by
+  default) train `--steps` / n each, at the same time, merging into the lineage head as they go. Each runs against its own
   fresh redis-server and lineage seeded with the starting drafter, and proposes candidates every
   `--validate-every-s` (paired test, trainer.promotion_level).
   With `--alternate` the sessions run in this process instead, taking turns one merge chunk each (each delta
@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate-every-s", type=float, default=5.0, help="a session proposes a candidate this often "
                    "(the demo's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sessions", type=int, default=2, help="sessions in configuration (b) (default 2)")
     p.add_argument("--alternate", action="store_true",
                    help="run the sessions in one process, taking turns one merge chunk each, instead of as concurrent "
                         "processes: the same delay per merge, none of the timing (deterministic; no validations)")
@@ -240,6 +241,8 @@ def run(args: argparse.Namespace) -> dict:
     from tailspec.drafter_trainer.versions import validate
     from tailspec.tasks.policy import load_policy, resolve_policy
 
+    if args.sessions < 2 or args.steps % args.sessions:
+        raise SystemExit(f"--sessions must be at least 2 and divide --steps ({args.steps}); got {args.sessions}")
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
     cfg = config_from_args(args)
     policy0 = resolve_policy(args.preset, cfg.task, cache_dir=Path(cfg.cache_dir))
@@ -264,7 +267,7 @@ def run(args: argparse.Namespace) -> dict:
         before_v0 = validate(Eagle3Module.load(boot, Teacher.from_dir(policy0).embedding()),
                              Teacher.from_dir(policy0), v0_samples[-args.heldout:], args.k).acceptance_length
         out = {}
-        for n in (1, 2):
+        for n in (1, args.sessions):
             print(f"  ({'a' if n == 1 else 'b'}) {n} session(s), {args.steps} steps in total", file=sys.stderr, flush=True)
             res = (run_alternating(n, args, cfg, boot, v1_samples, teacher, root) if args.alternate
                    else run_config(n, args, cfg, boot, v1_samples, v1_dir, root))
@@ -275,14 +278,14 @@ def run(args: argparse.Namespace) -> dict:
                   f"acceptance {after:.3f}; promotions {res['promotions']}/{res['candidates']}, first after "
                   f"{res['first_promotion_s'] if res['first_promotion_s'] is None else round(res['first_promotion_s'], 1)} s",
                   file=sys.stderr, flush=True)
-    return _result(args, rewards, before, before_v0, out[1], out[2])
+    return _result(args, rewards, before, before_v0, out[1], out[args.sessions])
 
 
 def _result(args: argparse.Namespace, rewards: list[float], before: float, before_v0: float, one: dict,
             two: dict) -> dict:
     result = {
         "preset": args.preset, "k": args.k, "steps": args.steps, "grpo_steps": args.grpo_steps,
-        "sessions": "alternate" if args.alternate else "concurrent",
+        "sessions": args.sessions, "mode": "alternate" if args.alternate else "concurrent",
         "grpo_rewards": rewards, "acceptance_before": before, "acceptance_before_on_v0": before_v0,
         "acceptance_after_one": one["after"], "acceptance_after_two": two["after"],
         "merges": two["head"].merges, "merges_one": one["head"].merges,
