@@ -281,6 +281,18 @@ def test_worker_rollouts_do_not_depend_on_the_drafter_under_the_coupled_rule(mic
         w.client.close()
 
 
+def _ngram_worker_with_cost(micro_policy, redis_url):
+    """(worker, item, rollout config): a worker on the micro policy with an n-gram drafter at fixed k = 2, its
+    cost table timed eagerly (CPU: no pool attached by `_engine`)."""
+    policy, tok = micro_policy
+    w = _worker(redis_url)
+    item = _item(policy, tok, {"drafter": "ngram", "selector": "fixed", "k": 2, "k_max": 3, "max_batch": 4,
+                               "max_seq_len": 96})
+    rc = _load(w, item)
+    w._measure_cost(w._engine(item, rc), item, rc)
+    return w, item, rc
+
+
 def test_worker_graph_pool_replays_the_same_tokens(micro_policy, redis_url):
     """rollout.cuda_graphs builds the pool from the worker's cost model, capturing the draft lengths the
     configured selector picks (on CPU: the same plan's padded static-buffer path, emulated); the pooled
@@ -289,13 +301,8 @@ def test_worker_graph_pool_replays_the_same_tokens(micro_policy, redis_url):
 
     from tailspec.demo.worker import attach_graph_pool
 
-    policy, tok = micro_policy
-    w = _worker(redis_url)
+    w, item, rc = _ngram_worker_with_cost(micro_policy, redis_url)
     try:
-        item = _item(policy, tok, {"drafter": "ngram", "selector": "fixed", "k": 2, "k_max": 3, "max_batch": 4,
-                                   "max_seq_len": 96})
-        rc = _load(w, item)
-        w._measure_cost(w._engine(item, rc), item, rc)
         outs = {}
         for pooled in (False, True):
             eng = w._engine(item, rc)
@@ -314,13 +321,8 @@ def test_worker_graph_pool_replays_the_same_tokens(micro_policy, redis_url):
 def test_the_cost_table_is_timed_again_through_the_graph_pool_once(redis_url, micro_policy):
     """With a graph pool the selector reads a table timed through the replays (a replayed verify costs a fraction
     of the eager one on a GPU): the first attach re-times it through the pool, later engines of that shape reuse it."""
-    policy, tok = micro_policy
-    w = _worker(redis_url)
+    w, item, rc = _ngram_worker_with_cost(micro_policy, redis_url)
     try:
-        item = _item(policy, tok, {"drafter": "ngram", "selector": "fixed", "k": 2, "k_max": 3, "max_batch": 4,
-                                   "max_seq_len": 96})
-        rc = _load(w, item)
-        w._measure_cost(w._engine(item, rc), item, rc)
         eager = w.cost
         assert not w.cost_graphed
         eng = w._engine(item, rc)
