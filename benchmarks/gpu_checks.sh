@@ -9,9 +9,10 @@
 #   with `python -P` (no current directory on sys.path) and pytest from outside the checkout.
 # What it runs (BENCHMARKS.md, "On a GPU", has the figures of earlier leases):
 #   1. pytest -m gpu (graph pool replay vs eager and pool size; NVML utilisation and the idle detector)
-#   2. tailspec bench adaptive --device cuda (the main job's setting: the graph pool attached), and --no-graphs
-#   3. tailspec bench engine on the deep preset, bf16, batches 1, 8, 32, 128
-#   4. the `small` preset pre-trained on the GPU (cached under $TAILSPEC_CACHE), then its engine bench
+#   2. tailspec bench adaptive --device cuda (the main job's setting: the graph pool attached)
+#   3. the `small` preset pre-trained on the GPU (cached under $TAILSPEC_CACHE), then its engine bench
+#   4. tailspec bench adaptive --no-graphs (the eager comparison)
+#   5. tailspec bench engine on the deep preset, bf16, batches 1, 8, 32, 128
 set -uo pipefail
 OUT=${1:?usage: gpu_checks.sh OUTDIR [BUDGET_S]}
 BUDGET=${2:-540}
@@ -51,6 +52,11 @@ print(torch.cuda.get_device_properties(0))"; } > "$OUT/env.txt" 2>&1
 check pytest_gpu 60 "$PY" -P -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --rootdir=/tmp \
   "$REPO/tests/test_graph_pool.py" "$REPO/tests/test_scheduler_telemetry.py"
 check adaptive 150 "${TS[@]}" bench adaptive --json --device cuda
+check small_build 120 "$PY" -P -c "import torch; torch.backends.cuda.matmul.allow_tf32 = True; \
+from tailspec.tasks.policy import get_policy; print(get_policy('small', device='cuda', progress=False))"
+# only with the GPU-trained policy: without it, resolving `small` would pre-train it on the host's CPU
+[ "${LAST_RC:-1}" = 0 ] && check engine_small 90 "${TS[@]}" bench engine --json --device cuda --dtype bfloat16 --policy small --draft-policy micro \
+  --drafters ngram,draft_model --batches 1,8,32,128 --ks 2,4,6 --repeats 2 --cost-repeats 1 --no-assisted
 check adaptive_eager 150 "${TS[@]}" bench adaptive --json --device cuda --no-graphs
 # the demo's bootstrap drafter for deep (cached; bench adaptive built it if it was missing)
 check boot_drafter 30 "$PY" -P -c "from tailspec.core.config import TailspecConfig; \
@@ -61,9 +67,4 @@ print(bootstrap_drafter(resolve_policy('deep', c.task, cache_dir=c.cache_dir), d
 EAGLE3=$(tail -n 1 "$OUT/boot_drafter.txt" 2>/dev/null)
 check engine_deep 120 "${TS[@]}" bench engine --json --device cuda --dtype bfloat16 --policy deep --draft-policy micro \
   ${EAGLE3:+--eagle3 "$EAGLE3"} --batches 1,8,32,128 --ks 2,4,6 --repeats 2 --cost-repeats 1 --no-assisted
-check small_build 120 "$PY" -P -c "import torch; torch.backends.cuda.matmul.allow_tf32 = True; \
-from tailspec.tasks.policy import get_policy; print(get_policy('small', device='cuda', progress=False))"
-# only with the GPU-trained policy: without it, resolving `small` would pre-train it on the host's CPU
-[ "${LAST_RC:-1}" = 0 ] && check engine_small 90 "${TS[@]}" bench engine --json --device cuda --dtype bfloat16 --policy small --draft-policy micro \
-  --drafters ngram,draft_model --batches 1,8,32,128 --ks 2,4,6 --repeats 2 --cost-repeats 1 --no-assisted
 cat "$OUT/summary.txt"
