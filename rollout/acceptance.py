@@ -149,19 +149,28 @@ class AcceptanceTracker:
             if trials == 0:
                 break
 
-    def set_version(self, drafter_version=None, policy_version=None, prior: float | None = None) -> bool:
+    def set_version(self, drafter_version=None, policy_version=None, prior: float | None = None,
+                    carry: float = 0.0) -> bool:
         """Tell the tracker which drafter / policy the next steps run. Returns True if anything changed.
         `prior`: a new drafter's alpha before any observation (its validated acceptance as a chain's alpha,
         `rollout.health_guard.chain_alpha`), used from its reset on; None keeps the current prior. Without it a
         new version starts at the generic prior, which at large batches can make k = 0 look best, and k = 0 steps
-        teach the tracker nothing, so the selector would stay there until an exploration run."""
+        teach the tracker nothing, so the selector would stay there until an exploration run.
+        `carry`: the share of the counts a new drafter version keeps (0: a reset). A version trained on from the
+        one before it (one co-training lineage) accepts much as its predecessor did on the same rollouts, while
+        its validated acceptance is measured offline, under another rule and draft length than the rollout's."""
+        if not 0 <= carry <= 1:
+            raise ValueError(f"need carry in [0, 1], got {carry}")
         changed = False
         if drafter_version != self.drafter_version:
             if prior is not None:
                 if not 0 <= prior <= 1:
                     raise ValueError(f"need prior in [0, 1], got {prior}")
                 self.prior = prior
-            self.reset()
+            if carry > 0 and self.drafter_version is not None:
+                self.scale(carry)
+            else:
+                self.reset()
             changed = True
         elif policy_version != self.policy_version:
             self.scale(self.policy_decay)

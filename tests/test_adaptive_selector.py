@@ -259,6 +259,16 @@ def test_acceptance_tracker_positions_versions_and_bad_input():
     assert acc.prior == 0.8 and acc.pos_trials == trials
     with pytest.raises(ValueError, match="prior"):
         acc.set_version(drafter_version=3, prior=1.5)
+    # carry: a version of the same lineage keeps that share of its predecessor's counts (and takes its prior)
+    trials, k_rows = list(acc.pos_trials), dict(acc.k_rows)
+    assert acc.set_version(drafter_version=3, policy_version=2, prior=0.7, carry=0.5)
+    assert acc.prior == 0.7 and acc.pos_trials == pytest.approx([t * 0.5 for t in trials])
+    assert acc.k_rows == pytest.approx({k: r * 0.5 for k, r in k_rows.items()}) and acc.alphas()[0] > 0.5
+    with pytest.raises(ValueError, match="carry"):
+        acc.set_version(drafter_version=4, carry=1.5)
+    # the first version a tracker sees has nothing to carry over
+    fresh = AcceptanceTracker(k_max=4)
+    assert fresh.set_version(drafter_version=1, prior=0.6, carry=0.5) and fresh.pos_trials == [0.0] * 4
 
 
 def test_selector_with_a_promoted_versions_prior_keeps_speculating_where_the_generic_prior_turns_it_off():

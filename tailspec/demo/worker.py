@@ -201,7 +201,7 @@ class Worker:
             # a promoted version starts from what it was validated at (as LiveVllm's tracker does), not blind
             validated, validated_k = validated_acceptance(item.drafter_path)
             prior = chain_alpha(validated, validated_k) if validated is not None else None
-            self.acceptance.set_version(item.drafter_version, item.policy_version, prior=prior)
+            self.acceptance.set_version(item.drafter_version, item.policy_version, prior=prior, carry=rc.drafter_carry)
         on_step = self.acceptance.observe if adaptive else None
         if adaptive or wants_pool:
             self._measure_cost(engine, item, rc, on_step=on_step)
