@@ -9,10 +9,11 @@
 #   with `python -P` (no current directory on sys.path) and pytest from outside the checkout.
 # What it runs (BENCHMARKS.md, "On a GPU", has the figures of earlier leases):
 #   1. pytest -m gpu (graph pool replay vs eager and pool size; NVML utilisation and the idle detector)
-#   2. tailspec bench adaptive --device cuda (the main job's setting: the graph pool attached)
-#   3. the `small` preset pre-trained on the GPU (cached under $TAILSPEC_CACHE), then its engine bench
-#   4. tailspec bench adaptive --no-graphs (the eager comparison)
-#   5. tailspec bench engine on the deep preset, bf16, batches 1, 8, 32, 128
+#   2. benchmarks/longtail_profile.py: a cold and a warm long tail at k = 0 and 3, the cold ones profiled
+#   3. tailspec bench adaptive --device cuda (the main job's setting: the graph pool attached)
+#   4. the `small` preset pre-trained on the GPU (cached under $TAILSPEC_CACHE), then its engine bench
+#   5. tailspec bench adaptive --no-graphs (the eager comparison)
+#   6. tailspec bench engine on the deep preset, bf16, batches 1, 8, 32, 128
 set -uo pipefail
 OUT=${1:?usage: gpu_checks.sh OUTDIR [BUDGET_S]}
 BUDGET=${2:-540}
@@ -51,6 +52,8 @@ print(torch.cuda.get_device_properties(0))"; } > "$OUT/env.txt" 2>&1
 
 check pytest_gpu 60 "$PY" -P -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --rootdir=/tmp \
   "$REPO/tests/test_graph_pool.py" "$REPO/tests/test_scheduler_telemetry.py"
+# the one-time cost per new shape on the graph path (third lease): profile a cold long tail before anything else
+check longtail_profile 90 "$PY" -P "$REPO/benchmarks/longtail_profile.py" "$OUT/longtail_profile"
 check adaptive 150 "${TS[@]}" bench adaptive --json --device cuda
 check small_build 120 "$PY" -P -c "import torch; torch.backends.cuda.matmul.allow_tf32 = True; \
 from tailspec.tasks.policy import get_policy; print(get_policy('small', device='cuda', progress=False))"

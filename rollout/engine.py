@@ -298,12 +298,15 @@ class Engine:
         n = self.slots.n
         if n == 0:
             return []
+        # the step's seconds run from here to after its finished requests are handed out: what a step at this k
+        # costs the rollout (the batch rebuilt after a change of rows, the strategy hook, the finishing), not
+        # the draft and verify alone; on a GPU with replayed graphs the rest is a large share of a step
+        t_step = time.perf_counter()
         if self._batch is None:
             self._batch = self.slots.batch(self._max_length)
         batch = self._batch
         batch.max_length = self._max_length
         k = 0 if self.drafter is None else max(0, min(int(self._choose_k(n, self.last)), self.k_max))
-        t_step = time.perf_counter()
         out, n_acc, logits, p = self._draft_and_verify(batch, n, k)
         done, stopped, accepted = self._emit(batch, n, k, out, n_acc, logits, p)
         head = torch.stack([done.sum(), accepted.sum(), batch.lengths.max()])
@@ -311,11 +314,10 @@ class Engine:
             head = torch.cat([head, (n_acc[:, None] > self._arange[None, :k]).sum(0)])
         any_done, acc_sum, max_len, *reach = head.tolist()
         self._max_length = max_len
+        outs = self._finish(done, stopped) if any_done else []
         self.last = StepRecord.following(self.last, n, k, acc_sum, reach, time.perf_counter() - t_step)
         self.history.append(self.last)
-        if not any_done:
-            return []
-        return self._finish(done, stopped)
+        return outs
 
     def _draft_and_verify(self, batch: Batch, n: int, k: int):
         """Draft k tokens per row and verify them in one target forward of width k+1. Returns the step's

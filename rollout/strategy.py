@@ -26,7 +26,7 @@ class StepRecord:
     run: int  # consecutive steps at this k, this one included (1: k just changed, or the engine's first step)
     accepted: int  # accepted draft tokens summed over the rows
     reach: tuple[int, ...]  # [j] rows whose draft j was accepted (n_acc > j), j < k; () when k = 0
-    seconds: float  # wall time of the step (drafting + verify + accept), admission excluded
+    seconds: float  # wall time of the step (batch, strategy, drafting, verify, accept, finishing); admission excluded
 
     @classmethod
     def following(cls, previous: StepRecord | None, rows: int, k: int, accepted: int, reach: Sequence[int],

@@ -191,3 +191,21 @@ def test_hash_arithmetic_and_table_step_uniforms():
         assert torch.equal(u_acc, sampling.uniforms(key, pos[:, :k], sampling.ACCEPT))
         assert torch.equal(u_smp, sampling.uniforms(key, pos, sampling.SAMPLE))
         assert ((u_smp >= 0) & (u_smp < 1)).all()
+
+
+def test_step_seconds_cover_the_finishing_of_requests(policy, prompts, monkeypatch):
+    """A step's recorded seconds are what the step cost the rollout, handing out its finished requests included:
+    the adaptive selector's cost model learns from them, and finishing is a large share of a step on a GPU."""
+    import time
+
+    eng = Engine(policy, None, max_batch=2, max_seq_len=128)
+    finish = eng._finish
+
+    def slow_finish(done, stopped):
+        time.sleep(0.05)
+        return finish(done, stopped)
+
+    monkeypatch.setattr(eng, "_finish", slow_finish)
+    outs = eng.generate(prompts[:2], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(outs) == 2
+    assert eng.last.seconds >= 0.05  # the step that finished the last request paid for finishing it
