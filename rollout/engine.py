@@ -11,8 +11,9 @@ Rejected drafts need no KV rollback: their entries sit past the row's length and
 anything attends to them. Prefill caches positions 0..L-2 only; the last prompt token is the first verify
 input, so the first response token is speculated like every other.
 
-Host syncs per step: one `.tolist()` of three numbers (any finished, accepted, max length), plus one read
-per finished request. No Python loop runs over the rows of the batch on the hot path. Each step ends in one
+Host syncs per step: one `.tolist()` of three numbers (any finished, accepted, max length), plus, in a step
+that finishes requests, four for all of them together (which rows, their int columns, tokens, logprobs). No
+Python loop runs over the rows of the batch on the hot path. Each step ends in one
 frozen `StepRecord` (rows, k, its run at k, accepted drafts, per-position reach, seconds): `last`, the bounded
 `history`, and what the strategy hook is handed before the next step.
 
@@ -386,9 +387,9 @@ class Engine:
     def _finish(self, done: torch.Tensor, stopped: torch.Tensor) -> list[RequestOutput]:
         s = self.slots
         idx_t = done.nonzero()[:, 0]
-        idx = idx_t.tolist()
-        stop_flags = stopped[idx_t].tolist()
-        rows = s.ints[idx_t].tolist()
+        # slot, stop flag and the int columns of every finished row in one read (each read is a device sync)
+        head = torch.cat([idx_t[:, None], stopped[idx_t, None].long(), s.ints[idx_t]], 1).tolist()
+        idx, stop_flags, rows = [h[0] for h in head], [bool(h[1]) for h in head], [h[2:] for h in head]
         width = max(r[LEN] for r in rows)
         toks = s.tokens[idx_t, :width].tolist()
         gmax = max(r[GEN] for r in rows)

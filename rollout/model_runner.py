@@ -151,8 +151,11 @@ class ModelRunner:
             self.sin_signed = signed_sin(sin[0].to(self.dtype))
         # One cache tensor per layer, k heads then v heads: a forward writes a layer's k and v with one
         # index_put (the qkv projection already lays k and v out side by side). k_cache / v_cache are views.
+        # The layers' tensors are views of one allocation, so compaction moves every layer's slots in one copy
+        # (a copy per layer was ~20 launches a finishing step on the deep preset, where a replayed step is ~2 ms).
         shape = (max_slots, 2 * self.num_kv_heads, cache_len, self.head_dim)
-        self.kv_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
+        self._kv_all = torch.zeros((len(self.layers), *shape), device=self.device, dtype=self.dtype)
+        self.kv_cache = list(self._kv_all.unbind(0))
         self.k_cache = [kv[:, : self.num_kv_heads] for kv in self.kv_cache]
         self.v_cache = [kv[:, self.num_kv_heads :] for kv in self.kv_cache]
         self._gqa = self.num_heads != self.num_kv_heads
@@ -160,8 +163,7 @@ class ModelRunner:
     # -- cache bookkeeping ---------------------------------------------------------------------------------
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the caches of slots src into slots dst (compaction after requests finish)."""
-        for kv in self.kv_cache:
-            kv[dst] = kv[src]
+        self._kv_all[:, dst] = self._kv_all[:, src]
 
     def _attn_len(self, max_pos: int) -> int:
         # Attend over a bucketed prefix of the cache rather than all of it: the work follows the longest
