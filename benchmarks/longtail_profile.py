@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -53,7 +54,8 @@ def _timed_run(make_engine, k: int, prompts, params, profile: Path | None) -> di
         if torch.cuda.is_available():
             table += "\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20)
         profile.write_text(table)
-    slow = [s for s in steps if s[3] > 5 * sorted(x[3] for x in steps)[len(steps) // 2]]
+    median = statistics.median(s[3] for s in steps) if steps else 0.0
+    slow = [s for s in steps if s[3] > 5 * median]
     return {"k": k, "wall_s": round(wall, 3), "steps": len(steps), "slow_steps": len(slow),
             "slow_s": round(sum(s[3] for s in slow), 3), "per_step": [[r, kk, round(a * 1e3, 3), round(w * 1e3, 3)]
                                                                    for r, kk, a, w in steps]}
@@ -73,14 +75,10 @@ def main() -> None:
     cfg = config_from_args(args)
     target, tok, make_drafter, _, device = bench._load(args, cfg)
     graphs = device == "cuda" and cfg.rollout.cuda_graphs
-    planned: dict = {}
-    make_engine = bench._engine_factory(target, make_drafter, cfg, 1024, 6, planned if graphs else None)
-    pool = bench._prompts(tok, 256, 11, cfg.task)
-    ks = [0, 1, 2, 3, 4, 6]
-    cost, _ = bench._cost_table(make_engine, pool, batches, ks, 6, args, sys.stdout, time.perf_counter())
-    if graphs:
-        planned["cost"] = cost
-        bench._cost_table(make_engine, pool, batches, ks, 6, args, sys.stdout, time.perf_counter())
+    planned = {} if graphs else None
+    make_engine = bench._engine_factory(target, make_drafter, cfg, 1024, 6, planned)
+    bench._planned_cost_table(make_engine, planned, bench._prompts(tok, 256, 11, cfg.task), batches, [0, 1, 2, 3, 4, 6],
+                              6, args, sys.stdout, time.perf_counter())
     prompts = bench._prompts(tok, a.requests, 12345, cfg.task)
     params = [SamplingParams(max_tokens=min(a.max_tokens, 1024 - len(q)), temperature=0.0, seed=i)
               for i, q in enumerate(prompts)]

@@ -408,9 +408,9 @@ class Engine:
                     stats=RequestStats(row[FWD], row[DRAFTED], row[ACCEPTED]),
                 )
             )
-        src, dst = s.compact(idx)  # move the last running rows into the freed slots
-        if dst:
-            si, di = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        moved = s.compact(idx)  # move the last running rows into the freed slots
+        if moved is not None:
+            si, di = moved
             self.runner.move_slots(si, di)
             if self.drafter is not None:
                 self.drafter.move_slots(si, di)

@@ -64,16 +64,19 @@ class SlotTable:
     def col(self, c: int) -> torch.Tensor:
         return self.ints[: self.n, c]
 
-    def compact(self, done: list[int]) -> tuple[list[int], list[int]]:
+    def compact(self, done: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Drop the rows `done` and fill the holes they leave below the new count with the last running
-        rows. Returns (src, dst) slot lists so the KV caches can be moved the same way."""
+        rows. Returns the (src, dst) slot index tensors so the KV caches can be moved the same way, or None
+        when no row moved."""
         done_set = set(done)
         n_new = self.n - len(done_set)
         dst = sorted(i for i in done_set if i < n_new)
         src = [i for i in range(n_new, self.n) if i not in done_set]
+        moved = None
         if dst:
             si = torch.tensor(src, device=self.ints.device)
             di = torch.tensor(dst, device=self.ints.device)
+            moved = si, di
             for t in (self.ints, self.floats, self.tokens, self.logprobs, self.stop_ids, self.uniforms):
                 t[di] = t[si]
             for lst in (self.request_ids, self.prompts, self.temps, self.truncated):
@@ -82,7 +85,7 @@ class SlotTable:
         for lst in (self.request_ids, self.prompts, self.temps, self.truncated):
             del lst[n_new:]
         self.n = n_new
-        return src, dst
+        return moved
 
     def batch(self, max_length: int) -> Batch:
         n = self.n

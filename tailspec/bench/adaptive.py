@@ -245,11 +245,8 @@ def run(args: argparse.Namespace) -> dict:
     make_engine = _engine_factory(target, make_drafter, cfg, max_seq, k_max, planned if graphs else None)
     t_start = time.perf_counter()
     pool_prompts = _prompts(tok, 512, 11, cfg.task)
-    cost, acceptance = _cost_table(make_engine, pool_prompts, batches, ks, k_max, args, out, t_start)
-    if graphs:  # the eager table planned the capture; the selector weighs the replayed forward, as in the worker
-        planned["cost"] = cost
-        cost, acceptance = _cost_table(make_engine, pool_prompts, batches, ks, k_max, args, out, t_start)
-        planned["cost"] = cost
+    cost, acceptance = _planned_cost_table(make_engine, planned if graphs else None, pool_prompts, batches, ks, k_max,
+                                           args, out, t_start)
     starts = _starts(make_engine, pool_prompts, max_seq, args, out)
     adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=cfg.rollout.epsilon, seed=0)
     policies = {f"k{k}": fixed_selector(k) for k in ks}
@@ -273,6 +270,19 @@ def run(args: argparse.Namespace) -> dict:
         result["graph_pool"] = _graph_pool_section(target, cost, device)
     print(f"adaptive schedule: {result['adaptive_schedule']}; total {result['seconds']}s on {machine()}", file=out)
     return result
+
+
+def _planned_cost_table(make_engine, planned: dict | None, pool_prompts, batches: list[int], ks: list[int],
+                        k_max: int, args, out, t_start: float):
+    """The cost table the selector reads. With graphs (`planned`, `_engine_factory`'s): the eager table plans the
+    capture, then the table is timed again through the replays, as the rollout worker does, and plans what
+    engines come later."""
+    cost, acceptance = _cost_table(make_engine, pool_prompts, batches, ks, k_max, args, out, t_start)
+    if planned is not None:
+        planned["cost"] = cost
+        cost, acceptance = _cost_table(make_engine, pool_prompts, batches, ks, k_max, args, out, t_start)
+        planned["cost"] = cost
+    return cost, acceptance
 
 
 def _cost_table(make_engine, pool_prompts, batches: list[int], ks: list[int], k_max: int, args, out, t_start: float):
