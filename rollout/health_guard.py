@@ -112,6 +112,25 @@ class HealthGuard:
             return None
         return self._judge()
 
+    def observe_totals(self, k: float, drafts: int, accepted: int) -> Verdict | None:
+        """Fold a whole generation call's counters, where an engine's steps are out of reach (a framework's
+        engine in its own process: only its cumulative counters are read, before and after a batch). `k`:
+        drafted tokens per draft (vLLM's `mean_k`); each draft counts as one step of the window, since a step
+        drafts for at least one row. The verdict when the window is complete, else None."""
+        if not self.watching or k <= 0 or drafts <= 0:
+            return None
+        if accepted < 0 or accepted > k * drafts + 1e-9:
+            raise ValueError(f"accepted {accepted} outside 0..k*drafts = 0..{k * drafts:g}")
+        self._steps += drafts
+        self._rows += drafts
+        self._accepted += accepted
+        if self._alpha is not None:
+            a = self._alpha  # k may be a mean over the call's draft lengths: the sum's closed form takes it
+            self._expected += drafts * (a * (1 - a**k) / (1 - a) if a < 1 else k)
+        if self._steps < self.policy.window_steps:
+            return None
+        return self._judge()
+
     def _judge(self) -> Verdict:
         p = self.policy
         live = 1.0 + self._accepted / self._rows

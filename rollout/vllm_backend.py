@@ -76,6 +76,12 @@ class SpecCounters:
         """Drafted tokens per drafting request-step: the k vLLM actually used."""
         return self.draft_tokens / self.drafts if self.drafts else 0.0
 
+    @classmethod
+    def from_dict(cls, d: dict) -> SpecCounters:
+        """Back from `as_dict` (the derived figures are recomputed, not read)."""
+        return cls(int(d["drafts"]), int(d["draft_tokens"]), int(d["accepted_tokens"]),
+                   [int(x) for x in d.get("accepted_per_pos") or []])
+
     def as_dict(self) -> dict:
         return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
                 "accepted_per_pos": self.accepted_per_pos, "acceptance_length": self.acceptance_length,
@@ -97,6 +103,38 @@ def counters_from_metrics(metrics: Sequence[Any]) -> SpecCounters:
             c.accepted_per_pos = [x + y for x, y in zip(c.accepted_per_pos + [0] * len(vals), vals)] \
                 if c.accepted_per_pos else vals
     return c
+
+
+_SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                  "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+
+
+def process_counters(_actor: Any = None) -> dict:
+    """The speculative-decoding counters of every vLLM engine front end in this process, as a plain dict
+    (`SpecCounters.as_dict`): read from the Prometheus registry vLLM's stat logger writes (the one
+    `LLM.get_metrics` reads), without importing vLLM. A framework's engine actor runs it through Ray's
+    `__ray_call__` (the actor is the unused first argument). All zeros where the engine logs no stats
+    (`disable_log_stats`) or drafts nothing."""
+    # deferred: prometheus_client is a core dependency, but this runs inside another framework's actor, and the
+    # rest of the module needs none of it
+    from prometheus_client import REGISTRY
+
+    c = SpecCounters()
+    per_pos: dict[int, int] = {}
+    for metric in REGISTRY.collect():
+        if metric.type != "counter":
+            continue
+        for s in metric.samples:
+            if not s.name.endswith("_total"):
+                continue
+            if metric.name in _SPEC_COUNTERS:
+                field_name = _SPEC_COUNTERS[metric.name]
+                setattr(c, field_name, getattr(c, field_name) + int(s.value))
+            elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos" and "position" in s.labels:
+                pos = int(s.labels["position"])
+                per_pos[pos] = per_pos.get(pos, 0) + int(s.value)
+    c.accepted_per_pos = [per_pos.get(j, 0) for j in range(max(per_pos) + 1)] if per_pos else []
+    return c.as_dict()
 
 
 # -- results ----------------------------------------------------------------------------------------------

@@ -25,8 +25,12 @@ policy-weight syncs and the drafter health guard.
   acceptance_length` at `validation_k`). A broken drafter: a warning naming the version and the event, a
   `drafter_guard` event in the cluster's event log, and speculation off on this engine (schedule all k = 0,
   at once, between two engine steps) — or, where the schedule cannot be changed, a rollback to the last
-  version the guard found healthy at the next call. A tripped version is not loaded again; speculation comes
-  back when another version loads. Outputs stay exact throughout: only the draft length changes.
+  version the guard found healthy at the next call (that version's own files when it was healthy until a
+  policy sync or a wake-up broke it). A tripped version is not loaded again; speculation comes back when
+  another version loads. Outputs stay exact throughout: only the draft length changes.
+- **Engines in processes of their own** (the verl and OpenRLHF adapters): the framework generates, so the
+  adapter calls `between_calls()` before each batch, `synced()` after the framework's own weight sync, and
+  `observe_engines()` with each engine's counters over the batch; every engine has its own guard.
 """
 
 from __future__ import annotations
@@ -130,6 +134,9 @@ class LiveVllm:
                                     if redis is not None else None)
         self.prepare, self.cost, self.on_verdict = prepare, cost, on_verdict
         self.guard = HealthGuard(guard) if guard is not None else None
+        # engines in processes of their own (a framework's): one guard each, fed their counters per call
+        self.engine_guards: dict[str, HealthGuard] = {}
+        self._armed: tuple = (None, None, "start", 4)  # what the guards were last armed with
         self.version = version  # the live drafter's record (None: the one it was built with, unversioned)
         self.tracker = AcceptanceTracker(k_max=rollout.k_max)
         self.good_path: Path | None = rollout.drafter_path  # the last drafter the guard found healthy
@@ -178,24 +185,34 @@ class LiveVllm:
         """Policy-weight sync in place (`VllmRollout.update_policy`), then the guard watches the same drafter
         under the new weights and the schedule is refreshed."""
         res = self.ro.update_policy(path)
-        if self.guard is not None:
-            v = self.version
-            self.guard.arm(v.version if v else None, v.acceptance_length if v else None, "policy_sync",
-                           validated_k=(v.validation_k or 4) if v else 4)
-        # the same drafter against a moved target: its acceptance counts decay (AcceptanceTracker.policy_decay)
-        self.tracker.set_version(self.tracker.drafter_version, policy_version if policy_version is not None
-                                 else (self.tracker.policy_version or 0) + 1)
-        self._refresh("policy_sync")
+        self.synced(policy_version)
         return res
+
+    def synced(self, policy_version: int | None = None, event: str = "policy_sync") -> None:
+        """The policy weights under the live drafter changed (here, or by a framework's own weight sync, or its
+        engines woke from sleep): the guards watch the same drafter again and the schedule is refreshed."""
+        v = self.version
+        self._arm_all(v.version if v else None, v.acceptance_length if v else None, event,
+                      (v.validation_k or 4) if v else 4)
+        if event == "policy_sync":  # the same drafter against a moved target: its acceptance counts decay
+            self.tracker.set_version(self.tracker.drafter_version, policy_version if policy_version is not None
+                                     else (self.tracker.policy_version or 0) + 1)
+        self._refresh(event)
+
+    def between_calls(self) -> None:
+        """What must happen between two generation calls: a rollback the guard asked for, then the watcher's
+        check. `generate` calls it; a framework adapter whose engines generate on their own calls it before
+        each batch."""
+        if self._rollback:
+            self._roll_back()
+        self.poll()
 
     # -- generation -------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: Any, *, on_step: StepFn | None = None,
                  **kw: Any) -> RolloutResult:
         """`VllmRollout.generate` after the watcher's check (and a pending rollback); the guard and the
         schedule's estimates read every engine step; the schedule is refreshed after the call when due."""
-        if self._rollback:
-            self._roll_back()
-        self.poll()
+        self.between_calls()
         self._last, self._mix = None, Counter()
 
         def step(active: int, c: SpecCounters, seconds: float) -> None:
@@ -222,6 +239,25 @@ class LiveVllm:
         verdict = self.guard.observe(rec.k, rec.rows, rec.accepted) if self.guard is not None else None
         if verdict is not None:
             self._verdict(verdict)
+
+    def observe_engines(self, windows: dict[str, SpecCounters]) -> list[Verdict]:
+        """One generation call's counters per engine (the difference of two `process_counters` reads), for
+        engines whose steps this process cannot see. Each engine has its own guard, so one engine whose
+        drafter broke (a failed weight sync, a bad wake-up) is not averaged away by the healthy ones."""
+        out = []
+        if self.guard is None:
+            return out
+        for name, c in windows.items():
+            g = self.engine_guards.get(name)
+            if g is None:
+                g = self.engine_guards[name] = HealthGuard(self.guard.policy)
+                version, validated, event, k = self._armed
+                g.arm(version, validated, event, validated_k=k)
+            verdict = g.observe_totals(c.mean_k, c.drafts, c.accepted_tokens)
+            if verdict is not None:
+                out.append(verdict)
+                self._verdict(verdict, worker=f"{self.worker}-{name}" if not name.startswith(self.worker) else name)
+        return out
 
     def _after_call(self) -> None:
         mix = self._bucket_mix(self._mix)
@@ -266,14 +302,18 @@ class LiveVllm:
             log.warning("%s: vLLM's engine core runs in another process: the k schedule cannot change at run "
                         "time (vLLM 0.32); it stays as built", self.worker)
         self.refreshes.append({"reason": reason, "schedule": schedule, "applied": applied})
-        self._measure_next = reason in ("reload", "load", "policy_sync", "rollback")
+        self._measure_next = reason in ("reload", "load", "policy_sync", "wake", "rollback")
         if self._mix:
             self._mix_at_refresh = self._bucket_mix(self._mix)
 
     # -- the guard --------------------------------------------------------------------------------------
     def _arm(self, info: DrafterVersion, event: str) -> None:
-        if self.guard is not None:
-            self.guard.arm(info.version, info.acceptance_length, event, validated_k=info.validation_k or 4)
+        self._arm_all(info.version, info.acceptance_length, event, info.validation_k or 4)
+
+    def _arm_all(self, version: int | None, validated: float | None, event: str, validated_k: int = 4) -> None:
+        self._armed = (version, validated, event, validated_k)
+        for g in ([self.guard] if self.guard is not None else []) + list(self.engine_guards.values()):
+            g.arm(version, validated, event, validated_k=validated_k)
 
     @staticmethod
     def _prior(info: DrafterVersion) -> float:
@@ -281,24 +321,28 @@ class LiveVllm:
             return 0.5
         return chain_alpha(info.acceptance_length, info.validation_k or 4)
 
-    def _verdict(self, v: Verdict) -> None:
+    def _verdict(self, v: Verdict, worker: str | None = None) -> None:
+        worker = worker or self.worker
         self.verdicts.append(v)
         if v.tripped:
-            log.warning("%s: %s", self.worker, v.message())
+            log.warning("%s: %s", worker, v.message())
             if v.version is not None:
                 self.refused.add(v.version)
             if not self.ro.set_schedule([(1, self.ro.max_num_seqs, 0)]):
-                self._rollback = self.good_path is not None and self.good_path != self.ro.drafter_path
+                # a drafter the guard found healthy, broken by a weight sync or a wake-up: its own files reloaded
+                # repair it; any other broken drafter is replaced by the last healthy one
+                repair = v.event in ("policy_sync", "wake") and self.good_path == self.ro.drafter_path
+                self._rollback = self.good_path is not None and (self.good_path != self.ro.drafter_path or repair)
                 if not self._rollback:
                     log.error("%s: speculation cannot be turned off on this engine and no earlier healthy drafter "
-                              "is known; decoding goes on with the broken one (outputs stay exact)", self.worker)
+                              "is known; decoding goes on with the broken one (outputs stay exact)", worker)
         else:
-            log.info("%s: %s", self.worker, v.message())
+            log.info("%s: %s", worker, v.message())
             self.good_path = self.ro.drafter_path
-        self._event("drafter_guard", asdict(v))
+        self._event("drafter_guard", {"worker": worker, **asdict(v)})
         if self.redis is not None:
             try:  # best effort, as the event
-                record_verdict(self.redis, self.cluster, self.worker, v, backend="vllm")
+                record_verdict(self.redis, self.cluster, worker, v, backend="vllm")
             except Exception as e:  # noqa: BLE001 - a lost status must not fail the rollout
                 log.warning("guard verdict not recorded: %s", e)
         if self.on_verdict is not None:
@@ -310,9 +354,8 @@ class LiveVllm:
         assert self.good_path is not None
         res = self.ro.reload_drafter(self.good_path)
         self.loads.append({"version": None, "event": "rollback", **res})
-        log.warning("%s: rolled back to the last healthy drafter %s", self.worker, self.good_path)
-        if self.guard is not None:
-            self.guard.arm(None, None, "rollback")
+        log.warning("%s: reloaded the last healthy drafter %s", self.worker, self.good_path)
+        self._arm_all(None, None, "rollback")
 
     def _event(self, kind: str, detail: dict) -> None:
         if self.redis is None:

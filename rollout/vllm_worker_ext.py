@@ -86,6 +86,30 @@ class TailspecWorkerExtension:
             finalize_layerwise_reload(model, self.vllm_config.speculative_config.draft_model_config)
         return {"loaded": len(items), "skipped": skipped, "seconds": time.perf_counter() - t0}
 
+    def tailspec_where(self) -> dict:
+        """Where this worker computes: its Ray node id (None outside Ray) and the physical GPU index behind its
+        device (vLLM's device index counts within CUDA_VISIBLE_DEVICES; None on a CPU worker or where the
+        list names GPUs by UUID). An engine actor whose workers vLLM's Ray executor placed (tensor parallelism)
+        holds no GPU itself; its workers say where the engine runs."""
+        device = getattr(self, "device", None)
+        gpu = None
+        if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
+            visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+            if not visible:
+                gpu = device.index
+            elif device.index < len(visible) and visible[device.index].isdigit():
+                gpu = int(visible[device.index])
+        node_id = None
+        try:
+            # deferred: Ray is there only where an executor or framework runs the worker as a Ray actor
+            import ray
+
+            if ray.is_initialized():
+                node_id = ray.get_runtime_context().get_node_id()
+        except ImportError:
+            pass
+        return {"node_id": node_id, "gpu": gpu}
+
     def tailspec_target_digest(self) -> dict:
         """Digest of the target's parameters and buffers (on CPU, linear layers keep their weights packed
         outside the module, so this covers embeddings, norms and lm_head; outputs cover the rest)."""

@@ -114,3 +114,29 @@ def test_guarded_hook_feeds_the_guard_and_turns_speculation_off():
     assert hook(4, StepRecord.following(rec2, 4, 0, 0, (), 0.01)) == 0  # stays off
     g.arm(version=2, validated=2.5, event="reload")
     assert hook(4, None) == 3
+
+
+def test_a_calls_totals_reach_the_verdict_its_steps_reach():
+    """A framework's engines are read once per batch (`observe_totals`): the same drafts folded as one total
+    give the step-by-step verdict's live and expected figures, and a total too small for a window waits."""
+    rng = np.random.default_rng(3)
+    steps = []
+    for _ in range(16):
+        rows = int(rng.integers(1, 9))
+        steps.append((rows, int(sum(min(rng.geometric(0.45) - 1, 3) for _ in range(rows)))))
+    by_step, by_total = HealthGuard(GuardPolicy(window_steps=16)), HealthGuard(GuardPolicy(window_steps=16))
+    for g in (by_step, by_total):
+        g.arm(version=2, validated=2.8, event="policy_sync")
+    for rows, acc in steps:
+        v_step = by_step.observe(3, rows, acc)
+    assert by_total.observe_totals(3.0, 10, sum(a for _, a in steps[:2])) is None  # 10 drafts < a 16-step window
+    v_total = by_total.observe_totals(3.0, sum(r for r, _ in steps) - 10, sum(a for _, a in steps[2:]))
+    assert v_step is not None and v_total is not None and v_total.tripped == v_step.tripped
+    assert v_total.live == pytest.approx(v_step.live) and v_total.validated == pytest.approx(v_step.validated)
+    g = HealthGuard()
+    g.arm(version=5, validated=3.0, event="wake")
+    v = g.observe_totals(2.5, 400, 20)  # a mean draft length from mixed k: 1.05 tokens a forward
+    assert v is not None and v.tripped and "floor" in v.reason
+    g.arm(version=6, validated=3.0, event="reload")
+    with pytest.raises(ValueError, match="accepted"):
+        g.observe_totals(3.0, 10, 31)

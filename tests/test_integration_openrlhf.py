@@ -43,6 +43,7 @@ from tailspec.integrations.openrlhf_attach import OpenRLHFAttach, newest_hf_chec
 pytestmark = [pytest.mark.openrlhf, pytest.mark.timeout(300)]
 CLUSTER = "orlhf"
 PROMPT, RESPONSE = [1, 2, 3], [7, 8, 9]
+K, DRAFTS = 3, 8  # the stand-in engines' draft length and drafts per sample
 
 
 def test_pinned_release_is_installed():
@@ -53,16 +54,42 @@ def test_pinned_release_is_installed():
 class FakeEngine:
     """Stands in for OpenRLHF's vLLM engine actor (vLLM's engine would need a GPU here): the GPUs Ray gives it,
     `generate_responses` waiting at a gate (so requests stay unfinished) and returning its executor's response
-    dicts, the unfinished-request count OpenRLHF balances by, wake-up / sleep, and tailspec's two methods."""
+    dicts, the unfinished-request count OpenRLHF balances by, wake-up / sleep, and tailspec's two methods. Its
+    spec-decode counters are Prometheus counters of vLLM's names and labels in the actor's process, as vLLM's
+    stat logger keeps them: each sample drafts `DRAFTS` times `K` tokens and accepts `accept` of them per draft
+    (set by the drafter path loaded; `break_drafter` zeroes it, as a failed weight sync would)."""
 
     def __init__(self, devices: str):
+        from prometheus_client import Counter
+
         self.devices, self.gate, self.unfinished, self.log = devices, asyncio.Event(), 0, []
+        self.accept, self.accept_by_path = 2, {}
+        labels = ["model_name", "engine"]
+        self.c = {n: Counter(f"vllm:spec_decode_num_{n}", n, labelnames=labels).labels("m", "0")
+                  for n in ("drafts", "draft_tokens", "accepted_tokens")}
+        pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "per pos", labelnames=labels + ["position"])
+        self.per_pos = [pos.labels("m", "0", str(j)) for j in range(K)]
+
+    def _count(self, samples: int) -> None:
+        drafts = DRAFTS * samples
+        self.c["drafts"].inc(drafts)
+        self.c["draft_tokens"].inc(drafts * K)
+        self.c["accepted_tokens"].inc(drafts * self.accept)
+        for j in range(self.accept):
+            self.per_pos[j].inc(drafts)
+
+    def break_drafter(self):
+        self.accept = 0
+
+    def set_accept_by_path(self, by_path: dict):
+        self.accept_by_path = dict(by_path)
 
     async def generate_responses(self, prompt, label, sampling_params, max_length, hf_tokenizer, num_samples=1,
                                  images=None):
         self.unfinished += num_samples
         await self.gate.wait()
         self.unfinished -= num_samples
+        self._count(num_samples)
         self.log.append(("generate", prompt))
         reward = float(prompt[1:])  # prompts are "p<i>"
         return [{"prompt": prompt, "label": label, "observation_tokens": PROMPT + RESPONSE,
@@ -86,6 +113,7 @@ class FakeEngine:
 
     def tailspec_reload_drafter(self, path):
         self.log.append(("tailspec_reload_drafter", path))
+        self.accept = self.accept_by_path.get(path, 2)
         return [{"ok": True}]
 
     def calls(self):
@@ -242,6 +270,56 @@ def test_promotion_reloads_every_engine_after_wake_up(engines, redis_url, redis_
     client.close()
 
 
+def _guard_status(r) -> dict:
+    return {k.decode(): state.decode(state.GuardStatus, v) for k, v in
+            r.hgetall(state.key(CLUSTER, "drafter_guard")).items()}
+
+
+def test_health_guard_per_engine_repairs_a_sync_broken_drafter_and_rolls_back_a_broken_version(
+        engines, redis_url, redis_client, tmp_path):
+    """Each engine's counters per batch feed its own guard: one engine whose drafter a weight sync broke trips
+    alone and gets the same drafter reloaded before the next batch; a promoted version that is broken
+    everywhere trips every engine and the last healthy drafter comes back."""
+    model = write_target(tmp_path / "model")
+    good, bad = write_drafter(tmp_path / "good"), write_drafter(tmp_path / "bad")
+    client = TailspecClient(redis_url, cluster=CLUSTER, node="n0")
+    _promote(redis_client, 1, good)
+    attach = OpenRLHFAttach(_settings(redis_url, tmp_path, drafter_path=str(good), drafter_version=1), client,
+                            model_dir=model, checkpoint_root=tmp_path / "ckpt", engines=engines, slept=True)
+    for h in engines:
+        ray.get(h.open.remote())
+        ray.get(h.set_accept_by_path.remote({str(bad): 0}))
+    gen = _generator(attach, engines, _strategy(batch=2), n_prompts=10)  # five batches
+    verdicts = lambda: [(v["event"], v["tripped"], round(v["live"], 3)) for v in attach.stats.verdicts]  # noqa: E731
+
+    gen.generate_samples(**GEN)  # 2 samples an engine, 8 drafts each: 3 tokens a forward, validated 2.0 at k = 4
+    assert verdicts() == [("load", False, 3.0)] * 2
+
+    ray.get(engines[1].break_drafter.remote())  # the next weight sync breaks engine 1's drafter
+    attach.updated(1)
+    gen.generate_samples(**GEN)
+    assert verdicts()[2:] == [("policy_sync", False, 3.0), ("policy_sync", True, 1.0)]
+    status = _guard_status(redis_client)
+    assert status["openrlhf-engine-1"].tripped and not status["openrlhf-engine-0"].tripped
+    assert int(redis_client.hget(state.key(CLUSTER, "counters"), "drafter_guard_trips")) == 1
+
+    attach.updated(2)
+    gen.generate_samples(**GEN)  # the same drafter reloaded into every engine before the batch: repaired
+    assert all(ray.get(h.calls.remote())[1] == [str(good)] for h in engines)
+    assert verdicts()[4:] == [("rollback", False, 3.0)] * 2
+
+    _promote(redis_client, 2, bad)  # validated, yet broken in every engine
+    attach.updated(3)
+    gen.generate_samples(**GEN)
+    assert verdicts()[6:] == [("reload", True, 1.0)] * 2 and 2 in attach.live.refused
+    attach.updated(4)
+    gen.generate_samples(**GEN)  # the last healthy drafter back before the batch; v2 is not loaded again
+    assert [ray.get(h.calls.remote())[1] for h in engines] == [[str(good), str(bad), str(good)]] * 2
+    assert verdicts()[8:] == [("rollback", False, 3.0)] * 2
+    assert not any(s.tripped for s in _guard_status(redis_client).values())
+    client.close()
+
+
 def test_policy_versions_follow_openrlhf_hf_checkpoints(redis_url, tmp_path):
     client = TailspecClient(redis_url, cluster=CLUSTER, node="n0")
     ckpt = tmp_path / "ckpt"
@@ -338,6 +416,40 @@ def test_the_worker_extension_keeps_openrlhfs_methods():
     for name in ("init_process_group", "update_weight", "update_weight_cuda_ipc"):
         assert getattr(Ext, name) is getattr(WorkerWrap, name)
     assert callable(Ext.tailspec_reload_drafter)
+
+
+def test_a_tensor_parallel_engine_is_located_by_its_workers(monkeypatch):
+    """With tensor parallelism OpenRLHF's engine actor holds no GPU (vLLM's Ray executor places the workers):
+    it asks its workers, each of which maps vLLM's device index through CUDA_VISIBLE_DEVICES."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tailspec.integrations.openrlhf_progress import workers_where
+    from tailspec.rollout.vllm_worker_ext import TailspecWorkerExtension as Ext
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert [Ext.tailspec_where(SimpleNamespace(device=torch.device("cuda", i)))["gpu"] for i in (2, 3)] == [6, 7]
+    assert Ext.tailspec_where(SimpleNamespace(device=torch.device("cpu")))["gpu"] is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-3f2a,GPU-77b1")  # UUIDs: no index to lend by
+    assert Ext.tailspec_where(SimpleNamespace(device=torch.device("cuda", 1)))["gpu"] is None
+
+    a, b = "a" * 40, "b" * 40
+    workers = [{"node_id": a, "gpu": 7}, {"node_id": a, "gpu": 6}, {"node_id": b, "gpu": 0}]
+    assert workers_where(workers, "n0") == (node_name(a), [6, 7])  # the first worker's node only
+    assert workers_where([{"node_id": None, "gpu": None}], "n0") == ("n0", [])
+
+    actor = TailspecRolloutActor.__new__(TailspecRolloutActor)  # OpenRLHF's constructor needs vLLM on a GPU
+
+    async def rpc(method):
+        assert method == "tailspec_where"
+        return workers
+
+    actor.llm = SimpleNamespace(collective_rpc=rpc)
+    actor._tailspec_where = ("n0", [])  # what the constructor read: the actor itself has no GPU
+    assert asyncio.run(actor.tailspec_where()) == (node_name(a), [6, 7])
+    actor._tailspec_where = ("n0", [2])  # a single-GPU engine: its own GPU, no question asked
+    assert asyncio.run(actor.tailspec_where()) == ("n0", [2])
 
 
 def test_launcher_refuses_the_async_trainer_before_patching(tmp_path):

@@ -35,6 +35,7 @@ from tailspec.integrations.verl_attach import VerlAttach
 
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(300)]
 CLUSTER = "verl"
+K, DRAFTS = 3, 8  # the stand-in replicas' draft length and drafts per request
 
 
 def test_pinned_release_is_installed():
@@ -44,23 +45,45 @@ def test_pinned_release_is_installed():
 @ray.remote
 class FakeServer:
     """Stands in for verl's vLLMHttpServer: the GPUs verl gives it in CUDA_VISIBLE_DEVICES, a `generate` that
-    waits at a gate (so requests stay in flight), and the two calls tailspec's reload makes."""
+    waits at a gate (so requests stay in flight), and the two calls tailspec's reload makes. Its spec-decode
+    counters are Prometheus counters of vLLM's names and labels in the actor's process, as vLLM's stat logger
+    keeps them when verl runs it with `disable_log_stats=False`: each request drafts `DRAFTS` times `K` tokens
+    and accepts `accept` per draft (set by the drafter loaded; `break_drafter` zeroes it)."""
 
     def __init__(self, devices: str, n_tokens: int = 3):
         import os
 
+        from prometheus_client import Counter
+
         os.environ["CUDA_VISIBLE_DEVICES"] = devices  # as vLLMHttpServer.__init__ does
         self.gate, self.n_tokens, self.rpcs = asyncio.Event(), n_tokens, []
+        self.accept, self.accept_by_path = 2, {}
+        self.c = {n: Counter(f"vllm:spec_decode_num_{n}", n, labelnames=["model_name", "engine"]).labels("m", "0")
+                  for n in ("drafts", "draft_tokens", "accepted_tokens")}
 
     async def generate(self, request_id, prompt_ids, sampling_params, **kw):
         await self.gate.wait()
+        self.c["drafts"].inc(DRAFTS)
+        self.c["draft_tokens"].inc(DRAFTS * K)
+        self.c["accepted_tokens"].inc(DRAFTS * self.accept)
         return TokenOutput(token_ids=[7] * self.n_tokens, stop_reason="completed")
+
+    def break_drafter(self):
+        self.accept = 0
+
+    def set_accept_by_path(self, by_path):
+        self.accept_by_path = dict(by_path)
 
     def open(self):
         self.gate.set()
 
+    def close(self):
+        self.gate.clear()
+
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.rpcs.append((method, list(args)))
+        if method == "tailspec_reload_drafter":
+            self.accept = self.accept_by_path.get(args[0], 2)
 
     async def clear_kv_cache(self):
         self.rpcs.append(("clear_kv_cache", []))
@@ -243,6 +266,51 @@ def test_promotion_reloads_every_replica_between_batches(balancer, replicas, red
     attach.before_rollout(3)
     assert all(len(ray.get(h.calls.remote())) == 2 for h in replicas.values())
     assert attach.live.version.version == 2 and 3 in attach.live.refused
+    client.close()
+
+
+def test_health_guard_per_replica_repairs_a_drafter_a_weight_sync_broke(balancer, replicas, redis_url,
+                                                                        redis_client, tmp_path):
+    """Each replica's counters per batch (read inside its server actor) feed its own guard: the replica whose
+    drafter verl's weight sync broke trips alone, and the same drafter is reloaded before the next batch."""
+    handle, path = balancer
+    model, good = write_target(tmp_path / "model"), write_drafter(tmp_path / "good")
+    cfg = _verl_config(path, model, tmp_path / "ckpt")
+    client = TailspecClient(redis_url, cluster=CLUSTER, node="n0")
+    _promote(redis_client, 1, good)
+    settings = _settings(redis_url, tmp_path, drafter_path=str(good), drafter_version=1, submit_samples=False)
+    attach = attach_from_config(cfg, handle, settings=settings, client=client)
+    llm = LLMServerClient(cfg, load_balancer_handle=handle)
+    servers = ray.get(handle.tailspec_servers.remote())
+
+    def batch(step: int) -> list:
+        """Four requests held until both replicas have two in flight (an even split), then released."""
+        attach.before_rollout(step)
+
+        async def run():
+            task = asyncio.ensure_future(_route(llm, 4))
+            await asyncio.to_thread(_wait, lambda: (p := _progress(redis_client)) and
+                                    [x.active for x in p.values() if x.step == step] == [2, 2])
+            for h in servers.values():
+                await h.open.remote()
+            await task
+
+        asyncio.run(run())
+        for h in servers.values():
+            ray.get(h.close.remote())
+        attach.after_rollout(step, None)
+        return [(v["event"], v["tripped"], round(v["live"], 3)) for v in attach.stats.verdicts]
+
+    assert batch(1) == [("load", False, 3.0)] * 2  # 3 tokens a forward against 2.0 validated at k = 4
+    broken = servers["10.0.0.2:8000"]
+    ray.get(broken.break_drafter.remote())  # verl's weight sync into that replica breaks its drafter
+    assert batch(2)[2:] == [("policy_sync", False, 3.0), ("policy_sync", True, 1.0)]
+    status = redis_client.hgetall(state.key(CLUSTER, "drafter_guard"))
+    assert {k.decode(): state.decode(state.GuardStatus, v).tripped for k, v in status.items()} == {
+        "verl-replica-0": False, "verl-replica-1": True}
+    assert batch(3)[4:] == [("rollback", False, 3.0)] * 2  # the same drafter reloaded into every replica first
+    assert all(ray.get(h.calls.remote())[:2] == [("tailspec_reload_drafter", [str(good)]), ("clear_kv_cache", [])]
+               for h in servers.values())
     client.close()
 
 

@@ -67,3 +67,18 @@ def test_reload_refuses_drafter_of_another_shape(engine, tmp_path):
         engine.reload_drafter(export(Eagle3Module(Eagle3Config.from_target(tc)), tmp_path / "h128"))
     assert engine.drafter_digest() == before  # nothing was loaded
     assert engine.generate(prompts(1), greedy(8)).completions[0].token_ids  # the engine still serves
+
+
+def test_process_counters_read_what_vllms_own_reader_reads(engine):
+    """`process_counters` (what a framework's engine actor runs through Ray's `__ray_call__` for the health
+    guard) reads the Prometheus registry directly; vLLM's `LLM.get_metrics` is the independent reference."""
+    from tailspec.rollout.vllm_backend import SpecCounters, counters_from_metrics, greedy, process_counters
+
+    before = SpecCounters.from_dict(process_counters())
+    res = engine.generate(prompts(), greedy(MAX_TOKENS))
+    got = SpecCounters.from_dict(process_counters())
+    assert got == counters_from_metrics(engine.llm.get_metrics())
+    window = got - before
+    assert window.drafts > 0 and (window.drafts, window.accepted_tokens) == (res.counters.drafts,
+                                                                              res.counters.accepted_tokens)
+    assert window.accepted_per_pos == res.counters.accepted_per_pos

@@ -6,6 +6,7 @@ read from its batch."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -17,6 +18,8 @@ from typing import Any
 from tailspec.core import state
 from tailspec.core.state import DrafterVersion
 from tailspec.integrations.policy import PolicyPublisher
+from tailspec.rollout.health_guard import GuardPolicy
+from tailspec.rollout.vllm_backend import SpecCounters, process_counters
 from tailspec.rollout.vllm_checks import (
     DrafterMismatch,
     DrafterSpec,
@@ -26,6 +29,8 @@ from tailspec.rollout.vllm_checks import (
     safetensors_shapes,
     speculative_config,
 )
+
+log = logging.getLogger(__name__)
 
 RemoteCall = Callable[[list[Any]], list[Any]]  # waits for a list of Ray object refs (ray.get)
 
@@ -74,6 +79,18 @@ class RemoteEngines:
         """Load the checked export at `path` into every engine; what was reached (e.g. {"engines": n})."""
         raise NotImplementedError
 
+    def handles(self) -> dict[str, Any]:
+        """The engines' actor handles by name (one per engine or replica)."""
+        raise NotImplementedError
+
+    def counters(self) -> dict[str, SpecCounters]:
+        """Every engine's cumulative speculative-decoding counters. vLLM's front end counts in the engine
+        actor's own process, so Ray's `__ray_call__` runs `process_counters` there; only plain dicts come
+        back."""
+        handles = self.handles()
+        got = self.call([h.__ray_call__.remote(process_counters) for h in handles.values()])
+        return {name: SpecCounters.from_dict(d) for name, d in zip(handles, got)}
+
     def reload_drafter(self, path: str | Path) -> dict:
         path = Path(path)
         check_reloadable(self.policy_dir, self.drafter_path, path)
@@ -87,6 +104,45 @@ class RemoteEngines:
         return False
 
 
+class CallWindow:
+    """The health guard's view of engines that generate on their own: their counters read when a batch starts
+    and when it is back; the difference per engine goes to `LiveVllm.observe_engines`. A read that fails
+    (an engine restarted, a Ray error) skips that batch's verdicts, never the batch."""
+
+    def __init__(self, engines: RemoteEngines):
+        self.engines = engines
+        self.before: dict[str, SpecCounters] | None = None
+
+    def begin(self) -> None:
+        self.before = self._read()
+
+    def end(self, names: dict[str, str] | None = None) -> dict[str, SpecCounters]:
+        """Per engine (renamed by `names` where given): what the batch drafted and accepted."""
+        before, self.before = self.before, None
+        after = self._read()
+        if before is None or after is None:
+            return {}
+        names = names or {}
+        return {names.get(k, k): c - before[k] for k, c in after.items() if k in before}
+
+    def _read(self) -> dict[str, SpecCounters] | None:
+        try:
+            return self.engines.counters()
+        except Exception as e:  # noqa: BLE001 - the guard's read must never fail a rollout
+            log.warning("tailspec: the engines' spec-decode counters were not read (%s); no guard verdict this batch",
+                        e)
+            return None
+
+
+def guard_policy(settings: Any) -> GuardPolicy | None:
+    """The health guard an adapter's settings ask for (None: off). Its window counts drafts: the adapters see
+    each batch's totals, not the engines' steps."""
+    if not settings.guard:
+        return None
+    return GuardPolicy(window_steps=settings.guard_window_drafts, floor=settings.guard_floor,
+                       min_gain_share=settings.guard_min_gain_share)
+
+
 @dataclass
 class AttachStats:
     """What an attachment did, for tests and logs (wall-clock times, time.time())."""
@@ -96,6 +152,7 @@ class AttachStats:
     samples: int = 0
     samples_dropped: int = 0
     loads: list[Any] = field(default_factory=list)  # per batch: the engines' or replicas' request counts
+    verdicts: list[dict] = field(default_factory=list)  # the health guard's, per engine, in order
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -12,7 +12,8 @@ is monkey-patching, the only way in; no OpenRLHF function or method body is repl
   (`speculative_config` from the drafter export, the worker extension `TailspecOpenRLHFWorkerExtension` =
   OpenRLHF's `WorkerWrap` + tailspec's reload) before OpenRLHF's constructor builds vLLM, and two methods:
   `tailspec_reload_drafter` (`collective_rpc` into the engine's workers, then a prefix-cache reset) and
-  `tailspec_where` (its node and GPUs, read before OpenRLHF's constructor changes `CUDA_VISIBLE_DEVICES`);
+  `tailspec_where` (its node and GPUs, read before OpenRLHF's constructor changes `CUDA_VISIBLE_DEVICES`;
+  with tensor parallelism, where vLLM's Ray executor placed its workers, asked through `collective_rpc`);
 - the PPO trainer (`openrlhf_trainer.TailspecPPOTrainer` = `TailspecTrainerMixin` + `PPOTrainer`'s class) builds
   an `OpenRLHFAttach` and replaces its `SamplesGenerator` with `TailspecSamplesGenerator`, whose
   `generate_samples` and `_generate_vllm` call OpenRLHF's unchanged between `before_rollout` (after OpenRLHF woke
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import os
 import runpy
 import sys
@@ -40,6 +42,7 @@ from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 from openrlhf.trainer.ray import vllm_engine
 
 from tailspec.integrations.openrlhf_attach import OpenRLHFAttach
+from tailspec.integrations.openrlhf_progress import workers_where
 from tailspec.integrations.openrlhf_config import (
     OPENRLHF_VERSION,
     OpenRLHFSettings,
@@ -51,6 +54,8 @@ from tailspec.scheduler.client import TailspecClient
 
 __all__ = ["OPENRLHF_VERSION", "TailspecRolloutActor", "TailspecSamplesGenerator", "TailspecTrainerMixin",
            "engine_actor_class", "install_engines", "main"]
+
+log = logging.getLogger(__name__)
 
 _RolloutActorBase = vllm_engine.RolloutRayActor.__ray_actor_class__  # the class under OpenRLHF's @ray.remote
 
@@ -67,12 +72,20 @@ class TailspecRolloutActor(_RolloutActorBase):
 
     async def __init__(self, *args: Any, **kwargs: Any):
         # before OpenRLHF's constructor: with tensor parallelism it clears CUDA_VISIBLE_DEVICES for vLLM's Ray
-        # executor (this actor then holds no GPU of its own, and its progress names none)
+        # executor (this actor then holds no GPU of its own: `tailspec_where` asks the workers)
         self._tailspec_where = (ray_node_name(), _visible_gpus())
         await super().__init__(*args, **{**kwargs, **self.tailspec_engine_kwargs})
 
-    def tailspec_where(self) -> tuple[str, list[int]]:
-        return self._tailspec_where
+    async def tailspec_where(self) -> tuple[str, list[int]]:
+        """Its node and GPUs; with tensor parallelism (no GPU of its own) those its vLLM workers run on."""
+        node, gpus = self._tailspec_where
+        if gpus:
+            return node, gpus
+        try:
+            return workers_where(await self.llm.collective_rpc("tailspec_where"), node)
+        except Exception as e:  # noqa: BLE001 - an engine that cannot say is reported on no GPU, never lent
+            log.warning("tailspec: the engine's workers did not say where they run (%s)", e)
+            return node, gpus
 
     async def tailspec_reload_drafter(self, path: str) -> list:
         """Load the drafter at `path` into every worker of this engine; its prefix cache is reset after, so no

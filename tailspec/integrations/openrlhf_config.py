@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from tailspec.integrations.framework import drafter_speculative_config, refuse_unknown
+from tailspec.integrations.framework import drafter_speculative_config, guard_policy, refuse_unknown
 
 OPENRLHF_VERSION = "0.11.2"  # the release the adapter's hooks were read from and tested against (the openrlhf extra)
 WORKER_EXTENSION = "tailspec.integrations.openrlhf_worker_ext.TailspecOpenRLHFWorkerExtension"
@@ -42,12 +42,18 @@ class OpenRLHFSettings:
     drafter_k: int = 4
     worker_prefix: str = "openrlhf-engine"  # progress is reported as worker "<prefix>-<n>" per vLLM engine
     progress_interval_s: float = 0.5  # how often the engines' unfinished requests are read during a rollout
+    # the drafter health guard (rollout.health_guard) over each engine's spec-decode counters, batch by batch
+    guard: bool = True
+    guard_window_drafts: int = 16  # drafts a verdict needs (one batch holds hundreds)
+    guard_floor: float = 1.05  # tokens per forward at or below which a drafter is broken
+    guard_min_gain_share: float = 0.5  # live gain below this share of the validated gain: broken
 
     def __post_init__(self) -> None:
         if self.policy_root is not None and not Path(self.policy_root).is_absolute():
             raise ValueError(f"policy_root {self.policy_root!r} must be an absolute path on a shared filesystem")
         if self.reclaim_timeout_s <= 0:
             raise ValueError(f"reclaim_timeout_s must be > 0, got {self.reclaim_timeout_s}")
+        guard_policy(self)  # its bounds, named (GuardPolicy)
         if self.progress_interval_s <= 0:
             raise ValueError(f"progress_interval_s must be > 0, got {self.progress_interval_s}")
         if self.drafter_k < 1:

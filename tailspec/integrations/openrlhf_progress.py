@@ -25,6 +25,8 @@ from typing import Any
 
 import ray
 
+from tailspec.scheduler.attach import node_name
+
 log = logging.getLogger(__name__)
 
 Where = tuple[str, list[int]]  # (tailspec node name, GPU indices)
@@ -165,6 +167,18 @@ class EngineProgress:
             except (ValueError, TypeError) as e:
                 log.warning("tailspec: progress of %s not reported: %s", worker, e)
         self.reports += 1
+
+
+def workers_where(workers: list[dict], fallback_node: str) -> Where:
+    """An engine's (node, GPUs) from its workers' `tailspec_where` answers: the first worker's node and every
+    GPU its workers use there (an engine spread over nodes is reported on its first node, as verl's replicas
+    are); (fallback_node, []) when no worker names a GPU."""
+    placed = [(w.get("node_id"), w.get("gpu")) for w in workers if w.get("gpu") is not None]
+    if not placed:
+        return fallback_node, []
+    first = placed[0][0]
+    node = node_name(first) if first else fallback_node
+    return node, sorted({int(g) for n, g in placed if n == first})
 
 
 def locate(engines: list[Any], fallback_node: str, call: Callable[[list[Any]], list[Any]] | None = None,

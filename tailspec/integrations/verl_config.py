@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from tailspec.integrations.framework import drafter_speculative_config, refuse_unknown
+from tailspec.integrations.framework import drafter_speculative_config, guard_policy, refuse_unknown
 
 VERL_VERSION = "0.9.1"  # the release the adapter's hooks were read from and tested against (pyproject: verl extra)
 ROUTER_CLASS = "tailspec.integrations.verl_router.TailspecLoadBalancer"
@@ -45,12 +45,18 @@ class VerlSettings:
     drafter_version: int | None = None  # its version in the lineage (None: not a promoted version)
     drafter_k: int = 4
     worker_prefix: str = "verl-replica"  # progress is reported as worker "<prefix>-<n>" per server replica
+    # the drafter health guard (rollout.health_guard) over each engine's spec-decode counters, batch by batch
+    guard: bool = True
+    guard_window_drafts: int = 16  # drafts a verdict needs (one batch holds hundreds)
+    guard_floor: float = 1.05  # tokens per forward at or below which a drafter is broken
+    guard_min_gain_share: float = 0.5  # live gain below this share of the validated gain: broken
 
     def __post_init__(self) -> None:
         if self.policy_root is not None and not Path(self.policy_root).is_absolute():
             raise ValueError(f"policy_root {self.policy_root!r} must be an absolute path on a shared filesystem")
         if self.reclaim_timeout_s <= 0:
             raise ValueError(f"reclaim_timeout_s must be > 0, got {self.reclaim_timeout_s}")
+        guard_policy(self)  # its bounds, named (GuardPolicy)
 
     @classmethod
     def from_mapping(cls, data: Any) -> VerlSettings:
