@@ -21,11 +21,12 @@ K = 3
 
 @cache
 def policy_v1() -> Path:
-    """The next policy version: the tiny policy's weights moved by 5% noise (an RL step's worth)."""
+    """The next policy version: the tiny policy's weights moved by 25% noise (the tiny policy's greedy outputs
+    on the test prompts first differ at about this size; 5% left them all unchanged)."""
     from tailspec.bench.vllm import perturbed_policy
     from tailspec.tasks.policy import default_cache_dir
 
-    return perturbed_policy(tiny(), default_cache_dir() / "vllm-drafters" / "tiny-v1-noise0.05", scale=0.05)
+    return perturbed_policy(tiny(), default_cache_dir() / "vllm-drafters" / "tiny-v1-noise0.25", scale=0.25)
 
 
 @cache
@@ -146,7 +147,7 @@ def test_corrupted_drafter_trips_the_guard_outputs_exact_speculation_off_until_a
     from tailspec.core.state import Event
 
     val = validated()
-    bad = zeroed_fc(drafters()["trained"], tmp_path / "zeroed-fc")
+    bad = zeroed_fc(drafters()["trained"], tmp_path / "zeroed-fc-norm")
     live = live_engine("trained", redis=redis_client, cluster="guard", guard=GuardPolicy(window_steps=WINDOW),
                        version=version(1, drafters()["trained"], val["v0"]))
     sp = greedy(MAX_TOKENS)

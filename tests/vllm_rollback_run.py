@@ -30,7 +30,7 @@ def main(redis_url: str, out_dir: str) -> dict:
         return DrafterVersion(version=n, path=str(path), policy_version=0, acceptance_length=2.5, validation_k=k,
                               promoted=True, created_at=time.time())
 
-    good, bad = drafters()["trained"], zeroed_fc(drafters()["trained"], f"{out_dir}/zeroed-fc")
+    good, bad = drafters()["trained"], zeroed_fc(drafters()["trained"], f"{out_dir}/zeroed-fc-norm")
     ro = VllmRollout(tiny(), DrafterSpec("eagle3", good, k=k, schedule=[(1, 8, k)]), **engine_kwargs())
     live = LiveVllm(ro, redis=r, cluster="rollback", guard=GuardPolicy(window_steps=window),
                     version=version(1, good), worker="vllm-mp")

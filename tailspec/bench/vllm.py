@@ -133,8 +133,11 @@ def perturbed_policy(policy_dir: str | Path, out: str | Path, scale: float = 0.0
 
 
 def zeroed_fc(drafter_dir: str | Path, out: str | Path) -> Path:
-    """A copy of an EAGLE-3 export with `fc.weight` zeroed: the drafter a broken weight sync leaves behind
-    (it still loads and runs; it just never predicts the target)."""
+    """A copy of an EAGLE-3 export with `fc.weight` and the final `norm.weight` zeroed: the drafter a weight
+    sync that wrote zeros leaves behind. It still loads and runs, but its last hidden state is zero, so every
+    logit is equal and it drafts the same token whatever the context. (`fc` alone is not enough: the middle
+    layer still sees the token embedding, and on the tiny policy's task that bigram drafter accepted 2.4
+    tokens a forward.)"""
     # deferred: torch (seconds of `tailspec --help`); the CLI imports every bench module to build its parser
     import torch
     from safetensors.torch import load_file, save_file
@@ -145,7 +148,8 @@ def zeroed_fc(drafter_dir: str | Path, out: str | Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(drafter_dir, tmp)
         w = load_file(Path(drafter_dir) / "model.safetensors")
-        w["fc.weight"] = torch.zeros_like(w["fc.weight"])
+        for name in ("fc.weight", "norm.weight"):
+            w[name] = torch.zeros_like(w[name])
         save_file(w, tmp / "model.safetensors", metadata={"format": "pt"})
         tmp.rename(out)
     return out

@@ -35,7 +35,7 @@ def run_live(policy: Path, drafters: dict[str, Path], prompts: list[list[int]], 
              reference: list[list[int]], out: Any) -> dict:
     root = drafters["trained"].parent
     policy_v1 = perturbed_policy(policy, root / "policy-v1-noise0.05", scale=0.05)
-    bad = zeroed_fc(drafters["trained"], root / "zeroed-fc")
+    bad = zeroed_fc(drafters["trained"], root / "zeroed-fc-norm")
     val = {"v0": validated_acceptance(drafters["trained"], policy, k),
            "v1": validated_acceptance(drafters["trained"], policy_v1, k)}
     rc = RolloutConfig()
