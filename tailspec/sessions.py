@@ -281,6 +281,25 @@ def fits(ctx: Any, cfg: TailspecConfig, policy_path: str, dtype: torch.dtype) ->
     return True
 
 
+# The cluster's counters a finished session adds its seconds to: lent GPU-seconds say only that a GPU was lent;
+# these say how much of a lend trained (whole optimizer steps: teacher, drafter, optimizer), validated
+# candidates, or went to start-up (the teacher's load, the stream's read, the lineage's pull).
+SESSION_SECONDS = {"ready": "session_ready_seconds", "train": "session_train_seconds",
+                   "validate": "session_validate_seconds", "all": "session_seconds"}
+
+
+def record_seconds(redis: Any, cluster: str, *, ready: float, train: float, validate: float, total: float) -> None:
+    """Add a finished session's seconds to the cluster's counters (SESSION_SECONDS). Best effort: a lost count
+    must not fail a session that trained."""
+    try:
+        p = redis.pipeline(transaction=False)
+        for short, v in (("ready", ready), ("train", train), ("validate", validate), ("all", total)):
+            p.hincrbyfloat(state.key(cluster, "counters"), SESSION_SECONDS[short], max(0.0, float(v)))
+        p.execute()
+    except Exception as e:  # noqa: BLE001
+        log.warning("session seconds not counted: %s", e)
+
+
 def run_session(ctx: Any, max_steps: int | None = None) -> dict:
     """Scheduler entry: train on the lent GPU until `ctx.should_continue()` turns False (or `max_steps`)."""
     cfg: TailspecConfig = ctx.tailspec_config()
@@ -311,6 +330,8 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
               f"({trainer.session.partial_steps} cut short) in {res.train_seconds:.2f} s, {res.merges} merges, "
               f"validating {trainer.validate_s:.2f} s, {time.monotonic() - t_start:.2f} s in all; stop: {res.stop_reason}",
               file=sys.stderr, flush=True)
+        record_seconds(r, cfg.cluster.name, ready=t_ready - t_start, train=res.train_seconds,
+                       validate=trainer.validate_s, total=time.monotonic() - t_start)
     finally:
         trainer.close()
         del teacher, trainer

@@ -90,6 +90,12 @@ def test_run_session_trains_until_revoked(redis_client, redis_url, tmp_path, mic
     assert history and history[0].promoted
     current = state.get(redis_client, state.key(cluster, "drafter_current"), DrafterVersion)
     assert current is not None and current.acceptance_length > 1.0
+    # Where the two sessions' seconds went, in the cluster's counters: training steps, the validation the second
+    # one ran, start-up; the parts add up to no more than the whole.
+    c = {k.decode(): float(v) for k, v in redis_client.hgetall(state.key(cluster, "counters")).items()}
+    assert c["session_train_seconds"] > 0 and c["session_validate_seconds"] > 0 and c["session_ready_seconds"] > 0
+    assert c["session_ready_seconds"] + c["session_train_seconds"] + c["session_validate_seconds"] \
+        <= c["session_seconds"] + 1e-6
 
 
 def test_run_session_without_policy_says_so(redis_client, redis_url, tmp_path):

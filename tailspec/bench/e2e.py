@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tailspec.cli import config_from_args
 from tailspec.demo.options import DemoOptions
-from tailspec.demo.report import lent_in_tail, tail_idle_share
+from tailspec.demo.report import lent_in_tail, session_split, tail_idle_share
 from tailspec.tasks.runsum import sample_problems
 
 
@@ -65,6 +65,10 @@ def run(args: argparse.Namespace) -> dict:
               f"({result['frozen_acceptance_change']:+.1%}); alternative style share "
               f"{runs['frozen'][0].alt_style_share:.2f} -> {runs['frozen'][-1].alt_style_share:.2f}, accuracy "
               f"{runs['frozen'][0].accuracy:.2f} -> {runs['frozen'][-1].accuracy:.2f}", file=out)
+    split = result["lent_split_gpu_seconds"]
+    print(f"idle GPU-s that became training steps: {result['training_share']:.2f} (lent {result['lent_gpu_seconds']:.1f}"
+          f": training {split['train']:.1f}, validating {split['validate']:.1f}, start-up {split['ready']:.1f}, "
+          f"merges and stops {split['other']:.1f})", file=out)
     same = result["responses_identical_to_nospec"]
     print(f"verify rule {result['verify_rule']}; steps whose responses are no SD's, token for token: frozen "
           f"{same['frozen']:.0%}, co-trained {same['cotrained']:.0%}", file=out)
@@ -115,7 +119,11 @@ def _lending(co: list, timeline: list[dict]) -> dict:
     idle = sum(r.idle_gpu_seconds for r in co)
     lent = sum(r.lent_gpu_seconds for r in co)
     tail_lent, tail_idle = lent_in_tail([asdict(r) for r in co], timeline)
+    split = session_split([asdict(r) for r in co])
     return {
+        # the goal's figure: idle GPU-seconds that became drafter training (whole optimizer steps), not just lent
+        "training_share": round(split["train"] / idle, 3) if idle else 0.0,
+        "lent_split_gpu_seconds": {k: round(v, 2) for k, v in split.items()},
         "reclaimed_share": round(lent / idle, 3) if idle else 0.0,
         "reclaimed_share_of_tail": round(tail_lent / tail_idle, 3) if tail_idle else 0.0,
         "idle_gpu_seconds": round(idle, 2),

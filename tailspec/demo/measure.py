@@ -18,6 +18,7 @@ from tailspec.demo.protocol import WorkResult
 from tailspec.drafter_trainer.model import Eagle3Module
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.drafter_trainer.validation import validate
+from tailspec.sessions import SESSION_SECONDS
 from tailspec.tasks.runsum import ALT
 
 log = logging.getLogger("tailspec.demo")
@@ -58,6 +59,9 @@ class StepRow:
     # per worker: response lengths, engine set-up and decode seconds; k -> [rows, accepted] over the step
     # (what `tailspec simulate --calibrate` replays)
     worker_lengths: dict[str, list[int]] = field(default_factory=dict)
+    # where the lent GPU-seconds went, by the sessions that ended in the step (tailspec.sessions.SESSION_SECONDS):
+    # ready (start-up), train (whole optimizer steps), validate, and all of it
+    session_seconds: dict[str, float] = field(default_factory=dict)
     worker_setup_s: dict[str, float] = field(default_factory=dict)
     worker_decode_s: dict[str, float] = field(default_factory=dict)
     accepted_by_k: dict[str, list[int]] = field(default_factory=dict)
@@ -130,6 +134,7 @@ def step_row(step: int, mode: str, t: StepTimes, results: list[WorkResult], befo
         train_time_s=t.end - t.train - t.measure_s, measure_s=t.measure_s, wait_sessions_s=t.wait_sessions_s,
         idle_gpu_seconds=after.get("idle_gpu_seconds", 0) - before.get("idle_gpu_seconds", 0),
         lent_gpu_seconds=after.get("lent_gpu_seconds", 0) - before.get("lent_gpu_seconds", 0),
+        session_seconds={short: after.get(name, 0) - before.get(name, 0) for short, name in SESSION_SECONDS.items()},
         drafter_version=drafter_version,
         acceptance_length=tokens / max(fwd, 1), acceptance_frozen=acc_frozen, acceptance_cotrained=acc_co,
         tokens=tokens, rollout_tokens_per_s=tokens / max(t.rollout_s, 1e-9), mean_reward=mean_reward,

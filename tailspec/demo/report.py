@@ -153,6 +153,23 @@ def num(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def session_split(rows: list[dict]) -> dict[str, float]:
+    """The sessions' seconds over the run (ready, train, validate, all), and what none of those covers (merges,
+    the stop, the process's own start and end) as "other"."""
+    total = {k: sum((r.get("session_seconds") or {}).get(k, 0.0) for r in rows) for k in ("ready", "train",
+                                                                                           "validate", "all")}
+    total["other"] = max(0.0, total["all"] - total["ready"] - total["train"] - total["validate"])
+    return total
+
+
+def lent_split(rows: list[dict], idle: float) -> str:
+    s = session_split(rows)
+    share = s["train"] / idle if idle else 0.0
+    return (f"- of that, sessions spent {s['train']:.1f} GPU-s in training steps (**{share:.2f}** of the idle "
+            f"GPU-seconds), {s['validate']:.1f} validating candidates, {s['ready']:.1f} starting up and "
+            f"{s['other']:.1f} merging and stopping")
+
+
 def write_report(run_dir: Path, rows: list[dict], timeline: list[dict], meta: dict) -> Path:
     run_dir = Path(run_dir)
     plots = {
@@ -173,6 +190,7 @@ def write_report(run_dir: Path, rows: list[dict], timeline: list[dict], meta: di
         f"- steps: {len(rows)}; prompts × group per step: {meta.get('prompts_per_step')} × {meta.get('group_size')}",
         f"- idle GPU-seconds in the long tail: {idle:.1f}; lent to drafter training: {lent:.1f} "
         f"(reclaimed share {lent / idle if idle else 0:.2f})",
+        *([lent_split(rows, idle)] if any(r.get("session_seconds") for r in rows) else []),
         f"- long-tail idle share of the rollouts' GPU-seconds (workers' clocks): "
         f"{tail_idle_share(rows):.2f}",
     ]
