@@ -43,11 +43,24 @@ def _digest(module) -> dict:
     return {"sha256": h.hexdigest(), "tensors": n, "nonempty": nonempty}
 
 
+def draft_model(runner):
+    """The live draft model of a vLLM model runner. vLLM 0.32 has `get_draft_model()`; before it (verl 0.9.1 pins
+    vLLM 0.24, OpenRLHF 0.11.2 0.29) the runner's proposer holds it as `drafter.model`, wrapped by a CUDA graph
+    wrapper when captured (`unwrap()`), which is what `get_draft_model` itself returns. None without a draft model
+    (ngram, or no speculation)."""
+    get = getattr(runner, "get_draft_model", None)
+    if callable(get):
+        return get()
+    model = getattr(getattr(runner, "drafter", None), "model", None)
+    unwrap = getattr(model, "unwrap", None)
+    return unwrap() if callable(unwrap) else model
+
+
 class TailspecWorkerExtension:
     """Methods vLLM mixes into its worker (`self` is the worker: `self.model_runner`, `self.vllm_config`)."""
 
     def _tailspec_draft_model(self):
-        model = self.model_runner.get_draft_model()
+        model = draft_model(self.model_runner)
         if model is None:
             raise RuntimeError("this LLM has no draft model to reload (speculative method ngram or none)")
         return model

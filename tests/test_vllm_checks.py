@@ -173,3 +173,19 @@ def test_counters_from_metrics():
     assert c.acceptance_length == pytest.approx(2.2) and c.mean_k == 3.0 and c.acceptance_rate == pytest.approx(0.4)
     d = c - vb.SpecCounters(4, 12, 2, [1, 1, 0])
     assert (d.drafts, d.draft_tokens, d.accepted_tokens, d.accepted_per_pos) == (6, 18, 10, [5, 3, 2])
+
+
+def test_the_draft_model_is_found_on_vllm_runners_with_and_without_get_draft_model():
+    """vLLM 0.32's runner has `get_draft_model()`; 0.24 (verl 0.9.1's pin) and 0.29 keep the model on the proposer,
+    wrapped when CUDA graphs captured it. Checked against stand-ins of both shapes (the attribute names read
+    from vLLM 0.24's gpu_model_runner.py and compilation/cuda_graph.py)."""
+    from types import SimpleNamespace
+
+    from tailspec.rollout.vllm_worker_ext import draft_model
+
+    m = object()
+    assert draft_model(SimpleNamespace(get_draft_model=lambda: m)) is m
+    assert draft_model(SimpleNamespace(drafter=SimpleNamespace(model=m))) is m
+    wrapped = SimpleNamespace(unwrap=lambda: m)
+    assert draft_model(SimpleNamespace(drafter=SimpleNamespace(model=wrapped))) is m
+    assert draft_model(SimpleNamespace(drafter=None)) is None and draft_model(SimpleNamespace()) is None
