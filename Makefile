@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: demo test install install-test redis browser clean bench vllm-env test-vllm test-deepspeed test-faults test-verl \
-	test-openrlhf
+	test-openrlhf test-trl-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -79,6 +79,23 @@ vllm-env: $(VLLM_STAMP)
 
 test-vllm: vllm-env redis
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm_*.py
+
+# TRL's GRPOTrainer generating with its colocated vLLM engine and tailspec's drafter (tests/test_integration_trl_vllm.py,
+# marked `vllm`; ~3 min on 2 cores): the vLLM CPU venv's python, TRL and what its imports need that venv lacks in a
+# folder of their own. The folder's path must contain "site-packages": dill (under `datasets`' fingerprints) pickles
+# any module outside such a path by value, and pyarrow cannot be.
+TRL_VLLM_DIR := .trl-vllm-deps/site-packages
+TRL_VLLM_STAMP := .trl-vllm-deps/.installed
+TRL_VLLM_DEPS := trl==1.16.0 accelerate==1.15.0 datasets==5.2.0 multiprocess==0.70.19 pyarrow==26.0.1 xxhash==4.1.0 \
+	pandas==3.1.1 python-dateutil==4.0.0 six==1.17.0 pytz==2026.6 tzdata==2026.6
+
+$(TRL_VLLM_STAMP): $(VLLM_STAMP)
+	rm -rf .trl-vllm-deps
+	$(VLLM_VENV)/bin/pip install -q --no-deps --target $(TRL_VLLM_DIR) $(TRL_VLLM_DEPS)
+	touch $@
+
+test-trl-vllm: $(TRL_VLLM_STAMP) redis
+	PYTHONPATH=$(TRL_VLLM_DIR) $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_integration_trl_vllm.py
 
 # The DeepSpeed backend's test (ZeRO-2 + CPU optimizer offload on gloo) needs the `deepspeed` extra, which
 # `make test` leaves out: it is a large install and its first run builds ops (minutes on 2 cores).

@@ -26,6 +26,11 @@ Subclass plus callback, no fork and nothing replaced at run time: the subclass w
 originals unchanged, and reads nothing from the RNG, so an attached run trains exactly as an unattached one with
 the same seed (tests/test_integration_trl.py compares the loss curves). Where TRL generates with vLLM the hook
 sees no decoding step: progress is reported at generation start and end only.
+
+With vLLM (`use_vllm=True`, colocate mode) and `drafter_path` given, TRL's engine speculates with tailspec's
+EAGLE-3 drafter, loads each promoted version between two generation calls and runs the health guard on its
+counters (tailspec.integrations.trl_vllm: how the engine's arguments get in, and the weight sync vLLM's CPU build
+needs).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +47,13 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
+from tailspec.integrations.framework import CallWindow, started_version
 from tailspec.integrations.policy import PolicyPublisher
 from tailspec.integrations.progress import FinishedCounter
+from tailspec.integrations.trl_vllm import TrlVllm, cpu_weight_sync, engine_arguments
+from tailspec.integrations.vllm import export_version
+from tailspec.rollout.health_guard import GuardPolicy
+from tailspec.rollout.vllm_live import LiveVllm
 from tailspec.scheduler.client import ReclaimWait, TailspecClient
 
 log = logging.getLogger(__name__)
@@ -58,11 +69,12 @@ class AttachStats:
     samples_dropped: int = 0  # refused by the client (queue full) or with a NaN reward
     published: list[int] = field(default_factory=list)  # policy versions this process published
     progress_reports: int = 0
+    verdicts: list[dict] = field(default_factory=list)  # the health guard's, with TRL's vLLM engine
 
     def to_dict(self) -> dict:
         return {"waits": self.waits, "optimizer_steps": self.optimizer_steps, "samples": self.samples,
                 "samples_dropped": self.samples_dropped, "published": self.published,
-                "progress_reports": self.progress_reports}
+                "progress_reports": self.progress_reports, "verdicts": self.verdicts}
 
 
 class TailspecAttach:
@@ -71,7 +83,11 @@ class TailspecAttach:
 
     def __init__(self, client: TailspecClient, policy_root: str | Path, *, worker: str | None = None,
                  gpus: list[int] | None = None, reclaim_timeout_s: float = 30.0, publish_every: int = 1,
-                 keep_policies: int = 3, release_memory: bool = True, report_every_s: float = 0.05):
+                 keep_policies: int = 3, release_memory: bool = True, report_every_s: float = 0.05,
+                 drafter_path: str | Path | None = None, drafter_version: int | None = None, drafter_k: int = 4,
+                 guard: GuardPolicy | None = GuardPolicy()):
+        # drafter_*: with `use_vllm` (colocate), TRL's engine speculates with this EAGLE-3 export (lineage version
+        # `drafter_version`, if it is one) and follows the promoted versions; `guard`: the health guard (None: off)
         if publish_every < 1:
             raise ValueError(f"publish_every must be >= 1, got {publish_every}")
         if reclaim_timeout_s <= 0:
@@ -81,6 +97,8 @@ class TailspecAttach:
         self.worker, self.gpus = worker, gpus
         self.reclaim_timeout_s, self.publish_every = reclaim_timeout_s, publish_every
         self.release_memory, self.report_every_s = release_memory, report_every_s
+        self.drafter_path, self.drafter_version, self.drafter_k = drafter_path, drafter_version, drafter_k
+        self.guard = guard
         self.stats = AttachStats()
 
     @classmethod
@@ -127,8 +145,13 @@ class TailspecGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` with tailspec attached (see the module doc). Every argument but `tailspec` is TRL's."""
 
     def __init__(self, *args: Any, tailspec: TailspecAttach, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+        grpo = kwargs.get("args", args[2] if len(args) > 2 else None)
+        speculate = tailspec.drafter_path is not None and bool(getattr(grpo, "use_vllm", False))
+        with engine_arguments(tailspec.drafter_path, tailspec.drafter_k) if speculate else nullcontext():
+            super().__init__(*args, **kwargs)
         self.tailspec = tailspec
+        self.live: LiveVllm | None = None
+        self._window: CallWindow | None = None
         acc = self.accelerator
         if tailspec.worker is None:
             tailspec.worker = f"{tailspec.client.node}-rank{acc.process_index}"
@@ -139,6 +162,35 @@ class TailspecGRPOTrainer(GRPOTrainer):
         self._rollout_version: int | None = None
         self._rollout_prompt_ids: list[list[int]] | None = None
         self.add_callback(_TailspecCallback(self))
+        if speculate:
+            self._attach_engine()
+
+    def _attach_engine(self) -> None:
+        """The promotion watcher and the guard over TRL's colocated engine (tailspec.integrations.trl_vllm)."""
+        ts, gen = self.tailspec, self.vllm_generation
+        cpu_weight_sync(gen)
+        target = TrlVllm(lambda: gen.llm, self.model.name_or_path, ts.drafter_path, ts.drafter_k,
+                         max_num_seqs=int(getattr(self.args, "vllm_max_num_seqs", None) or 256))
+        c = ts.client
+        self.live = LiveVllm(target, redis=c.r, cluster=c.cluster, prepare=export_version,
+                             version=started_version(c, c.cluster, ts.drafter_version),
+                             worker=f"{ts.worker or c.node}-vllm", guard=ts.guard)
+        self._window = CallWindow(target) if ts.guard is not None else None
+        self._synced_step = self.state.global_step
+
+    def _before_vllm_rollout(self) -> None:
+        """Between two generation calls: the guards re-armed when an optimizer step moved the weights TRL syncs
+        next; a pending rollback, a promoted version; the counters' first read."""
+        if self.state.global_step != self._synced_step:
+            self.live.synced(self.state.global_step, "policy_sync")
+            self._synced_step = self.state.global_step
+        self.live.between_calls()
+        if self._window is not None:
+            self._window.begin()
+
+    def _after_vllm_rollout(self) -> None:
+        if self._window is not None:
+            self.tailspec.stats.verdicts += [asdict(v) for v in self.live.observe_engines(self._window.end())]
 
     # -- policy -------------------------------------------------------------------------------------
     def _publish_policy(self, version: int) -> None:
@@ -175,9 +227,13 @@ class TailspecGRPOTrainer(GRPOTrainer):
         self._report(len(prompt_ids), 0, len(prompt_ids), mem_released=False)
         counter = FinishedCounter(lambda a, f, t: self._report(a, f, t, mem_released=False), self._stop_ids,
                                   every_s=ts.report_every_s)
+        if self.live is not None:
+            self._before_vllm_rollout()
         with counter.attach(self.accelerator.unwrap_model(self.model)):
             out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                 has_tool_images)
+        if self.live is not None:
+            self._after_vllm_rollout()
         free = None
         if torch.cuda.is_available() and ts.release_memory:
             torch.cuda.empty_cache()
