@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import Counter
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tailspec.core import state
@@ -36,6 +38,7 @@ from tailspec.drafter_trainer.lineage import Fence, Lineage
 from tailspec.drafter_trainer.loss import StopRequested
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
 from tailspec.drafter_trainer.session import SessionResult, TrainingSession
+from tailspec.drafter_trainer.model import default_aux_layer_ids
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.drafter_trainer.versions import VersionStore
 from tailspec.scheduler.telemetry import free_memory
@@ -300,6 +303,44 @@ def record_seconds(redis: Any, cluster: str, *, ready: float, train: float, vali
         log.warning("session seconds not counted: %s", e)
 
 
+# The teacher module a warm session process keeps between sessions (on the host), by (config.json, dtype).
+_KEPT: dict[str, tuple[tuple[str, str], torch.nn.Module]] = {}
+
+
+def load_teacher(path: str | Path, device: str, dtype: torch.dtype, policy_version: int) -> Teacher:
+    """The policy at `path` as this session's teacher. A warm session process serves one lend after another,
+    each with the newest policy: when the previous session's teacher module has the same config.json, only the
+    new weights are loaded into it (in place, so tied weights stay tied). Building the modules is most of a
+    small policy's `from_pretrained` (the deep preset on one core: 87 ms of it, the weights 12 ms), and that came
+    out of every lend; a large policy's load is its weights either way (and on a GPU nothing is kept:
+    `keep_teacher`). A checkpoint in several files, or one whose tensors do not match the module, is loaded by
+    `from_pretrained`."""
+    path = Path(path)
+    key = ((path / "config.json").read_text(), str(dtype))
+    kept = _KEPT.pop("teacher", None)
+    weights = path / "model.safetensors"
+    if kept is not None and kept[0] == key and weights.is_file():
+        model = kept[1]
+        missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
+        ptrs = Counter(t.data_ptr() for t in model.state_dict().values())
+        tied = {k for k, t in model.state_dict().items() if ptrs[t.data_ptr()] > 1}  # lm_head tied to the embedding
+        if not unexpected and set(missing) <= tied:
+            model.to(device)
+            ids = default_aux_layer_ids(model.config.num_hidden_layers)
+            return Teacher(model, ids, policy_version, str(path))
+    return Teacher.from_dir(path, device=device, dtype=dtype, policy_version=policy_version)
+
+
+def keep_teacher(teacher: Teacher) -> None:
+    """Keep this session's teacher module for the next session of this process, where it ran on the host. A
+    teacher on a GPU is not kept: copying it to the host would lengthen the stop, and the GPU's memory is all
+    given back."""
+    if teacher.path is None or teacher.device.type != "cpu":
+        return
+    dtype = next(teacher.model.parameters()).dtype
+    _KEPT["teacher"] = (((Path(teacher.path) / "config.json").read_text(), str(dtype)), teacher.model)
+
+
 def run_session(ctx: Any, max_steps: int | None = None) -> dict:
     """Scheduler entry: train on the lent GPU until `ctx.should_continue()` turns False (or `max_steps`)."""
     cfg: TailspecConfig = ctx.tailspec_config()
@@ -316,7 +357,7 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
     device, dtype = device_and_dtype()
     if not fits(ctx, cfg, phase.policy_path, dtype):
         return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": ctx.stop_reason, "stop_latency_s": 0.0}
-    teacher = Teacher.from_dir(phase.policy_path, device=device, dtype=dtype, policy_version=phase.policy_version)
+    teacher = load_teacher(phase.policy_path, device, dtype, phase.policy_version)
     if not ctx.should_continue():
         return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": "should_continue", "stop_latency_s": 0.0}
     trainer = Contributor(cfg, teacher, make_buffer(cfg), redis=r, should_continue=ctx.should_continue,
@@ -334,6 +375,7 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
                        validate=trainer.validate_s, total=time.monotonic() - t_start)
     finally:
         trainer.close()
+        keep_teacher(teacher)
         del teacher, trainer
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

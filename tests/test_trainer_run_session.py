@@ -13,7 +13,7 @@ from tailspec.scheduler.session import SessionContext
 
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
-from tailspec.core.state import DrafterVersion, LineageHead, PhaseInfo, SessionInfo
+from tailspec.core.state import DrafterVersion, LineageHead, PhaseInfo, Sample, SessionInfo
 from tailspec.sessions import run_session
 
 torch.set_num_threads(1)
@@ -129,3 +129,27 @@ def test_one_validation_at_a_time_and_only_its_holder_releases_it(redis_client):
     assert 0 < redis_client.pttl(state.key("c", "drafter_validating")) <= 30_000  # a killed holder's claim expires
     assert release_validation(redis_client, "c", "node0-g1-t4")
     assert claim_validation(redis_client, "c", 18, "node0-g2-t5")
+
+
+def test_a_warm_process_reuses_its_teacher_module_with_the_new_weights(tmp_path):
+    """A warm session process keeps the last teacher module (on the host) and loads the next policy's weights into
+    it: the same outputs as that policy loaded afresh (the independent reference), bit for bit."""
+    from tailspec.bench.vllm import perturbed_policy
+    from tailspec.drafter_trainer.teacher import Teacher, collate
+    from tailspec.sessions import _KEPT, keep_teacher, load_teacher
+    from tailspec.tasks.policy import get_policy
+
+    _KEPT.clear()
+    p0 = get_policy("tiny", progress=False)
+    p1 = perturbed_policy(p0, tmp_path / "p1", scale=0.2)  # the next policy version: same config, new weights
+    t0 = load_teacher(p0, "cpu", torch.float32, 0)
+    keep_teacher(t0)
+    t1 = load_teacher(p1, "cpu", torch.float32, 1)
+    assert t1.model is t0.model and t1.policy_version == 1 and t1.path == str(p1)
+    batch = collate([Sample(prompt_ids=[1, 5, 6, 7], response_ids=[8, 9, 10, 2], reward=1.0, policy_version=1)])
+    got, ref = t1(batch), Teacher.from_dir(p1, aux_layer_ids=t1.aux_layer_ids)(batch)
+    assert torch.equal(got.logits, ref.logits) and torch.equal(got.aux, ref.aux)
+    assert not torch.equal(got.logits, Teacher.from_dir(p0)(batch).logits)  # the weights really moved
+    keep_teacher(t1)
+    other = load_teacher(get_policy("micro", progress=False), "cpu", torch.float32, 0)  # another config: built anew
+    assert other.model is not t1.model and "teacher" not in _KEPT
