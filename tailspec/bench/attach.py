@@ -3,12 +3,14 @@
 Runs `tailspec.integrations.trl_example` under torchrun (one rank per simulated GPU, each pinned to its GPU's
 share of the cores) three times with the same seed: unattached; attached with the scheduler lending drained
 GPUs to drafter-training sessions; attached with lending off (the hooks, policy publishing and the
-reclaim wait alone). Figures:
-- `attach_overhead`: mean optimizer-step time attached (lending on) / unattached − 1. On simulated GPUs a lent
-  session computes on its GPU's cores, which the waiting rank shares; on real GPUs it would not;
+reclaim wait alone); `--repeats` times in turn (default 3: one run's step time moves ±10% on this machine).
+Figures:
+- `attach_overhead`: the median over repeats of mean optimizer-step time attached (lending on) / unattached − 1
+  within the repeat (`attach_overhead_runs`: each repeat's). On simulated GPUs a lent session computes on its
+  GPU's cores, which the waiting rank shares; on real GPUs it would not;
 - `attach_overhead_no_lend`: the same with lending off;
 - `idle_gpu_seconds`, `lent_gpu_seconds`, `reclaimed_share` (lent / idle): the scheduler's counters over the
-  attached run;
+  attached runs;
 - `wait_reclaimed_p99_s`: the 99th percentile of `wait_reclaimed` over every rank's steps;
 - `loss_curves_equal`: TRL's logged losses attached and unattached are identical.
 """
@@ -20,6 +22,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", choices=["task", "tails"], default="tails")
     p.add_argument("--policy", default="tiny")
     p.add_argument("--redis", default=None, help="Redis URL (default: a private redis-server)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="unattached / lending on / lending off, this many times in turn (one run spans ±10%% here)")
 
 
 def scheduler_config(url: str, cluster: str, shared: Path, gpus: int, lend: bool = True) -> TailspecConfig:
@@ -169,41 +174,59 @@ def run(args: argparse.Namespace) -> dict:
     r = redis.Redis.from_url(url)
     try:
         print(f"bench attach: TRL GRPOTrainer, {args.ranks} ranks, {args.steps} steps, policy {args.policy}, "
-              f"dataset {args.dataset}, seed {args.seed}", file=out)
-        base = run_trl(work / "plain.json", **kw)
-        print(f"  unattached: {step_seconds(base[0]):.3f} s/step", file=out)
-        runs = {}
-        for lend in (True, False):
-            cluster = f"attach-{'lend' if lend else 'nolend'}"
-            shared = work / cluster
-            cfg = scheduler_config(url, cluster, shared, args.ranks, lend=lend)
-            with local_scheduler(cfg, shared / "logs"):
-                summ = run_trl(work / f"{cluster}.json", url=url, cluster=cluster, shared=shared, **kw)
-            counters = {k.decode(): float(v) for k, v in r.hgetall(state.key(cluster, "counters")).items()}
-            runs[lend] = (summ, counters)
-            print(f"  attached, lending {'on ' if lend else 'off'}: {step_seconds(summ[0]):.3f} s/step, idle "
-                  f"{counters.get('idle_gpu_seconds', 0):.2f} GPU-s, lent {counters.get('lent_gpu_seconds', 0):.2f} "
-                  f"GPU-s, sessions {int(counters.get('sessions_started', 0))}", file=out)
-        (att, c), (nolend, _) = runs[True], runs[False]
-        waits = [w["waited_s"] for s in att for w in s["tailspec"]["waits"]]
-        idle, lent = c.get("idle_gpu_seconds", 0.0), c.get("lent_gpu_seconds", 0.0)
-        result = {
-            "device": machine(), "ranks": args.ranks, "steps": args.steps, "seed": args.seed,
-            "dataset": args.dataset, "policy": args.policy, "telemetry": "simulated",
-            "step_s_unattached": step_seconds(base[0]), "step_s_attached": step_seconds(att[0]),
-            "step_s_attached_no_lend": step_seconds(nolend[0]),
-            "attach_overhead": step_seconds(att[0]) / step_seconds(base[0]) - 1,
-            "attach_overhead_no_lend": step_seconds(nolend[0]) / step_seconds(base[0]) - 1,
-            "idle_gpu_seconds": idle, "lent_gpu_seconds": lent, "reclaimed_share": lent / idle if idle else 0.0,
-            "wait_reclaimed_p99_s": _p99(waits), "wait_reclaimed_max_s": max(waits, default=0.0),
-            "sessions": int(c.get("sessions_started", 0)), "samples": sum(s["tailspec"]["samples"] for s in att),
-            "loss_curves_equal": losses(base[0]) == losses(att[0]) == losses(nolend[0]),
-        }
-        print(f"  overhead {result['attach_overhead']:+.1%} (lending off {result['attach_overhead_no_lend']:+.1%}), "
-              f"reclaimed {result['reclaimed_share']:.0%} of {idle:.2f} idle GPU-s, wait_reclaimed p99 "
+              f"dataset {args.dataset}, seed {args.seed}, {args.repeats} repeats", file=out)
+        reps = [_repeat(i, r, url, work, args.ranks, kw, out) for i in range(args.repeats)]
+        result = {"device": machine(), "ranks": args.ranks, "steps": args.steps, "seed": args.seed,
+                  "dataset": args.dataset, "policy": args.policy, "telemetry": "simulated", "repeats": args.repeats,
+                  **summarize(reps)}
+        print(f"  overhead, median of {args.repeats}: {result['attach_overhead']:+.1%} (runs "
+              + " / ".join(f"{x:+.1%}" for x in result["attach_overhead_runs"])
+              + f"); lending off {result['attach_overhead_no_lend']:+.1%}; reclaimed {result['reclaimed_share']:.0%} "
+              f"of {result['idle_gpu_seconds']:.2f} idle GPU-s, wait_reclaimed p99 "
               f"{result['wait_reclaimed_p99_s']:.3f} s, loss curves equal: {result['loss_curves_equal']}", file=out)
         return result
     finally:
         r.close()
         if server is not None:
             server.stop()
+
+
+def _repeat(i: int, r, url: str, work: Path, ranks: int, kw: dict, out) -> dict:
+    """One repeat: the unattached run, then attached with lending on and off, one after another (the three are
+    compared within a repeat: the machine's drift between repeats stays out of each ratio)."""
+    base = run_trl(work / f"plain-{i}.json", **kw)
+    got = {"base": base}
+    for lend in (True, False):
+        cluster = f"attach-{'lend' if lend else 'nolend'}-{i}"
+        shared = work / cluster
+        with local_scheduler(scheduler_config(url, cluster, shared, ranks, lend=lend), shared / "logs"):
+            summ = run_trl(work / f"{cluster}.json", url=url, cluster=cluster, shared=shared, **kw)
+        got["lend" if lend else "nolend"] = summ
+        if lend:
+            got["counters"] = {k.decode(): float(v) for k, v in r.hgetall(state.key(cluster, "counters")).items()}
+    print(f"  repeat {i + 1}: unattached {step_seconds(base[0]):.3f} s/step, lending on "
+          f"{step_seconds(got['lend'][0]):.3f}, off {step_seconds(got['nolend'][0]):.3f}", file=out)
+    return got
+
+
+def summarize(reps: list[dict]) -> dict:
+    """Medians over repeats of the step times and of each repeat's own overheads; lending figures summed."""
+    base = [step_seconds(x["base"][0]) for x in reps]
+    att = [step_seconds(x["lend"][0]) for x in reps]
+    nolend = [step_seconds(x["nolend"][0]) for x in reps]
+    idle = sum(x["counters"].get("idle_gpu_seconds", 0.0) for x in reps)
+    lent = sum(x["counters"].get("lent_gpu_seconds", 0.0) for x in reps)
+    waits = [w["waited_s"] for x in reps for s in x["lend"] for w in s["tailspec"]["waits"]]
+    over = [a / b - 1 for a, b in zip(att, base)]
+    over_off = [a / b - 1 for a, b in zip(nolend, base)]
+    return {
+        "step_s_unattached": statistics.median(base), "step_s_attached": statistics.median(att),
+        "step_s_attached_no_lend": statistics.median(nolend),
+        "attach_overhead": statistics.median(over), "attach_overhead_runs": over,
+        "attach_overhead_no_lend": statistics.median(over_off), "attach_overhead_no_lend_runs": over_off,
+        "idle_gpu_seconds": idle, "lent_gpu_seconds": lent, "reclaimed_share": lent / idle if idle else 0.0,
+        "wait_reclaimed_p99_s": _p99(waits), "wait_reclaimed_max_s": max(waits, default=0.0),
+        "sessions": int(sum(x["counters"].get("sessions_started", 0) for x in reps)),
+        "samples": sum(s["tailspec"]["samples"] for x in reps for s in x["lend"]),
+        "loss_curves_equal": all(losses(x["base"][0]) == losses(x["lend"][0]) == losses(x["nolend"][0]) for x in reps),
+    }
