@@ -321,7 +321,11 @@ def load_teacher(path: str | Path, device: str, dtype: torch.dtype, policy_versi
     weights = path / "model.safetensors"
     if kept is not None and kept[0] == key and weights.is_file():
         model = kept[1]
-        missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
+        except (RuntimeError, OSError) as e:  # a tensor of another shape, a torn file: load it the plain way
+            log.warning("teacher weights not loaded into the kept module (%s); loading %s afresh", e, path)
+            missing, unexpected = [], ["?"]
         ptrs = Counter(t.data_ptr() for t in model.state_dict().values())
         tied = {k for k, t in model.state_dict().items() if ptrs[t.data_ptr()] > 1}  # lm_head tied to the embedding
         if not unexpected and set(missing) <= tied:

@@ -169,12 +169,12 @@ class TailspecGRPOTrainer(GRPOTrainer):
         """The promotion watcher and the guard over TRL's colocated engine (tailspec.integrations.trl_vllm)."""
         ts, gen = self.tailspec, self.vllm_generation
         cpu_weight_sync(gen)
+        name = f"{ts.worker}-vllm"  # the worker name of its guard verdicts
         target = TrlVllm(lambda: gen.llm, self.model.name_or_path, ts.drafter_path, ts.drafter_k,
-                         max_num_seqs=int(getattr(self.args, "vllm_max_num_seqs", None) or 256))
+                         max_num_seqs=int(getattr(self.args, "vllm_max_num_seqs", None) or 256), name=name)
         c = ts.client
         self.live = LiveVllm(target, redis=c.r, cluster=c.cluster, prepare=export_version,
-                             version=started_version(c, c.cluster, ts.drafter_version),
-                             worker=f"{ts.worker or c.node}-vllm", guard=ts.guard)
+                             version=started_version(c, c.cluster, ts.drafter_version), worker=name, guard=ts.guard)
         self._window = CallWindow(target) if ts.guard is not None else None
         self._synced_step = self.state.global_step
 

@@ -34,8 +34,6 @@ from typing import Any
 from tailspec.integrations.framework import RemoteEngines, drafter_speculative_config
 from tailspec.rollout.vllm_backend import WORKER_EXTENSION, SpecCounters, process_counters
 
-ENGINE = "trl-vllm"  # the counters' name for the one engine of this process
-
 
 @contextmanager
 def engine_arguments(drafter_path: str | Path, k: int) -> Iterator[None]:
@@ -81,12 +79,13 @@ def cpu_weight_sync(generation: Any) -> bool:
 
 class TrlVllm(RemoteEngines):
     """TRL's colocated `LLM` (read through `llm()` at each use) as `LiveVllm`'s reload target: a reload goes through
-    `collective_rpc` into its worker, then a prefix-cache reset; the counters are this process's."""
+    `collective_rpc` into its worker, then a prefix-cache reset; the counters are this process's, under `name`
+    (the worker name its guard verdicts are recorded as)."""
 
     def __init__(self, llm: Callable[[], Any], policy_dir: str | Path, drafter_path: str | Path, k: int,
-                 max_num_seqs: int = 256):
+                 max_num_seqs: int = 256, name: str = "trl-vllm"):
         super().__init__(lambda refs: refs, policy_dir, drafter_path, k, max_num_seqs)
-        self.llm = llm
+        self.llm, self.name = llm, name
 
     def _send(self, path: Path) -> dict:
         llm = self.llm()
@@ -95,7 +94,7 @@ class TrlVllm(RemoteEngines):
         return {"workers": len(res), "loaded": [r.get("loaded") for r in res]}
 
     def handles(self) -> dict[str, Any]:
-        return {ENGINE: None}
+        return {self.name: None}
 
     def counters(self) -> dict[str, SpecCounters]:
-        return {ENGINE: SpecCounters.from_dict(process_counters())}
+        return {self.name: SpecCounters.from_dict(process_counters())}
