@@ -6,7 +6,8 @@ every rollout worker while it decodes (and `mem_released=True` once it gave its 
 `set_phase("train")` and `wait_reclaimed()` before the update, `submit_samples` with the framework's rewards.
 This package holds what every framework needs around those calls (`policy`: publishing the policy as a whole
 directory on a shared filesystem; `progress`: counting finished sequences at every decoding step) and the
-adapter for one framework, TRL's `GRPOTrainer` (`trl`, needs the `trl` extra).
+adapters: TRL's `GRPOTrainer` (`trl`, needs the `trl` extra; `trl_vllm`: its colocated vLLM engine with tailspec's
+drafter), verl (`verl*`) and OpenRLHF (`openrlhf*`), with what those two share in `framework`.
 
 Integrations are part of the trunk's roof: they may import every component; no component imports them.
 """
