@@ -150,7 +150,19 @@ class VersionStore:
             if cur is not None:
                 return cur
         f = self.root / "CURRENT"
-        return _read_version(f) if f.is_file() else None
+        if not f.is_file():
+            return None
+        info = _read_version(f)
+        # CURRENT is a copy of a version's record: one that names another version than the record in the
+        # directory it points to is damaged, however well-formed (a flipped digit in `version`)
+        # (a damaged record there is that version's problem, judged when it is loaded)
+        try:
+            own = _read_version(Path(info.path) / "version.json")
+        except (DrafterFileError, OSError):
+            return info
+        if own.version != info.version:
+            raise DrafterFileError(f"{f}: records version {info.version}, but {info.path} is version {own.version}")
+        return info
 
     def history(self) -> list[DrafterVersion]:
         """Every recorded version, oldest first; a damaged entry is skipped (logged, naming it): the history

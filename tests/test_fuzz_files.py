@@ -436,3 +436,16 @@ def test_huge_config_is_refused_before_allocating(good, tmp_path):
         load_checkpoint(ck / "ckpt-00000002")
     assert time.monotonic() - t < 5
     assert math.isfinite(load_latest(ck).step)
+
+
+def test_a_current_pointer_naming_another_version_is_refused(good, tmp_path):
+    """The case a fuzz run found: CURRENT well-formed, its `version` changed (10**30), its path still v00002. It
+    names another version than the record in that directory, so it is refused as damaged rather than handed
+    out as version 10**30 with v2's weights."""
+    root, _ = good
+    ver = fresh(root, tmp_path, "ver")
+    rec = json.loads((ver / "CURRENT").read_text())
+    rec["version"] = 10**30
+    (ver / "CURRENT").write_text(json.dumps(rec))
+    with pytest.raises(DrafterFileError, match="CURRENT: records version 1000000000000000000000000000000"):
+        VersionStore(ver).load()
