@@ -147,3 +147,26 @@ def test_a_run_hung_in_teardown_after_its_summaries_is_killed_and_used(tmp_path,
     with pytest.raises(RuntimeError, match="still going"):
         attach._wait(proc, [tmp_path / "never.json"], 1.0, log)
     assert proc.poll() is not None
+
+
+def test_a_run_that_crashes_in_teardown_after_its_summaries_is_used(tmp_path, monkeypatch):
+    """A rank aborting after every summary was written (seen once in CI: 'terminate called without an active
+    exception', SIGABRT, after TRL's last step): the summaries are used; with a summary torn, the run's failure
+    is raised, naming the log. The launcher is replaced by a script that writes the summary and aborts."""
+    import sys
+
+    from tailspec.bench import attach
+
+    out, fake, py = tmp_path / "run.json", tmp_path / "fake_run.py", tmp_path / "py"
+    fake.write_text("import json, os, sys\n"
+                    "out = sys.argv[sys.argv.index('--out') + 1]\n"
+                    "open(out, 'w').write('{\"rank\"' if os.environ.get('TORN') else json.dumps({'rank': 0}))\n"
+                    "os.abort()\n")
+    py.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} \"$@\"\n")
+    py.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(py))
+    kw = {"ranks": 1, "steps": 1, "seed": 0, "dataset": "task", "policy": "tiny", "timeout_s": 30.0}
+    assert attach.run_trl(out, **kw) == [{"rank": 0}]
+    monkeypatch.setenv("TORN", "1")
+    with pytest.raises(RuntimeError, match="TRL run failed"):
+        attach.run_trl(out, **kw)

@@ -88,7 +88,8 @@ def run_trl(out: Path, *, ranks: int, steps: int, seed: int, dataset: str, polic
     tail, where every rank printed its stacks shortly before (--stack-dump-after): a hang names its place.
     A run whose every rank wrote its summary but did not exit within TEARDOWN_GRACE_S is killed and its summaries
     used, with a warning: on a loaded machine a rank has hung in interpreter teardown (no Python frame left,
-    a native destructor) after its work was done and written."""
+    a native destructor) after its work was done and written. So are the summaries of a run that crashed there
+    (a rank aborted after the last summary was written)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
            str(_free_port()), "-m", "tailspec.integrations.trl_example", "--steps", str(steps), "--seed", str(seed),
            "--dataset", dataset, "--policy", policy, "--pin-cores", "--out", str(out),
@@ -103,8 +104,23 @@ def run_trl(out: Path, *, ranks: int, steps: int, seed: int, dataset: str, polic
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         rc = _wait(proc, paths, timeout_s, log)
     if rc != 0:
-        raise RuntimeError(f"TRL run failed (exit {rc}); last lines of {log}:\n{_tail(log, 30)}")
+        done = _summaries(paths)
+        if done is None:
+            raise RuntimeError(f"TRL run failed (exit {rc}); last lines of {log}:\n{_tail(log, 30)}")
+        # every rank wrote its whole summary (its last act) before a rank died: a crash in interpreter teardown
+        # (a native destructor: "terminate called without an active exception", SIGABRT), after the work was done
+        print(f"warning: the run exited {rc} after every rank had written its summary (a crash in teardown); "
+              f"summaries used. Log: {log}", file=sys.stderr)
+        return done
     return [json.loads(p.read_text()) for p in paths]
+
+
+def _summaries(paths: list[Path]) -> list[dict] | None:
+    """Every rank's summary, or None if one is missing or not whole JSON."""
+    try:
+        return [json.loads(p.read_text()) for p in paths]
+    except (OSError, ValueError):
+        return None
 
 
 TEARDOWN_GRACE_S = 30.0
