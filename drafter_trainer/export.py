@@ -154,7 +154,10 @@ def load_export(path: str | Path, target_embedding: nn.Module | None = None) -> 
         raise DrafterFileError(f"{cfg_file}: no tailspec section (not exported by tailspec)")
     cfg, expect = Eagle3Module.from_meta(cfg_file, {"format_version": FORMAT_VERSION,
                                                          "config": ours.get("drafter_config")})
-    dtype = _DTYPES.get(config.get("torch_dtype"), torch.float32)
+    name = config.get("torch_dtype")
+    if name is not None and not (isinstance(name, str) and name in _DTYPES):
+        raise DrafterFileError(f"{cfg_file}: torch_dtype {str(name)[:40]!r} is none of {sorted(_DTYPES)}")
+    dtype = _DTYPES.get(name, torch.float32)
     if cfg.draft_vocab_size == cfg.vocab_size:  # full vocabulary: identity maps, not shipped
         expect = {k: v for k, v in expect.items() if k not in ("d2t", "t2d")}
     check_crc(w_file, ours.get("weights_crc32"))

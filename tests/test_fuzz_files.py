@@ -449,3 +449,16 @@ def test_a_current_pointer_naming_another_version_is_refused(good, tmp_path):
     (ver / "CURRENT").write_text(json.dumps(rec))
     with pytest.raises(DrafterFileError, match="CURRENT: records version 1000000000000000000000000000000"):
         VersionStore(ver).load()
+
+
+def test_an_export_whose_torch_dtype_is_not_a_dtype_name_is_refused(good, tmp_path):
+    """The case a fuzz run found: config.json's torch_dtype replaced by a list crashed the loader with a TypeError
+    (unhashable) instead of a refusal naming the file."""
+    root, _ = good
+    ex = fresh(root, tmp_path, "ex")
+    cfg = json.loads((ex / "config.json").read_text())
+    for bad in ([], "float8"):
+        cfg["torch_dtype"] = bad
+        (ex / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(DrafterFileError, match="config.json: torch_dtype"):
+            load_export(ex)
