@@ -2,8 +2,8 @@
 Hydra config tree and config dataclasses, its router factory starting `TailspecLoadBalancer` as a Ray actor
 from the router file, its `LLMServerClient` routing requests through it to replica server actors, its
 `AgentLoopManager.generate_sequences` chunking a real `DataProto` over agent-loop workers. The vLLM server
-replicas are stand-in Ray actors (vLLM's engine needs a GPU under verl); `test_verl_gpu_end_to_end` runs the
-real ones where a GPU is present."""
+replicas are stand-in Ray actors (vLLM's engine needs a GPU under verl); where a GPU is present,
+`test_verl_gpu_worker_extension_in_a_real_vllm_engine` runs the adapter's worker extension in a real vLLM engine."""
 
 from __future__ import annotations
 
