@@ -240,16 +240,22 @@ def _promote(r, v: int, path: Path) -> None:
         version=v, path=str(path), policy_version=0, acceptance_length=2.0, promoted=True, created_at=time.time()))
 
 
-def test_promotion_reloads_every_engine_after_wake_up(engines, redis_url, redis_client, tmp_path):
-    model = write_target(tmp_path / "model")
-    first, second = write_drafter(tmp_path / "d1"), write_drafter(tmp_path / "d2")
-    wrong = write_drafter(tmp_path / "wrong", hidden=32)
+def _attach_with_drafter(engines, redis_url, redis_client, tmp_path, drafter) -> tuple[TailspecClient, OpenRLHFAttach]:
+    """An attachment whose engines started with `drafter`, promoted as version 1; the engines' gates open."""
     client = TailspecClient(redis_url, cluster=CLUSTER, node="n0")
-    _promote(redis_client, 1, first)
-    attach = OpenRLHFAttach(_settings(redis_url, tmp_path, drafter_path=str(first), drafter_version=1), client,
-                            model_dir=model, checkpoint_root=tmp_path / "ckpt", engines=engines, slept=True)
+    _promote(redis_client, 1, drafter)
+    attach = OpenRLHFAttach(_settings(redis_url, tmp_path, drafter_path=str(drafter), drafter_version=1), client,
+                            model_dir=write_target(tmp_path / "model"), checkpoint_root=tmp_path / "ckpt",
+                            engines=engines, slept=True)
     for h in engines:
         ray.get(h.open.remote())
+    return client, attach
+
+
+def test_promotion_reloads_every_engine_after_wake_up(engines, redis_url, redis_client, tmp_path):
+    first, second = write_drafter(tmp_path / "d1"), write_drafter(tmp_path / "d2")
+    wrong = write_drafter(tmp_path / "wrong", hidden=32)
+    client, attach = _attach_with_drafter(engines, redis_url, redis_client, tmp_path, first)
     gen = _generator(attach, engines, _strategy(batch=2), n_prompts=6)
     gen.generate_samples(**GEN)  # the version the engines started with: nothing to load
     assert [ray.get(h.calls.remote())[0] for h in engines] == [["wake_up", "sleep"]] * 2
@@ -280,14 +286,9 @@ def test_health_guard_per_engine_repairs_a_sync_broken_drafter_and_rolls_back_a_
     """Each engine's counters per batch feed its own guard: one engine whose drafter a weight sync broke trips
     alone and gets the same drafter reloaded before the next batch; a promoted version that is broken
     everywhere trips every engine and the last healthy drafter comes back."""
-    model = write_target(tmp_path / "model")
     good, bad = write_drafter(tmp_path / "good"), write_drafter(tmp_path / "bad")
-    client = TailspecClient(redis_url, cluster=CLUSTER, node="n0")
-    _promote(redis_client, 1, good)
-    attach = OpenRLHFAttach(_settings(redis_url, tmp_path, drafter_path=str(good), drafter_version=1), client,
-                            model_dir=model, checkpoint_root=tmp_path / "ckpt", engines=engines, slept=True)
+    client, attach = _attach_with_drafter(engines, redis_url, redis_client, tmp_path, good)
     for h in engines:
-        ray.get(h.open.remote())
         ray.get(h.set_accept_by_path.remote({str(bad): 0}))
     gen = _generator(attach, engines, _strategy(batch=2), n_prompts=10)  # five batches
     verdicts = lambda: [(v["event"], v["tripped"], round(v["live"], 3)) for v in attach.stats.verdicts]  # noqa: E731

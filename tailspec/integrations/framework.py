@@ -11,7 +11,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from tailspec.core.state import DrafterVersion
 from tailspec.integrations.policy import PolicyPublisher
 from tailspec.rollout.health_guard import GuardPolicy
 from tailspec.rollout.vllm_backend import SpecCounters, process_counters
+from tailspec.rollout.vllm_live import LiveVllm
 from tailspec.rollout.vllm_checks import (
     DrafterMismatch,
     DrafterSpec,
@@ -132,6 +133,37 @@ class CallWindow:
             log.warning("tailspec: the engines' spec-decode counters were not read (%s); no guard verdict this batch",
                         e)
             return None
+
+
+class BatchWatch:
+    """What an adapter does around each generation batch of engines that generate on their own (a framework's):
+    before it, the guards re-armed when the policy weights moved since the last batch (the framework synced
+    them) or the engines woke from sleep, a pending rollback and a promoted version (`LiveVllm.between_calls`),
+    and the counters' first read; after it, each engine's counters judged (`LiveVllm.observe_engines`)."""
+
+    def __init__(self, live: LiveVllm, engines: RemoteEngines, synced: int | None = None):
+        self.live = live
+        self.window = CallWindow(engines) if live.guard is not None else None
+        self.synced = synced  # the policy version whose weights the engines hold (None: known from the first batch)
+        self.batches = 0
+
+    def before(self, policy_version: int, woke: bool = False) -> None:
+        """The engines are awake and idle; `woke`: they slept since the last batch."""
+        if self.synced is not None and policy_version != self.synced:
+            self.live.synced(policy_version, "policy_sync")
+        elif woke and self.batches:
+            self.live.synced(event="wake")
+        self.synced = policy_version
+        self.batches += 1
+        self.live.between_calls()
+        if self.window is not None:
+            self.window.begin()
+
+    def after(self, names: dict[str, str] | None = None) -> list[dict]:
+        """The batch is back: the guards' verdicts on it (as dicts), engines renamed by `names`."""
+        if self.window is None:
+            return []
+        return [asdict(v) for v in self.live.observe_engines(self.window.end(names))]
 
 
 def guard_policy(settings: Any) -> GuardPolicy | None:

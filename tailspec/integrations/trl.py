@@ -39,7 +39,7 @@ import logging
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from tailspec.integrations.framework import CallWindow, started_version
+from tailspec.integrations.framework import BatchWatch, started_version
 from tailspec.integrations.policy import PolicyPublisher
 from tailspec.integrations.progress import FinishedCounter
 from tailspec.integrations.trl_vllm import TrlVllm, cpu_weight_sync, engine_arguments
@@ -151,7 +151,7 @@ class TailspecGRPOTrainer(GRPOTrainer):
             super().__init__(*args, **kwargs)
         self.tailspec = tailspec
         self.live: LiveVllm | None = None
-        self._window: CallWindow | None = None
+        self._watch: BatchWatch | None = None
         acc = self.accelerator
         if tailspec.worker is None:
             tailspec.worker = f"{tailspec.client.node}-rank{acc.process_index}"
@@ -175,22 +175,7 @@ class TailspecGRPOTrainer(GRPOTrainer):
         c = ts.client
         self.live = LiveVllm(target, redis=c.r, cluster=c.cluster, prepare=export_version,
                              version=started_version(c, c.cluster, ts.drafter_version), worker=name, guard=ts.guard)
-        self._window = CallWindow(target) if ts.guard is not None else None
-        self._synced_step = self.state.global_step
-
-    def _before_vllm_rollout(self) -> None:
-        """Between two generation calls: the guards re-armed when an optimizer step moved the weights TRL syncs
-        next; a pending rollback, a promoted version; the counters' first read."""
-        if self.state.global_step != self._synced_step:
-            self.live.synced(self.state.global_step, "policy_sync")
-            self._synced_step = self.state.global_step
-        self.live.between_calls()
-        if self._window is not None:
-            self._window.begin()
-
-    def _after_vllm_rollout(self) -> None:
-        if self._window is not None:
-            self.tailspec.stats.verdicts += [asdict(v) for v in self.live.observe_engines(self._window.end())]
+        self._watch = BatchWatch(self.live, target, synced=self.state.global_step)
 
     # -- policy -------------------------------------------------------------------------------------
     def _publish_policy(self, version: int) -> None:
@@ -227,13 +212,14 @@ class TailspecGRPOTrainer(GRPOTrainer):
         self._report(len(prompt_ids), 0, len(prompt_ids), mem_released=False)
         counter = FinishedCounter(lambda a, f, t: self._report(a, f, t, mem_released=False), self._stop_ids,
                                   every_s=ts.report_every_s)
-        if self.live is not None:
-            self._before_vllm_rollout()
+        if self._watch is not None:
+            # between two generation calls; TRL syncs the weights of the optimizer steps since the last one next
+            self._watch.before(self.state.global_step)
         with counter.attach(self.accelerator.unwrap_model(self.model)):
             out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                 has_tool_images)
-        if self.live is not None:
-            self._after_vllm_rollout()
+        if self._watch is not None:
+            ts.stats.verdicts += self._watch.after()
         free = None
         if torch.cuda.is_available() and ts.release_memory:
             torch.cuda.empty_cache()

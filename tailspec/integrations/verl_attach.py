@@ -16,7 +16,7 @@ import (it reads verl's output batch by its documented keys), so its logic runs 
   server actor), then each replica's prefix cache is reset — before the batch's first request, never during
   one. verl's engine core runs in its own process, so the k schedule stays as started.
 - **Health guard.** Each replica's spec-decode counters are read inside its server actor before a batch and
-  when it is back (`CallWindow`); `LiveVllm.observe_engines` judges each replica's difference with its own
+  when it is back (`BatchWatch`); `LiveVllm.observe_engines` judges each replica's difference with its own
   guard, armed after every load, reload and weight sync ("policy_sync": verl's `update_weights` before the
   batch). A trip is handled by a reload before the next batch (docs/verl.md).
 - **Phases.** "rollout" with the generating policy version (step − 1: verl's step N generates with the weights
@@ -32,7 +32,6 @@ import logging
 import math
 import re
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ import ray
 
 from tailspec.integrations.framework import (
     AttachStats,
-    CallWindow,
+    BatchWatch,
     RemoteCall,
     RemoteEngines,
     guard_policy,
@@ -102,16 +101,14 @@ class VerlAttach:
         self.publisher = PolicyPublisher(settings.policy_root) if settings.policy_root else None
         self.stats = AttachStats()
         self.live: LiveVllm | None = None
-        self.window: CallWindow | None = None
-        self._synced: int | None = None  # the policy version whose weights the replicas hold
+        self.watch: BatchWatch | None = None
         if settings.drafter_path is not None and balancer is not None:
             replicas = VerlReplicas(self._servers, self.call, self.model_dir, settings.drafter_path,
                                     settings.drafter_k, max_num_seqs)
-            guard = guard_policy(settings)
             self.live = LiveVllm(replicas, redis=client.r, cluster=settings.cluster, prepare=export_version,
                                  version=started_version(client, settings.cluster, settings.drafter_version),
-                                 worker=settings.worker_prefix, guard=guard)
-            self.window = CallWindow(replicas) if guard is not None else None
+                                 worker=settings.worker_prefix, guard=guard_policy(settings))
+            self.watch = BatchWatch(self.live, replicas)
 
     def _servers(self) -> dict[str, Any]:
         return self.call([self.balancer.tailspec_servers.remote()])[0]
@@ -133,30 +130,21 @@ class VerlAttach:
     # -- around one batch's generation ------------------------------------------------------------------
     def before_rollout(self, step: int) -> None:
         latest = self.publish_policy()
-        if self.live is not None:
-            self._between_batches(max(step - 1, 0))
+        if self.watch is not None:
+            # replicas idle between two generation calls; after the first batch verl has synced its last update's
+            # weights into them (`update_weights` wakes them)
+            self.watch.before(max(step - 1, 0))
         self.client.set_phase("rollout", step, policy_version=max(step - 1, 0),
                               policy_path=str(latest[1]) if latest else None)
         self._balancer("tailspec_begin", step)
-
-    def _between_batches(self, policy_version: int) -> None:
-        """The replicas are idle, between two generation calls. After the first batch, verl has synced its
-        last update's weights into them (`update_weights` wakes them): the guards watch the drafter again.
-        Then a pending rollback and a promoted version, and the counters' first read for the guard."""
-        if self._synced is not None and policy_version != self._synced:
-            self.live.synced(policy_version, "policy_sync")
-        self._synced = policy_version
-        self.live.between_calls()
-        if self.window is not None:
-            self.window.begin()
 
     def after_rollout(self, step: int, out: Any) -> None:
         loads = self._balancer("tailspec_end")
         if loads is not None:
             self.stats.loads.append(loads)
-        if self.window is not None and self.live is not None:
-            names = {sid: d["worker"] for sid, d in (loads or {}).items() if d.get("worker")}
-            self.stats.verdicts += [asdict(v) for v in self.live.observe_engines(self.window.end(names))]
+        if self.watch is not None:
+            self.stats.verdicts += self.watch.after({sid: d["worker"] for sid, d in (loads or {}).items()
+                                                     if d.get("worker")})
         self.client.set_phase("train", step, policy_version=max(step - 1, 0))
         wait_reclaimed(self.client, self.settings.reclaim_timeout_s, step, self.stats)
         if self.settings.submit_samples:
