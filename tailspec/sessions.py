@@ -326,8 +326,9 @@ def load_teacher(path: str | Path, device: str, dtype: torch.dtype, policy_versi
         except (RuntimeError, OSError) as e:  # a tensor of another shape, a torn file: load it the plain way
             log.warning("teacher weights not loaded into the kept module (%s); loading %s afresh", e, path)
             missing, unexpected = [], ["?"]
-        ptrs = Counter(t.data_ptr() for t in model.state_dict().values())
-        tied = {k for k, t in model.state_dict().items() if ptrs[t.data_ptr()] > 1}  # lm_head tied to the embedding
+        sd = model.state_dict()
+        ptrs = Counter(t.data_ptr() for t in sd.values())
+        tied = {k for k, t in sd.items() if ptrs[t.data_ptr()] > 1}  # lm_head tied to the embedding
         if not unexpected and set(missing) <= tied:
             model.to(device)
             ids = default_aux_layer_ids(model.config.num_hidden_layers)
