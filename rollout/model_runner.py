@@ -18,12 +18,26 @@ after a policy update, build a new runner (the demo's rollout worker builds an E
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+# cuDNN's attention builds an execution plan the first time it meets a shape: 45-65 ms on an H100 for every new
+# row count or attended length, which a long tail meets at every finished request (BENCHMARKS.md, fourth GPU
+# lease: 1.67 s of a 2.5 s cold rollout). The memory-efficient kernel takes the same boolean mask without a
+# per-shape build; flash and math stay allowed so a CPU picks what it always picked.
+_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends(device: torch.device):
+    """The SDPA kernels the engine's forwards may use on `device`: every one but cuDNN's on CUDA. Entered once
+    per forward, not per layer, since the context manager's flag flips cost microseconds each."""
+    return sdpa_kernel(_SDPA_BACKENDS) if device.type == "cuda" else nullcontext()
 
 
 @dataclass
@@ -198,29 +212,30 @@ class ModelRunner:
         ids = self.aux_layer_ids or ()
         if aux is not None and 0 in ids:
             aux.append((0, x))
-        for i, ly in enumerate(self.layers):
-            h = unit_rms_norm(x, self.eps)
-            qkv = F.linear(h, ly.qkv_w, ly.qkv_b).view(B, T, Hq + 2 * Hk, D)
-            if ly.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
-                qkv = torch.cat([
-                    F.rms_norm(qkv[:, :, :Hq], (D,), ly.q_norm, self.eps),
-                    F.rms_norm(qkv[:, :, Hq : Hq + Hk], (D,), ly.k_norm, self.eps),
-                    qkv[:, :, Hq + Hk :],
-                ], 2)
-            qkv = rope(qkv, cos, sin)
-            kv = self.kv_cache[i][slot0 : slot0 + B]
-            kv[rows, :, pos] = qkv[:, :, Hq:]
-            o = F.scaled_dot_product_attention(
-                qkv[:, :, :Hq].transpose(1, 2), kv[:, :Hk, :L], kv[:, Hk:, :L], attn_mask=mask, enable_gqa=self._gqa
-            )
-            o = o.transpose(1, 2).reshape(B, T, Hq * D)
-            x = x + F.linear(o, ly.o_w, ly.o_b)
-            h = unit_rms_norm(x, self.eps)
-            gu = F.linear(h, ly.gate_up_w)
-            g, u = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, ly.down_w)
-            if aux is not None and (i + 1) in ids:
-                aux.append((i + 1, x))
+        with attention_backends(x.device):
+            for i, ly in enumerate(self.layers):
+                h = unit_rms_norm(x, self.eps)
+                qkv = F.linear(h, ly.qkv_w, ly.qkv_b).view(B, T, Hq + 2 * Hk, D)
+                if ly.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+                    qkv = torch.cat([
+                        F.rms_norm(qkv[:, :, :Hq], (D,), ly.q_norm, self.eps),
+                        F.rms_norm(qkv[:, :, Hq : Hq + Hk], (D,), ly.k_norm, self.eps),
+                        qkv[:, :, Hq + Hk :],
+                    ], 2)
+                qkv = rope(qkv, cos, sin)
+                kv = self.kv_cache[i][slot0 : slot0 + B]
+                kv[rows, :, pos] = qkv[:, :, Hq:]
+                q = qkv[:, :, :Hq].transpose(1, 2)
+                k, v = kv[:, :Hk, :L], kv[:, Hk:, :L]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self._gqa)
+                o = o.transpose(1, 2).reshape(B, T, Hq * D)
+                x = x + F.linear(o, ly.o_w, ly.o_b)
+                h = unit_rms_norm(x, self.eps)
+                gu = F.linear(h, ly.gate_up_w)
+                g, u = gu.chunk(2, dim=-1)
+                x = x + F.linear(F.silu(g) * u, ly.down_w)
+                if aux is not None and (i + 1) in ids:
+                    aux.append((i + 1, x))
         x = unit_rms_norm(x, self.eps) * self.final_norm
         logits = F.linear(x, self.lm_head).float()
         aux_out = None
