@@ -8,12 +8,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if TYPE_CHECKING:  # annotations only: model.py imports this module
     from tailspec.drafter_trainer.model import Eagle3Config
+
+
+# cuDNN's SDPA builds an execution plan the first time it meets a shape (45-65 ms on an H100, BENCHMARKS.md,
+# fourth GPU lease), and a session's batches are padded to a new width nearly every time. The same rule as the
+# rollout engine's forwards (rollout.model_runner.attention_backends; components do not import each other).
+_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends(device: torch.device):
+    """Every SDPA kernel but cuDNN's on CUDA; no restriction elsewhere (a CPU picks what it always picked)."""
+    return sdpa_kernel(_SDPA_BACKENDS) if device.type == "cuda" else nullcontext()
 
 
 class RMSNorm(nn.Module):
@@ -122,7 +136,8 @@ class Attention(nn.Module):
         if cache is None:
             t = x.shape[1]
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-            o = F.scaled_dot_product_attention(q, self._expand(k), self._expand(v), attn_mask=mask)
+            with attention_backends(x.device):
+                o = F.scaled_dot_product_attention(q, self._expand(k), self._expand(v), attn_mask=mask)
             return self._out(o)
         if slots is None:
             raise ValueError("slots are required with a cache (one cache row per batch row)")
@@ -135,7 +150,8 @@ class Attention(nn.Module):
         kk, vv = cache.k[slots].to(q.dtype), cache.v[slots].to(q.dtype)  # [B, kv, L, hd]
         key_pos = torch.arange(cache.max_len, device=x.device)
         mask = (key_pos[None, None, :] <= position_ids[:, :, None])[:, None]  # [B, 1, T, L]
-        o = F.scaled_dot_product_attention(q, self._expand(kk), self._expand(vv), attn_mask=mask)
+        with attention_backends(x.device):
+            o = F.scaled_dot_product_attention(q, self._expand(kk), self._expand(vv), attn_mask=mask)
         return self._out(o)
 
     def ttt(self, x, cos, sin, state: TTTState) -> torch.Tensor:

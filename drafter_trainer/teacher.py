@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from tailspec.drafter_trainer.layers import attention_backends
 from tailspec.drafter_trainer.model import capture_aux, default_aux_layer_ids
 from torch import nn
 
@@ -92,6 +93,7 @@ class Teacher:
         ids = batch.ids.to(self.device)
         t = ids.shape[1]
         mask = (torch.arange(t, device=ids.device)[None, :] < batch.lengths.to(ids.device)[:, None]).long()
-        with capture_aux(self.model, self.aux_layer_ids) as got:
+        # the policy's own attention (HF sdpa) meets a new padded width with most batches: no cuDNN plan builds
+        with capture_aux(self.model, self.aux_layer_ids) as got, attention_backends(ids.device):
             out = self.model(input_ids=ids, attention_mask=mask, use_cache=False)
         return TeacherOutput(aux=got[-1], logits=out.logits.float())
