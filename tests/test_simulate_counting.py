@@ -14,7 +14,7 @@ from tailspec.rollout.cost_model import CostModel
 from tailspec.scheduler.idle import IdleDetector
 from tailspec.simulate.calibrate import FLUSH_POLL_S, counting_window
 from tailspec.simulate.lending import Latencies, decide
-from tailspec.simulate.step import StepInputs, run_step
+from tailspec.simulate.step import StepInputs, run_step, validations
 
 LAT = Latencies(see_s=0.025, phase_s=0.035, lead_s=0.004, telemetry_s=0.1, window_s=0.2, tick_s=0.05,
                 startup_s=0.3, stop_s=0.1, on_release=False)
@@ -94,3 +94,21 @@ def test_counting_window_from_a_recorded_step():
     assert counting_window(row, 0.05) == pytest.approx((0.029, 0.003))
     short = {"step_time_s": 1.005, "rollout_time_s": 1.0, "train_time_s": 0.0}
     assert counting_window(short, 0.05) == pytest.approx((0.025, 0.0))
+
+
+def test_validations_fit_the_longest_lent_interval():
+    """One validation at a time cluster-wide, one per lent replica: the longest-lent replicas validate first,
+    and all of them together never take more than the longest lent interval."""
+    training = np.array([0.0, 5.0, 3.0, 4.0])
+    assert validations(training, 2.0) == pytest.approx([0.0, 2.0, 1.0, 2.0])  # 5 s: 2 + 2 + 1
+    assert validations(training, 10.0) == pytest.approx([0.0, 5.0, 0.0, 0.0])
+    assert validations(np.zeros(3), 1.0) == pytest.approx([0.0, 0.0, 0.0])
+    # through a step: the states still sum to GPUs x step time, and validating time trains nothing
+    cost = CostModel([1], [0], {(1, 0): 0.01})
+    base = StepInputs(np.array([[100.0], [300.0]]), 1, [cost], None, np.zeros(2), 1.0, 1, LAT, lend=True,
+                      drafter_tokens_per_s=100.0)
+    plain, val = run_step(base), run_step(replace(base, validation_s=0.5))
+    assert val.states["lent_validating"] == pytest.approx(0.5)
+    assert val.training_gpu_s == pytest.approx(plain.training_gpu_s - 0.5)
+    assert val.drafter_tokens == pytest.approx(plain.drafter_tokens - 50.0)
+    assert sum(val.states.values()) == pytest.approx(2 * val.step_s)

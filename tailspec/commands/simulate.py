@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decay", type=float, default=None, help="relative acceptance lost per policy step of staleness")
     p.add_argument("--acceptance-from", metavar="RUN_DIR",
                    help="take alpha0, alpha-max and decay from a recorded demo run's metrics.jsonl")
+    p.add_argument("--validation-samples", type=int, default=64,
+                   help="held-out samples a candidate drafter is validated on (0: no validation modelled)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", action="store_true", help=f"models {', '.join(SWEEP_MODELS)} x GPUs "
                    f"{', '.join(map(str, SWEEP_GPUS))} x sync/async (other options apply to every run)")
@@ -64,7 +66,7 @@ def scenario_from_args(args: argparse.Namespace):
                     prompts_per_replica=args.prompts_per_replica, group=args.group, prompt_len=args.prompt_len,
                     length_median=args.length_median, length_sigma=args.length_sigma, max_len=args.max_len,
                     lengths_trace=args.lengths_trace, max_batch=args.max_batch, k_max=args.k_max, k=args.k,
-                    steps=args.steps, seed=args.seed, curve=curve)
+                    steps=args.steps, seed=args.seed, curve=curve, validation_samples=args.validation_samples)
 
 
 def print_summary(s: dict) -> None:
@@ -79,7 +81,8 @@ def print_summary(s: dict) -> None:
           f" | co-trained vs frozen {s['speedup_vs_frozen']:.2f}x")
     a = s["alpha_first_last"]
     print(f"  tail idle share {s['tail_idle_share']:.2f} | reclaimed share {s['reclaimed_share']:.2f} | "
-          f"drafter training / tail idle {s['training_share_of_tail']:.2f} | per-token acceptance frozen "
+          f"drafter training / tail idle {s['training_share_of_tail']:.2f} "
+          f"(validating {s['validating_share_of_tail']:.2f}) | per-token acceptance frozen "
           f"{a['frozen'][0]:.2f}->{a['frozen'][1]:.2f}, co-trained {a['cotrained'][0]:.2f}->{a['cotrained'][1]:.2f}")
 
 

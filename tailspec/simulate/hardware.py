@@ -272,6 +272,14 @@ def drafter_tokens_per_s(model: ModelSpec, gpu: GpuSpec, tp: int, mfu: float = 0
     return tp * gpu.bf16_tflops * 1e12 * mfu / flops
 
 
+def validation_s(model: ModelSpec, gpu: GpuSpec, tp: int, tokens: float, mfu: float = 0.3, k: int = 4) -> float:
+    """One candidate's paired validation on a lent replica (drafter_trainer/validation.py): a teacher forward
+    over `tokens` held-out tokens (2 FLOPs per active parameter each) and k-step forward unrolls of two drafters,
+    the candidate and the current version (2 per drafter parameter each), at `mfu`."""
+    flops = tokens * (2 * model.active_b * 1e9 + 2 * k * 2 * model.drafter_params)
+    return flops / (tp * gpu.bf16_tflops * 1e12 * mfu)
+
+
 def session_startup_s(model: ModelSpec, tp: int, load_gb_s: float = 8.0, fixed_s: float = 1.0) -> float:
     """A lent replica's session start: the teacher's weights (its TP shard per GPU) from host memory or local
     disk at `load_gb_s`, plus a fixed cost (CUDA context in a pre-started process, drafter and optimizer)."""

@@ -9,7 +9,7 @@ import numpy as np
 from tailspec.simulate.step import StepOut
 
 COLORS = {"decode": "#4878d0", "tail idle": "#d0d0d0", "lent: starting": "#f2c45a", "lent: training": "#6acc64",
-          "reclaiming": "#ee854a", "train": "#8c613c"}
+          "lent: validating": "#2a7a3a", "reclaiming": "#ee854a", "train": "#8c613c"}
 
 
 def gantt(out: StepOut, train_s: float, sync: bool, startup_s: float, path: str | Path, title: str,
@@ -49,8 +49,10 @@ def _bars(out: StepOut, r: int, train_s: float, sync: bool, startup_s: float) ->
         b.append(("tail idle", f, end))
     else:
         started = min(out.phase_end, lent + startup_s)
-        b += [("tail idle", f, lent), ("lent: starting", lent, started), ("lent: training", started, out.phase_end),
-              ("reclaiming", out.phase_end, rec), ("tail idle", rec, end)]
+        val = float(out.validating[r]) if out.validating is not None else 0.0
+        b += [("tail idle", f, lent), ("lent: starting", lent, started), ("lent: training", started, out.phase_end - val),
+              ("lent: validating", out.phase_end - val, out.phase_end), ("reclaiming", out.phase_end, rec),
+              ("tail idle", rec, end)]
     if sync:
         b.append(("train", end, end + train_s))
     return [x for x in b if x[2] > x[1]]

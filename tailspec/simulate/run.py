@@ -50,6 +50,7 @@ class Scenario:
     train_mfu: float = 0.4
     drafter_mfu: float = 0.3
     max_epochs: float = 2.0  # a step's drafter training is capped at this many passes over its fresh samples
+    validation_samples: int = 64  # held-out samples a candidate is validated on (trainer.validation_samples)
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.steps < 1 or self.group < 1 or self.max_batch < 1 or self.k_max < 0:
@@ -58,6 +59,8 @@ class Scenario:
             raise ValueError(f"pipeline must be sync or async, got {self.pipeline!r}")
         if not 0 < self.rollout_share < 1 or self.length_median < 1 or self.length_sigma < 0:
             raise ValueError("need 0 < rollout_share < 1, length_median >= 1 and length_sigma >= 0")
+        if self.validation_samples < 0:
+            raise ValueError(f"validation_samples must be >= 0 (0: no validation modelled), got {self.validation_samples}")
 
 
 @dataclass
@@ -108,6 +111,7 @@ class Projection:
             "tail_idle_share": tail / max(sum(r.states["decode"] + r.tail_idle_gpu_s for r in co), 1e-9),
             "reclaimed_share": sum(r.lent_gpu_s for r in co) / idle if idle else 0.0,
             "training_share_of_tail": sum(r.training_gpu_s for r in co) / tail if tail else 0.0,
+            "validating_share_of_tail": sum(r.states["lent_validating"] for r in co) / tail if tail else 0.0,
             "alpha_first_last": {m: [self.mode_rows(m)[0].alpha, self.mode_rows(m)[-1].alpha] for m in ("frozen", "cotrained")},
         }
 
@@ -163,6 +167,7 @@ def simulate(sc: Scenario) -> Projection:
     startup = hw.session_startup_s(model, tp)
     lat = sc.lat or Latencies(startup_s=startup)
     draft_tps = hw.drafter_tokens_per_s(model, gpu, tp, sc.drafter_mfu)
+    val_s = hw.validation_s(model, gpu, tp, sc.validation_samples * (sc.prompt_len + sc.length_median), sc.drafter_mfu)
     trace = read_trace(sc.lengths_trace) if sc.lengths_trace else None
     rng = np.random.default_rng(sc.seed)
     drafters = {"frozen": DrafterState(sc.curve), "cotrained": DrafterState(sc.curve)}
@@ -178,7 +183,8 @@ def simulate(sc: Scenario) -> Projection:
             acc = FixedAcceptance.geometric(d.alpha, sc.k_max) if d is not None else None
             out = run_step(StepInputs(lengths, sc.max_batch, [cost], acc, np.full(replicas, prefill), train_s, tp, lat,
                                       lend=mode == "cotrained", drafter_tokens_per_s=draft_tps,
-                                      pipeline=sc.pipeline, train_gpus=train_gpus, fixed_k=sc.k))
+                                      pipeline=sc.pipeline, train_gpus=train_gpus, fixed_k=sc.k,
+                                      validation_s=val_s))
             trained = min(out.drafter_tokens, sc.max_epochs * tokens) if mode == "cotrained" else 0.0
             proj.rows.append(Row(step, mode, out.step_s, out.rollout_s, train_s, out.wait_s, out.tail_idle_gpu_s,
                                  out.idle_gpu_s, out.lent_gpu_s, out.training_gpu_s, d.alpha if d else 0.0, trained,

@@ -22,7 +22,7 @@ from tailspec.simulate.drafter import FixedAcceptance
 from tailspec.simulate.lending import Latencies, Lending, decide
 from tailspec.simulate.replica import finish_times, seconds_per_token, width_seconds_per_token
 
-STATES = ("decode", "tail_idle", "lent_starting", "lent_training", "reclaiming", "train", "pool_idle")
+STATES = ("decode", "tail_idle", "lent_starting", "lent_training", "lent_validating", "reclaiming", "train", "pool_idle")
 
 
 @dataclass
@@ -46,6 +46,7 @@ class StepInputs:
     # the table's ([replicas, requests]); None: the cost table alone
     attn_s: Callable[[CostModel, int, int], float] | None = None
     ctx0: np.ndarray | None = None
+    validation_s: float = 0.0  # one candidate's paired validation on a lent replica (0: none modelled)
 
 
 @dataclass
@@ -59,9 +60,25 @@ class StepOut:
     tail_idle_gpu_s: float  # Σ over rollout GPUs of (phase end − own done): the long tail's idle time
     idle_gpu_s: float  # what the scheduler counts idle (drain seen → phase change seen: lending.py)
     lent_gpu_s: float  # lease granted → revoked (the phase change seen)
-    training_gpu_s: float  # of those, after the session started
+    training_gpu_s: float  # of those, after the session started and not validating
     drafter_tokens: float
     states: dict[str, float] = field(default_factory=dict)  # GPU-seconds per state
+    validating: np.ndarray | None = None  # per replica, seconds of its lent time spent validating (at its end)
+
+
+def validations(training: np.ndarray, validation_s: float) -> np.ndarray:
+    """Seconds each lent replica validates. A lent session proposes its lineage head about once per lend (the
+    miniature's sessions: 12 validations in 29 lends), each validation takes `validation_s`, and one runs at a
+    time cluster-wide (docs/architecture.md, Promotion), so together they fit in the longest lent interval: the
+    replicas lent longest validate first, until that interval is used up."""
+    v = np.zeros_like(training)
+    budget = float(training.max(initial=0.0))
+    for i in np.argsort(-training, kind="stable"):
+        if training[i] <= 0 or budget <= 0:
+            break
+        v[i] = min(validation_s, training[i], budget)
+        budget -= v[i]
+    return v
 
 
 def run_step(inp: StepInputs) -> StepOut:
@@ -92,16 +109,19 @@ def run_step(inp: StepInputs) -> StepOut:
     start_train = np.where(lent, lend.lent + inp.lat.startup_s, np.nan)
     training = np.where(lent, np.clip(phase_end - start_train, 0, None), 0.0)
     starting = np.where(lent, np.minimum(phase_end, start_train) - lend.lent, 0.0)
+    validating = validations(training, inp.validation_s) if inp.validation_s > 0 else np.zeros(r)
+    training = training - validating
     reclaiming = np.where(lent, lend.reclaimed - phase_end, 0.0)
     tp = inp.tp
     states = {s: 0.0 for s in STATES}
     states["decode"] = tp * float(finish.sum())
     states["lent_starting"] = tp * float(starting.sum())
     states["lent_training"] = tp * float(training.sum())
+    states["lent_validating"] = tp * float(validating.sum())
     states["reclaiming"] = tp * float(reclaiming.sum())
     # everything else a rollout GPU spends before the update is idle: the tail (unlent), the wait for others'
     # reclaim, and in async the wait for the trainer
-    busy = states["decode"] + states["lent_starting"] + states["lent_training"] + states["reclaiming"]
+    busy = sum(states[x] for x in ("decode", "lent_starting", "lent_training", "lent_validating", "reclaiming"))
     states["tail_idle"] = tp * r * rollout_pool_s - busy
     if inp.pipeline == "sync":
         states["train"] = tp * r * inp.train_s
@@ -116,5 +136,5 @@ def run_step(inp: StepInputs) -> StepOut:
         lent_gpu_s=tp * float(np.nansum(lend.revoked - lend.lent)),
         training_gpu_s=tp * float(training.sum()),
         drafter_tokens=float(training.sum()) * inp.drafter_tokens_per_s,
-        states=states,
+        states=states, validating=validating,
     )
