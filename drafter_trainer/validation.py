@@ -33,6 +33,7 @@ class Paired:
     current: list[float]
     weights: list[int]  # anchors per sample
     k: int
+    stopped_early: bool = False  # the interim look promoted: not every sample was scored
 
     @property
     def gains(self) -> list[float]:
@@ -116,8 +117,8 @@ def decide(gains: Sequence[float], level: float = 0.05, min_pairs: int = 16) -> 
     sd = math.sqrt(sum((g - mean) ** 2 for g in gains) / (n - 1))
     lcb = mean - t_ppf(1.0 - level, n - 1) * sd / math.sqrt(n)
     if lcb > 0:
-        return Decision(True, n, mean, lcb, f"paired gain {mean:+.4f}, {100 * (1 - level):.0f}% lower bound {lcb:+.4f} > 0")
-    return Decision(False, n, mean, lcb, f"paired gain {mean:+.4f}, {100 * (1 - level):.0f}% lower bound {lcb:+.4f} <= 0")
+        return Decision(True, n, mean, lcb, f"paired gain {mean:+.4f}, {100 * (1 - level):g}% lower bound {lcb:+.4f} > 0")
+    return Decision(False, n, mean, lcb, f"paired gain {mean:+.4f}, {100 * (1 - level):g}% lower bound {lcb:+.4f} <= 0")
 
 
 def _teacher_batches(teacher: Teacher, samples: Sequence[Sample], batch_size: int,
@@ -160,13 +161,20 @@ def pick_holdout(holdout: Sequence[Sample], done: dict[str, Score], n: int | Non
 def validate_paired(candidate: Eagle3Module, current: Eagle3Module, teacher: Teacher, samples: Sequence[Sample],
                     k: int = 4, batch_size: int = 32, temperature: float = 1.0,
                     check: Callable[[], None] | None = None, done: dict[str, Score] | None = None,
-                    on_batch: Callable[[dict[str, Score]], None] | None = None) -> Paired:
+                    on_batch: Callable[[dict[str, Score]], None] | None = None,
+                    look_at: int = 0, look: Callable[[list[float]], bool] | None = None) -> Paired:
     """Per held-out sample scores of both drafters from ONE teacher forward per batch (same anchors).
 
     Resumable: samples whose scores are in `done` (by sample_key) are not scored again, and `on_batch` gets each
-    batch's new scores as soon as they exist, so a validation cut short by a stop keeps what it finished."""
+    batch's new scores as soon as they exist, so a validation cut short by a stop keeps what it finished.
+
+    Interim look: the batch that first brings the scored samples to `look_at` or more hands their gains to
+    `look`, and True ends the validation there (`Paired.stopped_early`). A call that starts with `look_at`
+    scored already does not look: the count only grows, so a validation resumed across sessions looks once."""
     done = dict(done or {})
     todo = [x for x in samples if sample_key(x) not in done]
+    looking = look is not None and len(_scored(samples, done)) < look_at
+    stopped = False
     modes = (candidate.training, current.training)
     candidate.eval()
     current.eval()
@@ -185,14 +193,24 @@ def validate_paired(candidate: Eagle3Module, current: Eagle3Module, teacher: Tea
             done.update(new)
             if on_batch is not None:
                 on_batch(new)
+            if looking and len(rows := _scored(samples, done)) >= look_at:
+                looking = False
+                if look([r[0] - r[1] for r in rows]):
+                    stopped = True
+                    break
     finally:
         candidate.train(modes[0])
         current.train(modes[1])
-    rows = [done[sample_key(x)] for x in samples]
-    rows = [r for r in rows if r[2] > 0]
+    rows = _scored(samples, done)
     if not rows:
         raise ValueError(f"no held-out sample is long enough to validate at k={k}")
-    return Paired([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], k)
+    return Paired([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], k, stopped)
+
+
+def _scored(samples: Sequence[Sample], done: dict[str, Score]) -> list[Score]:
+    """The scores of `samples` that are in `done` and have anchors, in the order of `samples`."""
+    rows = (done.get(sample_key(x)) for x in samples)
+    return [r for r in rows if r is not None and r[2] > 0]
 
 
 # A session validating on a lent GPU checks its lease before each teacher batch; batches of 4 held-out samples

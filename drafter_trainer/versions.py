@@ -7,9 +7,11 @@ the CURRENT teacher in one pass (the policy moves, so the current version's old 
 Promotion is a paired test. The unit is a held-out sample: its mean expected acceptance length over its
 anchors, candidate minus current (anchors of one sample are correlated; samples are not). The candidate
 is promoted when at least `min_pairs` samples were scored and the one-sided lower confidence bound of the
-mean gain at level `level` (Student t: mean − t_{1−level, n−1} · sd / √n) is above zero. An identical
-candidate has gain 0 on every sample, so its bound is 0 and it is never promoted; a worse or
-equal-in-expectation one is promoted with probability at most `level`.
+mean gain (Student t: mean − t_{1−α, n−1} · sd / √n) is above zero. The test is made twice, at α = level / 2
+each: once when `min_pairs` samples are scored (a clear gain is promoted there, and the rest of the held-out
+samples are not scored) and once over all of them. An identical candidate has gain 0 on every sample, so its
+bound is 0 and it is never promoted; a worse or equal-in-expectation one is promoted with probability at most
+`level` over both tests (Bonferroni).
 
 `drafter:current` is written by a compare-and-swap (Lua) against the version the candidate was scored
 against, so two proposers validated against the same version cannot both win; the loser is recorded as
@@ -49,6 +51,11 @@ from tailspec.core.atomic import file_lock, write_text_atomic
 from tailspec.core.state import DrafterHealth, DrafterVersion, Sample
 
 log = logging.getLogger(__name__)
+
+# A paired validation tests twice: once when `min_pairs` held-out samples are scored, and at its end. Each test
+# runs at level / LOOKS, so a candidate no better than the current version is promoted with probability at most
+# `level` over both (Bonferroni: valid whatever the two tests' correlation).
+LOOKS = 2
 
 
 # KEYS: drafter:current. ARGV: expected version (-1 = none), new record. 1 = swapped.
@@ -91,8 +98,9 @@ class VersionStore:
         if self.redis is not None:
             return int(self.redis.incr(self._key("drafter_counter")))
         counter = self.root / "COUNTER"
-        n = int(counter.read_text()) + 1 if counter.is_file() else 1
-        write_text_atomic(counter, str(n))
+        with file_lock(self.root / ".counter.lock"):  # two proposers must not read the same number
+            n = int(counter.read_text()) + 1 if counter.is_file() else 1
+            write_text_atomic(counter, str(n))
         return n
 
     def path(self, version: int) -> Path:
@@ -255,6 +263,20 @@ class VersionStore:
 
         return done, on_batch
 
+    def _interim_look(self, identity: str | None, level: float, min_pairs: int) -> Callable[[list[float]], bool] | None:
+        """The paired test at `min_pairs` pairs, at level / LOOKS; None when this validation looked already (a
+        session before this one crossed `min_pairs`: its mark is in `drafter:validation`)."""
+        key = self._key("drafter_validation")
+        if self.redis is not None and identity is not None and self.redis.hget(key, "look") is not None:
+            return None
+
+        def look(gains: list[float]) -> bool:
+            if self.redis is not None and identity is not None:
+                self.redis.hset(key, "look", len(gains))  # before deciding: a stop right after must not look again
+            return decide(gains, level / LOOKS, min_pairs).promote
+
+        return look
+
     def propose(self, candidate: Eagle3Module, teacher: Teacher, holdout: Sequence[Sample], k: int = 4,
                 session_id: str | None = None, note: str | None = None,
                 check: Callable[[], None] | None = None, level: float = 0.05, min_pairs: int = 16,
@@ -273,13 +295,16 @@ class VersionStore:
                 note = f"{note or ''} current version {cur_info.version} unreadable: {e}".strip()
                 cur = None
         if cur is not None:
-            done, on_batch = self._progress(f"{lineage_head}:{cur_info.version}:{k}" if lineage_head is not None else None)
+            identity = f"{lineage_head}:{cur_info.version}:{k}" if lineage_head is not None else None
+            done, on_batch = self._progress(identity)
             holdout = pick_holdout(holdout, done, max_samples)
-            paired = validate_paired(candidate, cur, teacher, holdout, k, check=check,
-                                     batch_size=CHECKED_BATCH if check is not None else 32, done=done,
-                                     on_batch=on_batch)
+            look = self._interim_look(identity, level, min_pairs)
+            paired = validate_paired(candidate, cur, teacher, holdout, k, check=check, done=done, on_batch=on_batch,
+                                     batch_size=CHECKED_BATCH if check is not None else 32, look_at=min_pairs, look=look)
             cand_len, baseline = paired.mean("candidate"), paired.mean("current")
-            d = decide(paired.gains, level, min_pairs)
+            d = decide(paired.gains, level / LOOKS, min_pairs)
+            if paired.stopped_early:
+                d.reason += f" at the interim look ({d.pairs} of {len(holdout)} held-out samples)"
             self.record_health(DrafterHealth(
                 drafter_version=cur_info.version, policy_version=teacher.policy_version, acceptance_length=baseline,
                 at_promotion=cur_info.acceptance_length, samples=len(paired.current), source="validation"))

@@ -220,3 +220,35 @@ def test_a_resumed_validation_keeps_the_samples_it_scored():
     got = pick_holdout(samples, done, 4)
     assert got == samples[2:5] + samples[-1:]  # what was scored, then the newest of the rest
     assert pick_holdout(samples, done, 2) == samples[3:5]
+
+
+def test_a_clear_gain_is_promoted_at_the_interim_look(trained, tmp_path, redis_client):
+    """Two tests at half the level each: a clearly better candidate is promoted when `min_pairs` samples are
+    scored, without scoring the rest; the look is marked for the validation, and a validation resumed past
+    `min_pairs` does not look again."""
+    from tailspec.drafter_trainer.validation import validate_paired
+
+    teacher, holdout, untrained, better = trained
+    samples = holdout[:40]
+    store = VersionStore(tmp_path / "v", redis_client, "look")
+    v1 = store.propose(untrained, teacher, samples, k=3)
+    v2 = store.propose(better, teacher, samples, k=3, lineage_head=5, min_pairs=16)
+    assert v2.promoted and v2.pairs < len(samples) and v2.pairs >= 16 and "interim look" in v2.decision
+    assert "97.5% lower bound" in v2.decision and v2.baseline_version == v1.version
+    key = state.key("look", "drafter_validation")
+    assert int(redis_client.hget(key, "look")) == v2.pairs
+    assert redis_client.hlen(key) == 2 + v2.pairs  # id, look and the samples scored: the rest never were
+    # the same validation resumed: no second look, every sample scored, and the look mark is not a score
+    done, _ = store._progress("5:1:3")
+    assert len(done) == v2.pairs and store._interim_look("5:1:3", 0.05, 16) is None
+    # without a look the whole held-out set is scored; with one, a prefix of it, each sample scored the same
+    full_scores: dict = {}
+    looked_scores: dict = {}
+    full = validate_paired(better, untrained, teacher, samples, k=3, batch_size=4, on_batch=full_scores.update)
+    assert not full.stopped_early and len(full.gains) > v2.pairs
+    looked = validate_paired(better, untrained, teacher, samples, k=3, batch_size=4, look_at=16,
+                             look=lambda g: len(g) >= 16, on_batch=looked_scores.update)
+    assert looked.stopped_early and 16 <= len(looked.gains) < len(full.gains)
+    assert 16 <= len(looked_scores) < len(full_scores)
+    for key, score in looked_scores.items():
+        assert score == pytest.approx(full_scores[key]), key

@@ -214,7 +214,8 @@ def test_versions_promote_only_better_candidates(tmp_path, teacher, redis_client
     v1 = store.propose(untrained, teacher, holdout, k=3, session_id="s0")
     assert v1.promoted and v1.baseline_acceptance_length is None  # nothing to beat yet
     s.run(max_steps=40)
-    v2 = store.propose(s.drafter, teacher, holdout, k=3, session_id=s.session_id)
+    # every held-out sample scored (the interim look at min_pairs would compare on a subset of them)
+    v2 = store.propose(s.drafter, teacher, holdout, k=3, session_id=s.session_id, min_pairs=len(holdout))
     assert v2.acceptance_length > v1.acceptance_length
     assert v2.promoted and v2.baseline_acceptance_length == pytest.approx(v1.acceptance_length)
     # A worse candidate (the untrained one again) is recorded but not promoted.

@@ -12,6 +12,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -77,9 +78,10 @@ def _remove_stale(path: Path) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Replace a small file (a pointer, a counter, a JSON record) by writing a sibling and renaming it over."""
+    """Replace a small file (a pointer, a counter, a JSON record) by writing a sibling and renaming it over. The
+    sibling is named by process and thread: two writers in one process must not rename each other's."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
