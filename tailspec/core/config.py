@@ -151,9 +151,11 @@ class TrainerConfig(_Section):
         "since its base (asynchrony acts as momentum); beta1 after a merge that found none, so one contributor "
         "is plain training. None (default): beta1 throughout, the rule off; 0 helped two contributors training "
         "a fresh drafter, and made the demo's mid-run heads worse (docs/architecture.md, Delay)")
-    promotion_level: float = Field(0.05, gt=0, lt=0.5, description="a candidate is promoted when the one-sided "
-                                   "(1 - level) lower confidence bound of its paired gain is above zero")
-    promotion_min_pairs: int = Field(16, ge=2, le=1_000_000, description="held-out samples a promotion test needs at least")
+    promotion_level: float = Field(0.05, gt=0, lt=0.5, description="a candidate is promoted when a one-sided "
+                                   "lower confidence bound of its paired gain is above zero; the test looks twice "
+                                   "(at promotion_min_pairs samples and at the end), each at level / 2")
+    promotion_min_pairs: int = Field(16, ge=2, le=1_000_000, description="held-out samples a promotion test needs at "
+                                     "least; the interim look is made when this many are scored")
     propose_min_steps: int = Field(
         1, ge=1, le=1_000_000_000, description="a lineage head is proposed (validated) only when it holds at least this "
         "many optimizer steps more than the last head proposed: on lends shorter than a validation, validating every "
