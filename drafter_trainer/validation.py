@@ -172,8 +172,9 @@ def validate_paired(candidate: Eagle3Module, current: Eagle3Module, teacher: Tea
     `look`, and True ends the validation there (`Paired.stopped_early`). A call that starts with `look_at`
     scored already does not look: the count only grows, so a validation resumed across sessions looks once."""
     done = dict(done or {})
-    todo = [x for x in samples if sample_key(x) not in done]
-    looking = look is not None and len(_scored(samples, done)) < look_at
+    keys = [sample_key(x) for x in samples]
+    todo = [x for x, key in zip(samples, keys) if key not in done]
+    looking = look is not None and len(_scored(keys, done)) < look_at
     stopped = False
     modes = (candidate.training, current.training)
     candidate.eval()
@@ -193,7 +194,7 @@ def validate_paired(candidate: Eagle3Module, current: Eagle3Module, teacher: Tea
             done.update(new)
             if on_batch is not None:
                 on_batch(new)
-            if looking and len(rows := _scored(samples, done)) >= look_at:
+            if looking and len(rows := _scored(keys, done)) >= look_at:
                 looking = False
                 if look([r[0] - r[1] for r in rows]):
                     stopped = True
@@ -201,15 +202,15 @@ def validate_paired(candidate: Eagle3Module, current: Eagle3Module, teacher: Tea
     finally:
         candidate.train(modes[0])
         current.train(modes[1])
-    rows = _scored(samples, done)
+    rows = _scored(keys, done)
     if not rows:
         raise ValueError(f"no held-out sample is long enough to validate at k={k}")
     return Paired([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], k, stopped)
 
 
-def _scored(samples: Sequence[Sample], done: dict[str, Score]) -> list[Score]:
-    """The scores of `samples` that are in `done` and have anchors, in the order of `samples`."""
-    rows = (done.get(sample_key(x)) for x in samples)
+def _scored(keys: Sequence[str], done: dict[str, Score]) -> list[Score]:
+    """The scores of the samples `keys` names that are in `done` and have anchors, in the order of `keys`."""
+    rows = (done.get(key) for key in keys)
     return [r for r in rows if r is not None and r[2] > 0]
 
 

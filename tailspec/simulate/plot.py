@@ -49,7 +49,7 @@ def _bars(out: StepOut, r: int, train_s: float, sync: bool, startup_s: float) ->
         b.append(("tail idle", f, end))
     else:
         started = min(out.phase_end, lent + startup_s)
-        val = float(out.validating[r]) if out.validating is not None else 0.0
+        val = float(out.validating[r])
         b += [("tail idle", f, lent), ("lent: starting", lent, started), ("lent: training", started, out.phase_end - val),
               ("lent: validating", out.phase_end - val, out.phase_end), ("reclaiming", out.phase_end, rec),
               ("tail idle", rec, end)]

@@ -22,7 +22,8 @@ from tailspec.simulate.drafter import FixedAcceptance
 from tailspec.simulate.lending import Latencies, Lending, decide
 from tailspec.simulate.replica import finish_times, seconds_per_token, width_seconds_per_token
 
-STATES = ("decode", "tail_idle", "lent_starting", "lent_training", "lent_validating", "reclaiming", "train", "pool_idle")
+STATES = ("decode", "tail_idle", "lent_starting", "lent_training", "lent_validating", "reclaiming", "train",
+          "pool_idle")
 
 
 @dataclass
@@ -62,8 +63,8 @@ class StepOut:
     lent_gpu_s: float  # lease granted → revoked (the phase change seen)
     training_gpu_s: float  # of those, after the session started and not validating
     drafter_tokens: float
+    validating: np.ndarray  # per replica, seconds of its lent time spent validating (at its end)
     states: dict[str, float] = field(default_factory=dict)  # GPU-seconds per state
-    validating: np.ndarray | None = None  # per replica, seconds of its lent time spent validating (at its end)
 
 
 def validations(training: np.ndarray, validation_s: float) -> np.ndarray:
