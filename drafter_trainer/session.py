@@ -8,14 +8,15 @@ the lineage, not a checkpoint of its own. Without one it resumes from and saves 
 
 Stopping. `should_continue()` (the scheduler's lease renewal) is called once per step; `request_stop()`
 (thread-safe: a signal handler, another thread, the scheduler's revoke watcher) is also checked between
-the phases of a step (after the teacher, between unroll steps, after backward). The micro-batch in flight
-is then abandoned. A step is `trainer.micro_batch_size` micro-batches whose gradients accumulate (formed
-from the batch sorted by length, so a micro-batch pads little, and run in random order): when a stop comes
-after at least one of them, the optimizer steps on the per-token mean gradient of the micro-batches done at
-lr × their share of the batch's tokens — a smaller batch's step, so a lend shorter than a step still trains
-(with micro_batch_size 0, the whole batch at once, the step in flight is abandoned). Both halves matter: in
-lends of a second or two a third of the steps are cut short, and a clipped Adam step does not shrink with its
-batch, so at the full lr a cut step on the two shortest responses would count as much as a whole step. Then the state as of the last step is saved
+the phases of a step (before each of the teacher's decoder layers, after the teacher, between unroll steps,
+after backward). The micro-batch in flight is then abandoned. A step is `trainer.micro_batch_size`
+micro-batches whose gradients accumulate (formed from the batch sorted by length, so a micro-batch pads
+little, and run in random order): when a stop comes after at least one of them, the optimizer steps on the
+per-token mean gradient of the micro-batches done at lr × their share of the batch's tokens — a smaller
+batch's step, so a lend shorter than a step still trains (with micro_batch_size 0, the whole batch at once,
+the step in flight is abandoned). Both halves matter: in lends of a second or two a third of the steps are
+cut short, and a clipped Adam step does not shrink with its batch, so at the full lr a cut step on the two
+shortest responses would count as much as a whole step. Then the state as of the last step is saved
 (drafter + optimizer + counters, see checkpoint.py) and the session returns. The stop latency (request →
 checkpoint whole and memory freed) is recorded.
 
@@ -237,18 +238,20 @@ class TrainingSession:
             self.request_stop("should_continue")
 
     def _check(self) -> None:
-        # Inside a step ask should_continue() too (at most every ASK_EVERY_S): a lease revoked mid-step is
-        # then noticed at the next check point, not when the step ends — a step can outlast the deadline
-        # on a busy machine, and a session killed at the deadline loses the step it was in and the ones
-        # since its last checkpoint.
+        # Inside a step ask should_continue() too (at most every ASK_EVERY_S): a lease revoked mid-step is then
+        # noticed at the next check point, not when the step ends — a step can outlast the deadline on a busy
+        # machine, and a session killed at the deadline loses its step and the ones since its last checkpoint.
         if not self._stop.is_set() and time.monotonic() - self._asked_at >= ASK_EVERY_S:
             self._ask()
         if self._stop.is_set():
             raise StopRequested(self._stop_reason)
 
+    def check(self) -> None:
+        """`_check` for work outside train_step (validation): cheap enough to run before every layer."""
+        self._check()
+
     def check_continue(self) -> None:
-        """Ask `should_continue()` now (between steps, and for work outside steps, e.g. validation); raises
-        StopRequested. The next in-step check then does not ask again within ASK_EVERY_S."""
+        """Ask `should_continue()` now (between steps); raises StopRequested. Resets the ASK_EVERY_S clock."""
         self._ask()
         self._check()
 
@@ -270,7 +273,7 @@ class TrainingSession:
         return self._micro_step(samples, w, micro, rng)
 
     def _whole_step(self, batch) -> tuple[float, int, list[float]]:
-        out = self.teacher(batch)
+        out = self.teacher(batch, self._check)
         self._check()
         res = ttt_loss(self.drafter, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
                        batch.weights, self.cfg.ttt_length, self.cfg.step_decay, check=self._check)
@@ -292,7 +295,7 @@ class TrainingSession:
         for part in parts:
             batch = collate([samples[j] for j in part], [weights[j] for j in part]).to(self.teacher.device)
             try:
-                out = self.teacher(batch)
+                out = self.teacher(batch, self._check)
                 self._check()
                 res = ttt_loss(self.drafter, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
                                batch.weights, self.cfg.ttt_length, self.cfg.step_decay, check=self._check,

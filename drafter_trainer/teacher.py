@@ -8,9 +8,10 @@ tensors.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from tailspec.drafter_trainer.layers import attention_backends
@@ -89,11 +90,30 @@ class Teacher:
         return cls(model, ids, policy_version, str(path))
 
     @torch.no_grad()
-    def __call__(self, batch: Batch) -> TeacherOutput:
+    def __call__(self, batch: Batch, check: Callable[[], None] | None = None) -> TeacherOutput:
+        """`check` (a session's stop check) runs before each decoder layer and may raise to abandon the forward:
+        the teacher's forward is the longest unit of a session's step (the whole policy against the drafter's one
+        layer), so checking only around it would keep a revoked GPU for up to a whole forward."""
         ids = batch.ids.to(self.device)
         t = ids.shape[1]
         mask = (torch.arange(t, device=ids.device)[None, :] < batch.lengths.to(ids.device)[:, None]).long()
         # the policy's own attention (HF sdpa) meets a new padded width with most batches: no cuDNN plan builds
-        with capture_aux(self.model, self.aux_layer_ids) as got, attention_backends(ids.device):
+        with capture_aux(self.model, self.aux_layer_ids) as got, attention_backends(ids.device), \
+                checked_layers(self.model, check):
             out = self.model(input_ids=ids, attention_mask=mask, use_cache=False)
         return TeacherOutput(aux=got[-1], logits=out.logits.float())
+
+
+@contextmanager
+def checked_layers(model: nn.Module, check: Callable[[], None] | None) -> Iterator[None]:
+    """Call `check()` before each decoder layer of `model` inside the block (nothing when `check` is None)."""
+    if check is None:
+        yield
+        return
+    layers = getattr(model, "model", model).layers
+    handles = [layer.register_forward_pre_hook(lambda _mod, _inp: check()) for layer in layers]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

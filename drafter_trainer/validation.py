@@ -125,14 +125,14 @@ def _teacher_batches(teacher: Teacher, samples: Sequence[Sample], batch_size: in
                      check: Callable[[], None] | None) -> Iterator[tuple[Any, Any, list[Sample]]]:
     """(batch, teacher output, its samples) per `batch_size` samples, taken in order of length so a batch pads little (the
     teacher's forward and the drafter's unroll grow with the padded width; scores are per sample, so the order
-    does not change them); `check` runs before each (a session's stop check)."""
+    does not change them); `check` runs before each and inside the teacher's forward (a session's stop check)."""
     ordered = sorted(samples, key=lambda x: len(x.prompt_ids) + len(x.response_ids))
     for s in range(0, len(ordered), batch_size):
         if check is not None:
             check()
         part = ordered[s : s + batch_size]
         batch = collate(part).to(teacher.device)
-        yield batch, teacher(batch), part
+        yield batch, teacher(batch, check), part
 
 
 def sample_key(sample: Sample) -> str:

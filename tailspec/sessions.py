@@ -130,7 +130,7 @@ class Contributor:
                 self.store.save_pending(number, steps, s.drafter)
                 drafter = s.drafter
             info = self.store.propose(drafter, self.teacher, holdout, tc.validation_k, session_id=s.session_id,
-                                      note=f"lineage head {number} ({steps} steps)", check=s.check_continue,
+                                      note=f"lineage head {number} ({steps} steps)", check=s.check,
                                       level=tc.promotion_level, min_pairs=tc.promotion_min_pairs,
                                       lineage_head=number, lineage_steps=steps,
                                       max_samples=tc.validation_samples)

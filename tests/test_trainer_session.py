@@ -285,9 +285,9 @@ class _SeenTeacher:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def __call__(self, batch):
+    def __call__(self, batch, check=None):
         self.seen.append(batch)
-        return self.inner(batch)
+        return self.inner(batch, check)
 
 
 def test_a_step_cut_short_is_a_random_part_of_the_batch_at_a_proportional_lr(tmp_path, teacher):
@@ -358,3 +358,49 @@ def test_a_stop_after_a_micro_batch_still_takes_the_step(tmp_path, teacher):
         session_mod.ASK_EVERY_S = old
     assert res.steps == 0 and t.partial_steps == 0
     assert all(torch.equal(a, p.detach()) for a, p in zip(start, t.params))
+
+
+def test_a_stop_inside_the_teachers_forward_leaves_at_the_next_layer(tmp_path, teacher):
+    """A stop requested while the teacher's first decoder layer runs is seen before the second one: the rest of
+    the forward does not run, and the step in flight leaves no update."""
+    s = TrainingSession(cfg(tmp_path), teacher, make_buffer())
+    layers = teacher.model.model.layers
+    ran: list[int] = []
+    handles = [layer.register_forward_hook(lambda _m, _i, _o, j=j: ran.append(j)) for j, layer in enumerate(layers)]
+    stop = layers[0].register_forward_hook(lambda *_: s.request_stop("revoked"))
+    before = params(s.drafter)
+    try:
+        res = s.run(max_steps=5)
+    finally:
+        for h in (*handles, stop):
+            h.remove()
+    assert res.stop_reason == "revoked" and res.steps == 0
+    assert ran == [0], ran  # layers 1-3 never ran
+    assert all(torch.equal(s.drafter.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_validation_stops_inside_the_teachers_forward(teacher):
+    """Validation batches check inside the teacher's forward too: a check that raises at the third call (two
+    before the batch and its first layer, then the second layer) leaves the forward after one layer."""
+    from tailspec.drafter_trainer.loss import StopRequested
+    from tailspec.drafter_trainer.validation import validate
+
+    s = TrainingSession(TrainerConfig(batch_size=4, draft_vocab_size=16), teacher, make_buffer())
+    layers = teacher.model.model.layers
+    ran: list[int] = []
+    handles = [layer.register_forward_hook(lambda _m, _i, _o, j=j: ran.append(j)) for j, layer in enumerate(layers)]
+    calls = 0
+
+    def check():
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise StopRequested("revoked")
+
+    try:
+        with pytest.raises(StopRequested):
+            validate(s.drafter, teacher, synthetic_samples(8, seed=3), k=2, batch_size=4, check=check)
+    finally:
+        for h in handles:
+            h.remove()
+    assert ran == [0], ran

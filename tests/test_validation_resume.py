@@ -24,9 +24,9 @@ class CountingTeacher:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def __call__(self, batch):
+    def __call__(self, batch, check=None):
         self.calls += 1
-        return self.inner(batch)
+        return self.inner(batch, check)
 
 
 def stop_on_call(n: int):
@@ -53,7 +53,9 @@ def test_the_next_session_finishes_a_validation_cut_short_on_the_head_it_began(r
     assert a.propose().promoted  # v1, the baseline
     a.session.run(max_steps=2)
     began = a.session.base
-    a.session.check_continue = stop_on_call(4)  # 3 checks a batch: stopped at the second batch
+    # 7 checks a batch (before it, before each of the teacher's 4 layers, before each drafter's unroll):
+    # stopped before the second batch
+    a.session.check = stop_on_call(8)
     assert a.propose() is None
     key = state.key("vr", "drafter_validation")
     assert redis_client.hget(key, "id") == f"{began.number}:1:3".encode()
