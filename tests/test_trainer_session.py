@@ -236,7 +236,7 @@ def test_versions_promote_only_better_candidates(tmp_path, teacher, redis_client
 def test_a_loaded_optimizer_state_keeps_this_sessions_hyperparameters():
     """A head's optimizer state carries its writer's lr; the session's own config wins."""
     import torch
-    from tailspec.drafter_trainer.session import TorchBackend
+    from tailspec.drafter_trainer.backends import TorchBackend
 
     from tailspec.core.config import TrainerConfig
 
