@@ -74,11 +74,13 @@ def width_seconds_per_token(attn_s: Callable[[CostModel, int, int], float], cost
 
 
 def finish_times(lengths: np.ndarray, max_batch: int, g: np.ndarray, h: np.ndarray | None = None,
-                 ctx0: np.ndarray | None = None) -> np.ndarray:
+                 ctx0: np.ndarray | None = None, per_row: bool = False) -> np.ndarray:
     """Decode seconds until each request finishes. `lengths` [replicas, requests] in arrival order (0 pads
     a replica with fewer requests); `g` from `seconds_per_token` (length >= max_batch + 1). With `h` (from
     `width_seconds_per_token`) and `ctx0` (each request's attention width at its first step, same shape as
-    lengths), every step also pays h(b) per position of the width of its longest running row."""
+    lengths), every step also pays h(b) per position of the width of its longest running row (the native
+    engine: every row attends over the widest row's cache), or with `per_row` h(b) per position of every
+    running row's own width (paged attention: each row reads its own context)."""
     lengths = np.asarray(lengths, dtype=float)
     if lengths.ndim != 2:
         raise ValueError(f"lengths must be [replicas, requests], got shape {lengths.shape}")
@@ -92,15 +94,16 @@ def finish_times(lengths: np.ndarray, max_batch: int, g: np.ndarray, h: np.ndarr
     free = lengths[:, :m].copy()  # per slot: progress at which it frees
     holder = np.tile(np.arange(m), (r, 1))  # per slot: the request in it
     off = c0[:, :m].copy()  # per slot: width of its row minus progress (constant while it runs)
-    area = np.zeros(r)  # integral over progress of max(off) over the running rows, up to `last`
+    area = np.zeros(r)  # integral over progress of max(off) (per_row: sum(off)) over the running rows, up to `last`
+    lanes = m if per_row else 1  # rows whose width grows with progress in the step's attention cost
     last = np.zeros(r)
     for q in range(m, n):  # admissions while requests wait: the batch stays full
         slot = free.argmin(axis=1)
         start = free[rows, slot]
         # the request leaving the slot finishes here, at full batch: g(m) p + h(m) (p^2 / 2 + area)
         if wide:
-            area += (start - last) * off.max(axis=1)
-            out[rows, holder[rows, slot]] = g[m] * start + h[m] * (start**2 / 2 + area)
+            area += (start - last) * (off.sum(axis=1) if per_row else off.max(axis=1))
+            out[rows, holder[rows, slot]] = g[m] * start + h[m] * (lanes * start**2 / 2 + area)
             off[rows, slot] = c0[:, q] - start
         else:
             out[rows, holder[rows, slot]] = g[m] * start
@@ -115,8 +118,12 @@ def finish_times(lengths: np.ndarray, max_batch: int, g: np.ndarray, h: np.ndarr
     per_g, per_h = g[m - np.arange(m)], h[m - np.arange(m)]  # batch m, m-1, ..., 1
     seg = (tail - prev) * per_g[None, :]
     if wide:
-        widest = np.maximum.accumulate(np.take_along_axis(off, order, axis=1)[:, ::-1], axis=1)[:, ::-1]
-        seg = seg + per_h[None, :] * ((tail**2 - prev**2) / 2 + widest * (tail - prev))
-    t0 = g[m] * last + h[m] * (last**2 / 2 + area)
+        rest = np.take_along_axis(off, order, axis=1)[:, ::-1]  # the rows still running, last to finish first
+        if per_row:  # the running rows' widths summed: their offsets' suffix sums, one more lane per row
+            offs, grow = np.cumsum(rest, axis=1)[:, ::-1], (m - np.arange(m))[None, :]
+        else:
+            offs, grow = np.maximum.accumulate(rest, axis=1)[:, ::-1], 1
+        seg = seg + per_h[None, :] * (grow * (tail**2 - prev**2) / 2 + offs * (tail - prev))
+    t0 = g[m] * last + h[m] * (lanes * last**2 / 2 + area)
     out[rows[:, None], np.take_along_axis(holder, order, axis=1)] = t0[:, None] + np.cumsum(seg, axis=1)
     return out

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
+from tailspec.rollout.cost_model import CostModel
 from tailspec.simulate import hardware as hw
 from tailspec.simulate.drafter import DrafterCurve, DrafterState, FixedAcceptance
 from tailspec.simulate.lending import Latencies
@@ -163,7 +165,10 @@ def simulate(sc: Scenario) -> Projection:
     if replicas < 1 or train_gpus < 1:
         raise ValueError(f"{sc.gpus} GPUs cannot hold one {tp}-GPU replica of {model.name} (and a training pool)")
     roof = hw.Roofline(model, gpu, tp)
-    cost = roof.cost_model(sc.max_batch, sc.k_max, context=sc.prompt_len + sc.length_median)
+    # The selector's table is timed at the rows' first-step context, as an engine times its table at warm-up;
+    # each step then pays the KV reads of every running row's own context beyond it (context_slope).
+    cost = roof.cost_model(sc.max_batch, sc.k_max, context=sc.prompt_len)
+    attn_s = context_slope(roof, sc.prompt_len, sc.prompt_len + sc.max_len)
     startup = hw.session_startup_s(model, tp)
     lat = sc.lat or Latencies(startup_s=startup)
     draft_tps = hw.drafter_tokens_per_s(model, gpu, tp, sc.drafter_mfu)
@@ -184,7 +189,7 @@ def simulate(sc: Scenario) -> Projection:
             out = run_step(StepInputs(lengths, sc.max_batch, [cost], acc, np.full(replicas, prefill), train_s, tp, lat,
                                       lend=mode == "cotrained", drafter_tokens_per_s=draft_tps,
                                       pipeline=sc.pipeline, train_gpus=train_gpus, fixed_k=sc.k,
-                                      validation_s=val_s))
+                                      validation_s=val_s, attn_s=attn_s, ctx0=np.zeros_like(lengths), per_row=True))
             trained = min(out.drafter_tokens, sc.max_epochs * tokens) if mode == "cotrained" else 0.0
             proj.rows.append(Row(step, mode, out.step_s, out.rollout_s, train_s, out.wait_s, out.tail_idle_gpu_s,
                                  out.idle_gpu_s, out.lent_gpu_s, out.training_gpu_s, d.alpha if d else 0.0, trained,
@@ -196,6 +201,23 @@ def simulate(sc: Scenario) -> Projection:
             if step == sc.steps - 1:
                 proj.gantt[mode] = out
     return proj
+
+
+def context_slope(roof: hw.Roofline, lo: float, hi: float) -> Callable[[CostModel | None, int, int], float]:
+    """attn_s for StepInputs: a step's seconds per position of one running row's context, the secant of the
+    roofline's step time between contexts `lo` and `hi` (a row's first step and the longest). A step's time is
+    the larger of its memory and compute times, each linear in the context, so it is convex in it and the
+    secant is never below it between the two: where a verify of many rows is compute-bound at short contexts,
+    the projection errs toward the slower speculative step. Plain decode is memory-bound throughout: exact."""
+    cache: dict[tuple[int, int], float] = {}
+
+    def attn_s(_cost: CostModel | None, b: int, k: int) -> float:
+        got = cache.get((b, k))
+        if got is None:
+            got = cache[b, k] = (roof.step_s(b, k, hi) - roof.step_s(b, k, lo)) / (b * (hi - lo))
+        return got
+
+    return attn_s
 
 
 def rows_json(proj: Projection) -> list[dict]:

@@ -42,11 +42,13 @@ class StepInputs:
     train_gpus: int = 0  # async: GPUs of the training pool (sync: every GPU trains)
     dispatch_s: float = 0.0  # rollout phase start → the replicas start (and last finish → phase end)
     fixed_k: int | None = None  # one draft length at every batch size instead of the adaptive selector
-    # the native engine's context-dependent attention (calibration): attn_s(cost, b, k) seconds per step per
-    # position of attention width beyond the cost table's, and each request's width at its first step minus
-    # the table's ([replicas, requests]); None: the cost table alone
+    # context-dependent attention: attn_s(cost, b, k) seconds per step per position of attention width beyond
+    # the cost table's, and each request's width at its first step minus the table's ([replicas, requests]);
+    # None: the cost table alone. The width is the widest running row's (the native engine, calibration) or,
+    # with per_row, every running row's own (paged attention, the cluster projection)
     attn_s: Callable[[CostModel, int, int], float] | None = None
     ctx0: np.ndarray | None = None
+    per_row: bool = False
     validation_s: float = 0.0  # one candidate's paired validation on a lent replica (0: none modelled)
 
 
@@ -95,7 +97,7 @@ def run_step(inp: StepInputs) -> StepOut:
         if inp.attn_s is not None and inp.ctx0 is not None:
             h = width_seconds_per_token(inp.attn_s, costs[idx[0]], inp.acceptance, inp.max_batch, inp.fixed_k)
             ctx0 = inp.ctx0[idx]
-        finish[idx] = finish_times(inp.lengths[idx], inp.max_batch, g, h, ctx0).max(axis=1)
+        finish[idx] = finish_times(inp.lengths[idx], inp.max_batch, g, h, ctx0, inp.per_row).max(axis=1)
     finish = finish + inp.fixed_s + inp.dispatch_s
     rollout_end = float(finish.max()) + inp.dispatch_s
     train_end = inp.train_s if inp.pipeline == "async" else 0.0
