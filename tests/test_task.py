@@ -232,12 +232,13 @@ def test_new_preset_fields_keep_old_cache_keys():
     from tailspec.tasks.policy import KIT_VERSION, PRESETS, cache_key
 
     old_fields = {k: v for k, v in asdict(PRESETS["tiny"]).items()
-                  if k not in ("scaled_residual_init", "short_steps", "short_numbers", "alt_style_rate")}
+                  if k not in ("scaled_residual_init", "short_steps", "short_numbers", "alt_style_rate", "lr_floor")}
     old_task = TaskConfig().model_dump(exclude={"alt_style_rate", "style_bonus"})  # task fields added since
     blob = json.dumps({"kit": KIT_VERSION, "preset": old_fields, "task": old_task}, sort_keys=True)
     assert cache_key(PRESETS["tiny"], TaskConfig()) == f"tiny-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
     tiny = PRESETS["tiny"]
-    for change in ({"scaled_residual_init": True}, {"short_steps": 10}, {"short_numbers": 4}, {"alt_style_rate": 0.1}):
+    for change in ({"scaled_residual_init": True}, {"short_steps": 10}, {"short_numbers": 4}, {"alt_style_rate": 0.1},
+                   {"lr_floor": 0.0}):
         assert cache_key(dataclasses.replace(tiny, **change), TaskConfig()) != cache_key(tiny, TaskConfig())
 
 
@@ -266,3 +267,28 @@ def test_short_problem_curriculum(monkeypatch):
         policy.pretrain(policy.build_model(preset, tok), tok, dataclasses.replace(preset, short_steps=12), TaskConfig())
     with pytest.raises(ValueError, match="short_numbers"):
         policy.pretrain(policy.build_model(preset, tok), tok, dataclasses.replace(preset, short_numbers=1), TaskConfig())
+
+
+def test_the_lr_decays_to_the_presets_floor(monkeypatch):
+    """pretrain's cosine schedule ends at lr_floor x lr (0.1 by default; `deep` decays to 0)."""
+    import dataclasses
+
+    import tailspec.tasks.policy as policy
+
+    seen = []
+    real = torch.optim.lr_scheduler.LambdaLR
+
+    class Spy(real):
+        def __init__(self, opt, f):
+            seen.append(f)
+            super().__init__(opt, f)
+
+    monkeypatch.setattr(torch.optim.lr_scheduler, "LambdaLR", Spy)
+    assert policy.PRESETS["deep"].lr_floor == 0.0 and policy.PRESETS["tiny"].lr_floor == 0.1
+    tok = policy.build_tokenizer()
+    for floor in (0.1, 0.0):
+        preset = dataclasses.replace(policy.PRESETS["micro"], train_steps=40, lr_floor=floor)
+        policy.pretrain(policy.build_model(preset, tok), tok, preset, TaskConfig(), progress=False)
+        f = seen[-1]
+        assert f(0) == pytest.approx(1 / 2) and f(2) == pytest.approx(1.0)  # warm-up: 40 // 20 = 2 steps
+        assert f(40) == pytest.approx(floor, abs=1e-12) and f(21) > f(30) > f(39) > floor

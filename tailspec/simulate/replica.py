@@ -100,7 +100,7 @@ def finish_times(lengths: np.ndarray, max_batch: int, g: np.ndarray, h: np.ndarr
     for q in range(m, n):  # admissions while requests wait: the batch stays full
         slot = free.argmin(axis=1)
         start = free[rows, slot]
-        # the request leaving the slot finishes here, at full batch: g(m) p + h(m) (p^2 / 2 + area)
+        # the request leaving the slot finishes here, at full batch: g(m) p + h(m) (lanes p^2 / 2 + area)
         if wide:
             area += (start - last) * (off.sum(axis=1) if per_row else off.max(axis=1))
             out[rows, holder[rows, slot]] = g[m] * start + h[m] * (lanes * start**2 / 2 + area)

@@ -12,10 +12,11 @@ Presets:
   4-layer `tiny` it costs ~0.39 of a target forward (speculation can hardly pay), beside these 20 layers
   ~0.08-0.09 (1/11-1/13 at batch 1-16 on a 2-core CPU, `tailspec bench engine --policy deep`), as an EAGLE-3
   layer beside a 28-64-layer model on a GPU. Pre-training: 300 steps on short problems (<= 6 numbers) then 300
-  on the task's distribution, with a scaled residual init; 184-190 s on 2 cores (169-175 s training, then the
-  evaluation), 64% accuracy at T = 1, generated lengths p99/p50 = 4.9. 10% of its corpus is written in the task's
-  alternative scratchpad style (`Preset.alt_style_rate`; tailspec/tasks/runsum.py), so it writes that style about
-  as often, and the reward's style bonus gives GRPO a drift to follow; the others see only the main style.
+  on the task's distribution, with a scaled residual init and the lr decayed to 0. 10% of its corpus is written
+  in the task's alternative scratchpad style (`Preset.alt_style_rate`; tailspec/tasks/runsum.py), so it writes
+  that style about as often, and the reward's style bonus gives GRPO a drift to follow; the others see only the
+  main style. Accuracy at T = 1 37.5% (n = 256), generated lengths p99/p50 = 4.2; its training time is in
+  BENCHMARKS.md (the demo).
 
 The training budget is chosen so the policy is imperfect on purpose (accuracy between 20% and 80% at
 temperature 1.0): RL then has something to improve and the policy keeps moving during RL, which is
@@ -75,11 +76,16 @@ class Preset:
     # Share of the corpus written in the task's alternative scratchpad style (tailspec/tasks/runsum.py), drawn
     # per problem; `task.alt_style_rate` overrides it. The reward's style bonus makes GRPO move toward it.
     alt_style_rate: float = 0.0
+    # The cosine schedule's floor, a share of lr. `deep` decays to 0: at the 0.1 floor its last steps still
+    # moved it more than its small arithmetic errors needed (final loss 0.082, 21% accurate), decayed to 0 the
+    # same 600 steps end at loss 0.012 and 37.5% (n = 256 at T = 1).
+    lr_floor: float = 0.1
 
 
 # Fields added after the first presets were cached: left out of the cache key at their defaults, so adding
 # one does not rebuild every cached policy (the key of a preset that sets it changes, as it must).
-_KEY_OPTIONAL_DEFAULTS = {"scaled_residual_init": False, "short_steps": 0, "short_numbers": 6, "alt_style_rate": 0.0}
+_KEY_OPTIONAL_DEFAULTS = {"scaled_residual_init": False, "short_steps": 0, "short_numbers": 6, "alt_style_rate": 0.0,
+                          "lr_floor": 0.1}
 # Task fields that do not change the corpus (the reward's style bonus) or enter the key through the preset's
 # fields (alt_style_rate: the rate in effect): left out of the task part of the key.
 _KEY_TASK_EXCLUDED = {"alt_style_rate", "style_bonus"}
@@ -98,7 +104,7 @@ PRESETS: dict[str, Preset] = {
     # formed only after ~300 steps); with the curriculum it forms in ~100 short steps. This recipe at lr 2e-3: 9%.
     # 10% of its corpus in the alternative style: what the demo's reward bonus shifts it toward (the drift).
     "deep": Preset("deep", 128, 20, 4, 2, 256, train_steps=600, batch_size=24, lr=1e-3, scaled_residual_init=True,
-                   short_steps=300, short_numbers=6, alt_style_rate=0.1),
+                   short_steps=300, short_numbers=6, alt_style_rate=0.1, lr_floor=0.0),
 }
 
 
@@ -193,7 +199,7 @@ def pretrain(
     task: TaskConfig,
     progress: bool = True,
 ) -> TrainReport:
-    """Supervised pre-training on gold traces (AdamW, warm-up + cosine decay)."""
+    """Supervised pre-training on gold traces (AdamW, warm-up + cosine decay to `preset.lr_floor` x lr)."""
     torch.manual_seed(preset.seed)
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -202,7 +208,8 @@ def pretrain(
     def lr_at(step: int) -> float:
         if step < warm:
             return (step + 1) / warm
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, preset.train_steps - warm)))
+        cos = 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, preset.train_steps - warm)))
+        return preset.lr_floor + (1 - preset.lr_floor) * cos
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     batches = _pretrain_batches(preset, task)
