@@ -12,7 +12,7 @@ from tailspec.cli import config_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", choices=["micro", "micro4", "tiny", "small"])
+    p.add_argument("--preset", default="tiny", choices=["micro", "micro4", "tiny", "deep", "small"])
     p.add_argument("-n", type=int, default=512, help="evaluation problems (default 512)")
     p.add_argument("--cached", action="store_true",
                    help="reuse the cached policy instead of training a fresh one (train_seconds then comes "
