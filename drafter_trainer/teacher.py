@@ -110,8 +110,11 @@ def checked_layers(model: nn.Module, check: Callable[[], None] | None) -> Iterat
     if check is None:
         yield
         return
-    layers = getattr(model, "model", model).layers
-    handles = [layer.register_forward_pre_hook(lambda _mod, _inp: check()) for layer in layers]
+
+    def pre(_mod: nn.Module, _inp: Any) -> None:
+        check()  # returns nothing: a pre-hook's return value would replace the layer's input
+
+    handles = [layer.register_forward_pre_hook(pre) for layer in getattr(model, "model", model).layers]
     try:
         yield
     finally:
