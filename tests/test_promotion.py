@@ -156,7 +156,7 @@ def test_a_session_validating_checks_its_lease_between_small_teacher_batches(tra
 
     with pytest.raises(StopRequested):
         store.propose(better, teacher, holdout, k=3, check=check)
-    assert len(calls) == 2  # stopped before the second batch of CHECKED_BATCH samples
+    assert len(calls) == 2  # stopped inside the first batch of CHECKED_BATCH samples, at its teacher's first layer
     assert store.current().version == 1  # nothing half-proposed
 
 
@@ -173,10 +173,13 @@ def test_a_validation_cut_short_is_resumed_not_restarted(trained, tmp_path, redi
     saved: dict = {}
     checks = 0
 
-    def stop_after_two():  # three checks a batch: before the teacher's forward and before each drafter's scores
+    # checks a batch: before it, before each of the teacher's layers, and before each drafter's scores
+    per_batch = 1 + len(teacher.model.model.layers) + 2
+
+    def stop_after_two():
         nonlocal checks
         checks += 1
-        if checks > 2 * 3 + 2:  # in the third batch, before the second drafter's scores
+        if checks > 3 * per_batch - 1:  # in the third batch, before the second drafter's scores
             raise StopRequested("revoked")
 
     with pytest.raises(StopRequested):
@@ -197,7 +200,7 @@ def test_a_validation_cut_short_is_resumed_not_restarted(trained, tmp_path, redi
     def stop_after_one():
         nonlocal calls
         calls += 1
-        if calls > 3:  # the second batch's first check
+        if calls > per_batch:  # the second batch's first check
             raise StopRequested("revoked")
 
     with pytest.raises(StopRequested):
