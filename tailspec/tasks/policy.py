@@ -15,8 +15,7 @@ Presets:
   on the task's distribution, with a scaled residual init and the lr decayed to 0. 10% of its corpus is written
   in the task's alternative scratchpad style (`Preset.alt_style_rate`; tailspec/tasks/runsum.py), so it writes
   that style about as often, and the reward's style bonus gives GRPO a drift to follow; the others see only the
-  main style. Accuracy at T = 1 37.5% (n = 256), generated lengths p99/p50 = 4.2; its training time is in
-  BENCHMARKS.md (the demo).
+  main style. Its accuracy, tail and training time: BENCHMARKS.md (Task).
 
 The training budget is chosen so the policy is imperfect on purpose (accuracy between 20% and 80% at
 temperature 1.0): RL then has something to improve and the policy keeps moving during RL, which is
@@ -76,9 +75,8 @@ class Preset:
     # Share of the corpus written in the task's alternative scratchpad style (tailspec/tasks/runsum.py), drawn
     # per problem; `task.alt_style_rate` overrides it. The reward's style bonus makes GRPO move toward it.
     alt_style_rate: float = 0.0
-    # The cosine schedule's floor, a share of lr. `deep` decays to 0: at the 0.1 floor its last steps still
-    # moved it more than its small arithmetic errors needed (final loss 0.082, 21% accurate), decayed to 0 the
-    # same 600 steps end at loss 0.012 and 37.5% (n = 256 at T = 1).
+    # The cosine schedule's floor, a share of lr. `deep` decays to 0: at a tenth of its lr the last steps still
+    # move it more than its remaining errors (single sums and look-ups) allow it to settle (BENCHMARKS.md, Task).
     lr_floor: float = 0.1
 
 
