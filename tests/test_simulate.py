@@ -157,9 +157,10 @@ def test_cli_bad_input_is_named(tmp_path):
     assert out.returncode == 2 and "unknown model 'gpt-9'" in out.stderr
 
 
-def reference_finish_wide(lengths, ctx0, max_batch, g, h):
+def reference_finish_wide(lengths, ctx0, max_batch, g, h, width=max):
     """Continuous batching token by token: each step of `dp` tokens of progress costs (g(b) + h(b) W) dp, W the
-    widest running row's width (its ctx0 plus the progress since it entered)."""
+    widest running row's width (its ctx0 plus the progress since it entered), or with `width=sum` the running
+    rows' widths summed. Widths grow linearly, so the step's midpoint is exact."""
     waiting, active, t, p, dp = list(range(len(lengths))), {}, 0.0, 0.0, 1e-3
     out, start = [0.0] * len(lengths), {}
     while waiting and len(active) < max_batch:
@@ -169,7 +170,7 @@ def reference_finish_wide(lengths, ctx0, max_batch, g, h):
         i = min(active, key=lambda j: (active[j], j))
         while p < active[i] - 1e-12:
             step = min(dp, active[i] - p)
-            w = max(ctx0[j] + p + step / 2 - start[j] for j in active)
+            w = width(ctx0[j] + p + step / 2 - start[j] for j in active)
             t += step * (g[len(active)] + h[len(active)] * w)
             p += step
         p = active.pop(i)

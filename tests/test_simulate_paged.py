@@ -10,29 +10,7 @@ from hypothesis import strategies as st
 from tailspec.simulate import hardware as hw
 from tailspec.simulate.replica import finish_times
 from tailspec.simulate.run import context_slope
-
-
-def reference_finish_paged(lengths, ctx0, max_batch, g, h):
-    """Continuous batching token by token: each step of `dp` tokens of progress costs (g(b) + h(b) Σ W) dp, the
-    sum over the running rows of each one's width (its ctx0 plus the progress since it entered)."""
-    waiting, active, t, p, dp = list(range(len(lengths))), {}, 0.0, 0.0, 1e-3
-    out, start = [0.0] * len(lengths), {}
-    while waiting and len(active) < max_batch:
-        i = waiting.pop(0)
-        active[i], start[i] = lengths[i], 0.0
-    while active:
-        i = min(active, key=lambda j: (active[j], j))
-        while p < active[i] - 1e-12:
-            step = min(dp, active[i] - p)
-            w = sum(ctx0[j] + p + step / 2 - start[j] for j in active)  # widths grow linearly: the midpoint is exact
-            t += step * (g[len(active)] + h[len(active)] * w)
-            p += step
-        p = active.pop(i)
-        out[i] = t
-        if waiting:
-            j = waiting.pop(0)
-            active[j], start[j] = p + lengths[j], p
-    return out
+from tests.test_simulate import reference_finish_wide
 
 
 @settings(max_examples=40, deadline=None)
@@ -43,7 +21,7 @@ def test_finish_times_with_every_rows_own_context(max_batch, reqs, g_vals, h_val
     ctx0 = [float(c) for _, c in reqs]  # below the table's context too: the term is a correction either way
     g, h = np.array([0.0] + g_vals), np.array([0.0] + h_vals)
     got = finish_times(np.array([lengths]), max_batch, g, h, np.array([ctx0]), per_row=True)[0]
-    want = reference_finish_paged(lengths, ctx0, max_batch, g, h)
+    want = reference_finish_wide(lengths, ctx0, max_batch, g, h, width=sum)
     assert np.allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
