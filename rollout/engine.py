@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
-from tailspec.rollout import sampling
+from tailspec.rollout import prefill, sampling
 from tailspec.rollout.drafters import Proposer
 from tailspec.rollout.model_runner import ModelRunner, check_supported
 from tailspec.rollout.selector import fixed_selector
@@ -248,10 +248,15 @@ class Engine:
         if m == 0:
             return
         reqs = [self.waiting.popleft() for _ in range(m)]
+        # seeds drawn in arrival order (a request's draw does not depend on the prefill plan's order)
+        drawn = [sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._gen))
+                 for _, _, sp in reqs]
+        order, chunks = prefill.plan([p for _, p, _ in reqs])
+        reqs, drawn = [reqs[i] for i in order], [drawn[i] for i in order]
         slot0 = s.n
         T = max(len(p) for _, p, _ in reqs)
         ncol = s.ints.shape[1]
-        tok_rows, int_rows, float_rows, stop_rows, seeds = [], [], [], [], []
+        tok_rows, int_rows, float_rows, stop_rows = [], [], [], []
         for rid, prompt, sp in reqs:
             tok_rows.append(prompt + [0] * (T - len(prompt)))
             r = [0] * ncol
@@ -263,13 +268,12 @@ class Engine:
             float_rows.append(fr)
             st = list(self._stop_ids(sp))
             stop_rows.append(st + [-1] * (self.max_stop_ids - len(st)))
-            seeds.append(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._gen)))
             s.request_ids.append(rid)
             s.prompts.append(prompt)
             s.temps.append(float(sp.temperature))
             s.truncated.append(sp.top_k > 0 or sp.top_p < 1)
         ints = torch.tensor(int_rows, dtype=torch.long)
-        keys = sampling.seed_mix(torch.tensor(seeds, dtype=torch.long))
+        keys = sampling.seed_mix(torch.tensor(drawn, dtype=torch.long))
         ints[:, KEY] = keys
         toks = torch.tensor(tok_rows, dtype=torch.long, device=self.device)
         rows = slice(slot0, slot0 + m)
@@ -280,16 +284,28 @@ class Engine:
         if any(sp.temperature > 0 for _, _, sp in reqs):  # greedy rows draw nothing
             s.uniforms[rows] = sampling.uniform_table(keys.to(self.device), s.tokens.shape[1])
         s.n += m
-        lengths = s.ints[rows, LEN]
-        aux = None
-        if T > 1:
-            start = torch.zeros(m, dtype=torch.long, device=self.device)
-            need_aux = self.drafter is not None and self.drafter.needs_aux
-            _, aux = self.runner.forward(toks[:, :-1], start, slot0, want_aux=need_aux)
-        if self.drafter is not None:
-            self.drafter.prefill(toks, lengths, slot0, aux)
+        self._prefill(toks, s.ints[rows, LEN], slot0, chunks)
         self._batch = None
         self._max_length = max(self._max_length, T)
+
+    def _prefill(self, toks: torch.Tensor, lengths: torch.Tensor, slot0: int, chunks: list[prefill.Chunk]) -> None:
+        """Cache positions 0..L-2 of the admitted rows (slots slot0..) chunk by chunk (rollout/prefill.py): each
+        chunk's distinct prompts in one forward at its own width, then its repeated prompts by a slot copy."""
+        need_aux = self.drafter is not None and self.drafter.needs_aux
+        for c in chunks:
+            a, u = c.start, c.start + c.unique
+            part, aux = toks[a:u, : c.width], None
+            if c.width > 1:
+                start = torch.zeros(c.unique, dtype=torch.long, device=self.device)
+                _, aux = self.runner.forward(part[:, :-1], start, slot0 + a, want_aux=need_aux)
+            if self.drafter is not None:
+                self.drafter.prefill(part, lengths[a:u], slot0 + a, aux)
+            if c.sources:
+                src = torch.tensor(c.sources, device=self.device) + slot0
+                dst = torch.arange(u, c.end, device=self.device) + slot0
+                self.runner.move_slots(src, dst, upto=c.width - 1)
+                if self.drafter is not None:
+                    self.drafter.move_slots(src, dst)
 
     # -- one decode step -------------------------------------------------------------------------------------
     @torch.inference_mode()

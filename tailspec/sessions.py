@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections import Counter
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tailspec.core import state
@@ -42,6 +40,7 @@ from tailspec.drafter_trainer.model import default_aux_layer_ids
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.drafter_trainer.versions import VersionStore
 from tailspec.scheduler.telemetry import free_memory
+from tailspec.tasks.policy import load_weights_in_place
 
 log = logging.getLogger(__name__)
 PROPOSED = "PROPOSED_HEAD"
@@ -318,21 +317,9 @@ def load_teacher(path: str | Path, device: str, dtype: torch.dtype, policy_versi
     path = Path(path)
     key = ((path / "config.json").read_text(), str(dtype))
     kept = _KEPT.pop("teacher", None)
-    weights = path / "model.safetensors"
-    if kept is not None and kept[0] == key and weights.is_file():
-        model = kept[1]
-        try:
-            missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
-        except (RuntimeError, OSError) as e:  # a tensor of another shape, a torn file: load it the plain way
-            log.warning("teacher weights not loaded into the kept module (%s); loading %s afresh", e, path)
-            missing, unexpected = [], ["?"]
-        sd = model.state_dict()
-        ptrs = Counter(t.data_ptr() for t in sd.values())
-        tied = {k for k, t in sd.items() if ptrs[t.data_ptr()] > 1}  # lm_head tied to the embedding
-        if not unexpected and set(missing) <= tied:
-            model.to(device)
-            ids = default_aux_layer_ids(model.config.num_hidden_layers)
-            return Teacher(model, ids, policy_version, str(path))
+    if kept is not None and kept[0] == key and load_weights_in_place(kept[1], path):
+        model = kept[1].to(device)
+        return Teacher(model, default_aux_layer_ids(model.config.num_hidden_layers), policy_version, str(path))
     return Teacher.from_dir(path, device=device, dtype=dtype, policy_version=policy_version)
 
 

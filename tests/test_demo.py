@@ -6,6 +6,7 @@ session's first step."""
 import json
 
 import pytest
+import torch
 
 from tailspec.core import state
 from tailspec.core.state import Progress
@@ -519,3 +520,32 @@ def test_lent_in_tail_counts_lent_time_inside_each_workers_idle_tail():
     lent, idle = lent_in_tail([{"worker_finished_at": {"w0": 10.0, "w1": 14.0}}], tl)
     assert idle == pytest.approx(4.0) and lent == pytest.approx(3.2)
     assert lent_in_tail([{"worker_finished_at": {}}], tl) == (0.0, 0.0)  # rows recorded before the field
+
+
+def test_worker_syncs_a_new_policy_version_into_its_loaded_module(micro_policy, redis_url, tmp_path):
+    """A new policy version of the same config is loaded into the worker's module (as an RL framework syncs its
+    rollout engine's weights): the same module object, the new version's weights exactly (the reference: the
+    directory loaded afresh); a policy of another config is built anew."""
+    from tailspec.bench.vllm import perturbed_policy
+    from tailspec.tasks.policy import load_policy
+
+    policy, tok = micro_policy
+    w = _worker(redis_url)
+    try:
+        item = _item(policy, tok, {"drafter": "none"})
+        _load(w, item)
+        first = w.model
+        moved = perturbed_policy(policy, tmp_path / "v1", scale=0.2)
+        _load(w, item.model_copy(update={"policy_path": str(moved), "policy_version": 1}))
+        assert w.model is first
+        ref, _ = load_policy(moved)
+        got, want = w.model.state_dict(), ref.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        assert not torch.equal(got["lm_head.weight"], load_policy(policy)[0].state_dict()["lm_head.weight"])
+        other = perturbed_policy(policy, tmp_path / "v2", scale=0.0)
+        cfg = json.loads((other / "config.json").read_text())
+        (other / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-6}))  # another config
+        _load(w, item.model_copy(update={"policy_path": str(other), "policy_version": 2}))
+        assert w.model is not first and w.model.config.rms_norm_eps == 1e-6
+    finally:
+        w.client.close()

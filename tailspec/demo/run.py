@@ -29,6 +29,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
@@ -48,7 +49,7 @@ from tailspec.demo.measure import (
 from tailspec.demo.options import DemoOptions
 from tailspec.demo.protocol import WorkItem, WorkRequest, WorkResult, results_key, work_key
 from tailspec.demo.report import read_timeline
-from tailspec.demo.services import Services, place_workers
+from tailspec.demo.services import Services, place_workers, trainer_threads
 from tailspec.drafter_trainer.export import ExportError, export
 from tailspec.drafter_trainer.model import Eagle3Module
 from tailspec.rl import Rollout, grpo_step, recompute_logprobs, save_policy_weights
@@ -119,8 +120,7 @@ class Demo:
         self.frozen_path: str | None = None  # the first (bootstrap) drafter; None in nospec
         self.current_drafter_version: int | None = None  # the drafter the last rollout ran
         self.phase_lag_s = 0.0  # the last rollout's last result → its phase change (StepRow.phase_lag_s)
-        # what the run produced
-        self.exported: dict[str, str] = {}
+        self.exported: dict[str, str] = {}  # what the run produced, from here on
         self.export_errors: dict[str, str] = {}
         self.timeline: list[dict] = []
         self.rows: list[StepRow] = []
@@ -409,6 +409,8 @@ class Demo:
     def opened(self, on_progress=None):
         """Services up and all before step 0 done; on exit the export, the timeline, services stopped. A bench that
         interleaves demos' steps opens each: between its own steps a demo's phase stays train, so nothing lends."""
+        hf_logging.disable_progress_bar()  # a policy saved every step: HF's per-save bar would break the step lines
+        torch.set_num_threads(trainer_threads(self.placement))  # the update runs on every simulated GPU's compute
         self.start_services()
         try:
             self.load_initial_policy()

@@ -118,6 +118,7 @@ class Worker:
         self.r = connect(redis_url)  # rides out a Redis restart (fault drills: tailspec bench faults)
         self.client = TailspecClient(redis_url, cluster=cluster, node=node)
         self.policy_key: tuple | None = None
+        self.policy_config: tuple | None = None  # (config.json, dtype, device) of the loaded policy module
         self.drafter_key: tuple | None = None
         self.model = None
         self.drafter_module = None
@@ -133,14 +134,21 @@ class Worker:
     def _load_policy(self, item: WorkItem, rc) -> None:
         # deferred: transformers (tasks.policy imports it) starts a thread when it loads: after main() pinned
         # this process to its GPU's cores, so that thread runs on them too
-        from tailspec.tasks.policy import load_policy
+        from tailspec.tasks.policy import load_policy, load_weights_in_place
 
         key = (item.policy_path, item.policy_version, rc.dtype, str(self.device))
-        if key != self.policy_key:
+        if key == self.policy_key:
+            return
+        # A new policy version of the same architecture is synced into the loaded module, as an RL framework
+        # syncs its rollout engine's weights each step; building the modules anew (from_pretrained) took 0.1-0.2
+        # s of every rollout at half a core, where a GPU cluster's weight sync is ~1% of a rollout.
+        config = (Path(item.policy_path) / "config.json").read_text()
+        same = self.model is not None and self.policy_config == (config, rc.dtype, str(self.device))
+        if not (same and load_weights_in_place(self.model, item.policy_path)):
             self.model, _ = load_policy(item.policy_path, dtype=getattr(torch, rc.dtype))
             self.model.to(self.device)
-            self.policy_key = key
-            self.drafter_key = None  # the drafter shares the target's embedding: rebind
+        self.policy_key, self.policy_config = key, (config, rc.dtype, str(self.device))
+        self.drafter_key = None  # the drafter shares the target's embedding: rebind
 
     def _load_drafter(self, item: WorkItem, rc) -> None:
         """The drafter the phase decodes with: none without a drafter path (plain decoding: the nospec

@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -47,6 +50,8 @@ from tailspec.tasks.tokenizer import (
     load_tokenizer,
     save_tokenizer,
 )
+
+log = logging.getLogger(__name__)
 
 KIT_VERSION = 3  # bump to invalidate every cached policy when training code changes
 
@@ -365,6 +370,27 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[L
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     model.eval()
     return model, load_tokenizer(path)
+
+
+def load_weights_in_place(model: torch.nn.Module, path: str | Path) -> bool:
+    """Load the policy directory's weights into `model`, a module built from the same config.json, as an RL
+    framework syncs a new policy version into its rollout engine (in place; tied weights stay tied). Building
+    the modules is most of a small policy's `from_pretrained` (the deep preset on one core: 87 ms of it, the
+    weights 12 ms). False when it cannot be done whole: no single model.safetensors, a tensor of another shape
+    or name, a torn file; the caller then loads the directory afresh (and drops `model`, which may be half
+    written)."""
+    weights = Path(path) / "model.safetensors"
+    if not weights.is_file():
+        return False
+    try:
+        missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
+    except (RuntimeError, OSError, ValueError) as e:
+        log.warning("weights of %s not loaded in place (%s)", path, e)
+        return False
+    sd = model.state_dict()
+    ptrs = Counter(t.data_ptr() for t in sd.values())
+    tied = {k for k, t in sd.items() if ptrs[t.data_ptr()] > 1}  # lm_head tied to the embedding
+    return not unexpected and set(missing) <= tied
 
 
 def policy_meta(path: str | Path) -> dict:
