@@ -59,6 +59,10 @@ def run(args: argparse.Namespace) -> dict:
           f"(of the tail on the workers' clocks {result['reclaimed_share_of_tail']:.2f}); "
           f"{result['promotions']} promotions; tail idle share {result['tail_idle_share']:.2f}; "
           f"drafter step / target forward {result['drafter_cost_ratio']}", file=out)
+    print("a step's seconds (mean): " + "; ".join(
+        f"{m} rollout {result['rollout_time_s'][m]:.2f} (slowest worker: setup {t['setup']:.2f}, decode "
+        f"{t['decode']:.2f}, other {t['other']:.2f}) + update {result['update_time_s'][m]:.2f}"
+        for m, t in result["tail_worker_s"].items()), file=out)
     first, last = result["acceptance_first_last"]["frozen"]
     if first is not None and last is not None:
         print(f"frozen drafter on each step's samples: {first:.2f} -> {last:.2f} "
@@ -158,6 +162,9 @@ def _result(args: argparse.Namespace, runs: dict, demos: dict, step: dict[str, f
         "speedup_vs_frozen_last_third": round(last_third["frozen"] / last_third["cotrained"], 3),
         "last_third_step_time_s": {m: round(v, 3) for m, v in last_third.items()},
         "rollout_speedup_vs_nospec": {m: round(rollout["nospec"] / rollout[m], 3) for m in ("frozen", "cotrained")},
+        # where a step's seconds go: the update (grade, reclaim wait, GRPO, publish) and the slowest worker's rollout
+        "update_time_s": {m: round(_mean_after(rows, "train_time_s", args.skip_first), 3) for m, rows in runs.items()},
+        "tail_worker_s": {m: _tail_split(rows[args.skip_first:] or rows) for m, rows in runs.items()},
         "acceptance_first_last": {
             "frozen": [fr[0].acceptance_frozen, fr[-1].acceptance_frozen],
             "cotrained": [co[0].acceptance_cotrained, co[-1].acceptance_cotrained],
@@ -189,6 +196,19 @@ def _result(args: argparse.Namespace, runs: dict, demos: dict, step: dict[str, f
         "responses_identical_to_nospec": identical_steps(runs),
         "logprob_max_abs_diff": max(r.logprob_max_abs_diff for rows in runs.values() for r in rows),
     }
+
+
+def _tail_split(rows) -> dict[str, float]:
+    """Mean over `rows` of the step's slowest worker's seconds: setup (policy and drafter load, engine), decode
+    (its decode steps) and the rest (prefill, progress reports, handing results out); speculation shortens only
+    the decode."""
+    split = {"setup": 0.0, "decode": 0.0, "other": 0.0}
+    for r in rows:
+        w = max(r.worker_busy_s, key=r.worker_busy_s.get)
+        setup, decode = r.worker_setup_s.get(w, 0.0), r.worker_decode_s.get(w, 0.0)
+        for k, v in (("setup", setup), ("decode", decode), ("other", r.worker_busy_s[w] - setup - decode)):
+            split[k] += v / len(rows)
+    return {k: round(v, 3) for k, v in split.items()}
 
 
 def relative_change(first: float | None, last: float | None) -> float | None:
