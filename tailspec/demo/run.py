@@ -298,9 +298,8 @@ class Demo:
             time.sleep(0.1)
 
     def warm_up_workers(self, on_progress=None) -> None:
-        """Each worker's engine start-up before the first rollout: load the policy and drafter and time the
-        cost model (what a real engine does when it starts and captures its graphs). In step 0 it would
-        hide step 0's tail behind seconds of measuring and count against the first rollout."""
+        """Each worker's engine start-up before the first rollout (load the policy and drafter, time the cost model), as
+        a real engine's at its start; in step 0 it would hide step 0's tail behind seconds of measuring."""
         drafter_path, drafter_version = self.drafter_for_phase()
         self.send_work(0, self.deal(self.requests(0)[1]), drafter_path, drafter_version, warmup=True)
         results = self.collect(0, None if on_progress is None else lambda _, results: on_progress("warm-up", results))
@@ -310,8 +309,7 @@ class Demo:
         """run.json: the options, the config and each worker's warm-up cost table, which with metrics.jsonl
         is what `tailspec simulate --calibrate RUN_DIR` replays."""
         opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.o).items()}
-        record = {"options": opts, "config": self.cfg.model_dump(mode="json"),
-                  "placement": asdict(self.placement),
+        record = {"options": opts, "config": self.cfg.model_dump(mode="json"), "placement": asdict(self.placement),
                   "cost_models": {r.worker: r.cost_model for r in warmup if r.cost_model is not None}}
         (self.run_dir / "run.json").write_text(json.dumps(record, indent=1))
 
@@ -410,6 +408,7 @@ class Demo:
         """Services up and all before step 0 done; on exit the export, the timeline, services stopped. A bench that
         interleaves demos' steps opens each: between its own steps a demo's phase stays train, so nothing lends."""
         hf_logging.disable_progress_bar()  # a policy saved every step: HF's per-save bar would break the step lines
+        threads = torch.get_num_threads()
         torch.set_num_threads(trainer_threads(self.placement))  # the update runs on every simulated GPU's compute
         self.start_services()
         try:
@@ -427,6 +426,7 @@ class Demo:
             self.promotions = count_promotions(self.r, self.cluster)
         finally:
             self.stop_services()
+            torch.set_num_threads(threads)
 
     def record(self, row: StepRow, on_row=None) -> None:
         """Keep a finished step's row and append it to metrics.jsonl (inside `opened`)."""
