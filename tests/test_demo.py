@@ -224,8 +224,9 @@ def test_worker_engine_follows_the_rollout_config(micro_policy, redis_url):
 
 
 def test_worker_starts_a_promoted_versions_tracker_from_its_validated_acceptance(micro_policy, redis_url, tmp_path):
-    """A new drafter version resets the adaptive selector's acceptance tracker; the worker starts it from the
-    version's validated acceptance (version.json), not the generic prior, and a version without one keeps it."""
+    """With `rollout.drafter_carry` 0 a new drafter version resets the adaptive selector's acceptance tracker; the
+    worker starts it from the version's validated acceptance (version.json), not the generic prior, and a version
+    without one keeps it. With the default (1) the new version keeps its predecessor's counts."""
     from tailspec.core.state import DrafterVersion
     from tailspec.rollout.health_guard import chain_alpha
 
@@ -233,7 +234,8 @@ def test_worker_starts_a_promoted_versions_tracker_from_its_validated_acceptance
     (tmp_path / "version.json").write_text(DrafterVersion(
         version=2, path=str(tmp_path), policy_version=0, acceptance_length=3.0, validation_k=4, promoted=True,
         created_at=0.0).model_dump_json())
-    rollout = {"drafter": "ngram", "selector": "adaptive", "k_max": 4, "max_batch": 2, "max_seq_len": 96}
+    rollout = {"drafter": "ngram", "selector": "adaptive", "k_max": 4, "max_batch": 2, "max_seq_len": 96,
+               "drafter_carry": 0.0}
     w = _worker(redis_url)
     try:
         item = _item(policy, tok, rollout)  # drafter v1 with no version.json: the generic prior
@@ -244,6 +246,14 @@ def test_worker_starts_a_promoted_versions_tracker_from_its_validated_acceptance
         assert w.acceptance.drafter_version == 2
         assert w.acceptance.prior == pytest.approx(chain_alpha(3.0, 4)) != pytest.approx(generic)
         assert w.acceptance.alphas()[0] == pytest.approx(chain_alpha(3.0, 4), abs=0.02)
+        # the default carry: version 3 keeps the counts version 2's rollout left
+        w.run_item(item)
+        rollout = {k: v for k, v in rollout.items() if k != "drafter_carry"}
+        trials = list(w.acceptance.pos_trials)
+        assert sum(trials) > 0
+        item = _item(policy, tok, rollout, drafter_path=str(tmp_path)).model_copy(update={"drafter_version": 3})
+        w._engine(item, _load(w, item))
+        assert w.acceptance.drafter_version == 3 and w.acceptance.pos_trials == trials
     finally:
         w.client.close()
 

@@ -185,9 +185,10 @@ class RolloutConfig(_Section):
     max_seq_len: int = Field(1024, ge=8, le=1 << 20, description="prompt + response tokens per request (the KV "
                              "cache's length)")
     epsilon: float = Field(0.05, ge=0, le=1, description="exploration rate of the adaptive selector")
-    drafter_carry: float = Field(0.0, ge=0, le=1, description="share of the adaptive selector's acceptance counts "
-                                 "a promoted drafter version keeps from the version before it (0: it starts over "
-                                 "from its validated acceptance)")
+    drafter_carry: float = Field(1.0, ge=0, le=1, description="share of the adaptive selector's acceptance counts "
+                                 "a promoted drafter version keeps from the version before it (1: all of them, a "
+                                 "conservative start, since a promoted version's paired test showed it at least as "
+                                 "good; 0: it starts over from its validated acceptance)")
     verify_rule: Literal["residual", "coupled"] = Field(
         "coupled", description="exact speculative sampling rule of the native engine: coupled (drafter-invariant: "
         "a Gumbel race shared by drafter and target, so a rollout is the same tokens with or without speculation, "
