@@ -9,7 +9,8 @@
 #   the component folders (rollout/, scheduler/, ...) install as tailspec.<component>, so everything here runs
 #   with `python -P` (no current directory on sys.path) and pytest from outside the checkout.
 # What it runs (BENCHMARKS.md, "On a GPU", has the figures of earlier leases):
-#   1. pytest -m gpu (graph pool replay vs eager and pool size; NVML utilisation and the idle detector; no cuDNN
+#   1. pytest -m gpu (graph pool replay vs eager and pool size; NVML utilisation and the idle detector; the engine
+#      with its pool against each request alone and HF generate; no cuDNN
 #      attention in the engine's forward or a session's teacher)
 #   2. benchmarks/longtail_profile.py: a cold and a warm long tail at k = 0 and 3, the cold ones profiled
 #   3. tailspec bench adaptive --device cuda (the main job's setting: the graph pool attached)
@@ -54,7 +55,8 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'tai
 print(torch.cuda.get_device_properties(0))"; } > "$OUT/env.txt" 2>&1
 
 check pytest_gpu 60 "$PY" -P -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --rootdir=/tmp \
-  "$REPO/tests/test_graph_pool.py" "$REPO/tests/test_scheduler_telemetry.py" "$REPO/tests/test_gpu_attention.py"
+  "$REPO/tests/test_graph_pool.py" "$REPO/tests/test_scheduler_telemetry.py" "$REPO/tests/test_gpu_attention.py" \
+  "$REPO/tests/test_gpu_engine.py"
 # the one-time cost per new shape on the graph path (third lease): profile a cold long tail before anything else
 check longtail_profile 90 "$PY" -P "$REPO/benchmarks/longtail_profile.py" "$OUT/longtail_profile"
 check adaptive 150 "${TS[@]}" bench adaptive --json --device cuda
