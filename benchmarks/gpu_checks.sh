@@ -12,11 +12,12 @@
 #   1. pytest -m gpu (graph pool replay vs eager and pool size; NVML utilisation and the idle detector; the engine
 #      with its pool against each request alone and HF generate; no cuDNN
 #      attention in the engine's forward or a session's teacher)
-#   2. benchmarks/longtail_profile.py: a cold and a warm long tail at k = 0 and 3, the cold ones profiled
-#   3. tailspec bench adaptive --device cuda (the main job's setting: the graph pool attached)
-#   4. the `small` preset pre-trained on the GPU (cached under $TAILSPEC_CACHE), then its engine bench
-#   5. tailspec bench adaptive --no-graphs (the eager comparison)
-#   6. tailspec bench engine on the deep preset, bf16, batches 1, 8, 32, 128
+#   2. benchmarks/attention_backends.py: the target's forward and a no-SD rollout under each SDPA setting
+#   3. benchmarks/longtail_profile.py: a cold and a warm long tail at k = 0 and 3, the cold ones profiled
+#   4. tailspec bench adaptive --device cuda (the main job's setting: the graph pool attached)
+#   5. the `small` preset pre-trained on the GPU (cached under $TAILSPEC_CACHE), then its engine bench
+#   6. tailspec bench adaptive --no-graphs (the eager comparison)
+#   7. tailspec bench engine on the deep preset, bf16, batches 1, 8, 32, 128
 set -uo pipefail
 OUT=${1:?usage: gpu_checks.sh OUTDIR [BUDGET_S]}
 BUDGET=${2:-540}
@@ -54,9 +55,11 @@ TS=("$PY" -P -m tailspec.cli)  # an array, not a function: `timeout` runs progra
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'tailspec', tailspec.__file__); \
 print(torch.cuda.get_device_properties(0))"; } > "$OUT/env.txt" 2>&1
 
-check pytest_gpu 60 "$PY" -P -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --rootdir=/tmp \
+check pytest_gpu 90 "$PY" -P -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --rootdir=/tmp \
   "$REPO/tests/test_graph_pool.py" "$REPO/tests/test_scheduler_telemetry.py" "$REPO/tests/test_gpu_attention.py" \
   "$REPO/tests/test_gpu_engine.py"
+# the engine's attention kernel per setting (fifth lease: with cuDNN excluded, GQA fell back to the math kernel)
+check attention 60 "$PY" -P "$REPO/benchmarks/attention_backends.py" "$OUT/attention.json"
 # the one-time cost per new shape on the graph path (third lease): profile a cold long tail before anything else
 check longtail_profile 90 "$PY" -P "$REPO/benchmarks/longtail_profile.py" "$OUT/longtail_profile"
 check adaptive 150 "${TS[@]}" bench adaptive --json --device cuda

@@ -26,6 +26,8 @@ from tailspec.rollout.model_runner import (
     ModelRunner,
     attention_backends,
     check_supported,
+    fold_gqa_mask,
+    gqa_attention,
     qkv_rope_tables,
     rope,
     signed_sin,
@@ -252,10 +254,9 @@ class Eagle3Proposer(Proposer):
         max_pos = int(pos.max()) if max_pos is None else max_pos
         Lk = min(self.cache_len, (max_pos // 64 + 1) * 64)
         mask = (torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, :, None])[:, None]
+        mask = fold_gqa_mask(mask, Hq // Hk, pos.device)
         with attention_backends(pos.device):  # no per-shape cuDNN plan builds (model_runner)
-            o = F.scaled_dot_product_attention(
-                qkv[:, :, :Hq].transpose(1, 2), kv[:, :Hk, :Lk], kv[:, Hk:, :Lk], attn_mask=mask, enable_gqa=Hq != Hk
-            )
+            o = gqa_attention(qkv[:, :, :Hq].transpose(1, 2), kv[:, :Hk, :Lk], kv[:, Hk:, :Lk], mask)
         out = hidden + F.linear(o.transpose(1, 2).reshape(B, T, self.Hq * D), ml.self_attn.o_proj.weight)
         g, u = F.linear(unit_rms_norm(out, self.eps), self.gate_up_w).chunk(2, -1)
         return out + F.linear(F.silu(g) * u, ml.mlp.down_proj.weight)

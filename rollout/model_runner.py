@@ -32,12 +32,37 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # lease: 1.67 s of a 2.5 s cold rollout). The memory-efficient kernel takes the same boolean mask without a
 # per-shape build; flash and math stay allowed so a CPU picks what it always picked.
 _SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+# The memory-efficient kernel needs as many key/value heads as query heads, so with grouped-query attention
+# (`enable_gqa`) and cuDNN excluded SDPA falls back to the math kernel: on an H100 that made the deep preset's
+# replayed forward 1.6x slower than cuDNN's and its eager one 2.5x (BENCHMARKS.md, fifth lease). On these devices
+# a group's query heads are folded into the query length instead (`fold_gqa_mask`, `gqa_attention`), which every
+# kernel takes without copying the cache's keys and values.
+FOLD_GQA_DEVICES = ("cuda",)
 
 
 def attention_backends(device: torch.device):
     """The SDPA kernels the engine's forwards may use on `device`: every one but cuDNN's on CUDA. Entered once
     per forward, not per layer, since the context manager's flag flips cost microseconds each."""
     return sdpa_kernel(_SDPA_BACKENDS) if device.type == "cuda" else nullcontext()
+
+
+def fold_gqa_mask(mask: torch.Tensor, groups: int, device: torch.device) -> torch.Tensor:
+    """The attention mask [B,1,T,L] for `gqa_attention` on `device`: tiled to [B,1,groups*T,L] where query heads
+    are folded (row g*T + t is query token t of the group's g-th head), as is elsewhere. Built once per forward."""
+    return mask.repeat(1, 1, groups, 1) if groups > 1 and device.type in FOLD_GQA_DEVICES else mask
+
+
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA of q [B,Hq,T,D] over k, v [B,Hk,L,D], query head h reading key/value head h // (Hq/Hk), as
+    `enable_gqa`; `mask` from `fold_gqa_mask`. Folded, the Hq/Hk query heads that share a key/value head are
+    one head over Hq/Hk times the query tokens (the mask tiled to match), so the kernel sees Hk heads on both
+    sides. Returns [B,Hq,T,D]."""
+    B, Hq, T, D = q.shape
+    Hk = k.shape[1]
+    if Hq == Hk or mask.shape[2] == T:  # not folded (CPU: its flash kernel takes enable_gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hq != Hk)
+    o = F.scaled_dot_product_attention(q.reshape(B, Hk, (Hq // Hk) * T, D), k, v, attn_mask=mask)
+    return o.view(B, Hq, T, D)
 
 
 @dataclass
@@ -179,7 +204,6 @@ class ModelRunner:
         self.kv_cache = list(self._kv_all.unbind(0))
         self.k_cache = [kv[:, : self.num_kv_heads] for kv in self.kv_cache]
         self.v_cache = [kv[:, self.num_kv_heads :] for kv in self.kv_cache]
-        self._gqa = self.num_heads != self.num_kv_heads
 
     # -- cache bookkeeping ---------------------------------------------------------------------------------
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor, upto: int | None = None) -> None:
@@ -217,6 +241,7 @@ class ModelRunner:
         key_pos = torch.arange(L, device=start.device)
         mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,L]
         Hq, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        mask = fold_gqa_mask(mask, Hq // Hk, start.device)
         # RoPE tables for every qkv head at these positions: built once per forward, not per layer
         cos, sin = qkv_rope_tables(self.cos[pos], self.sin_signed[pos], Hq + Hk, Hk)  # [B,T,Hq+2Hk,D]
         rows = torch.arange(B, device=start.device)[:, None].expand(B, T)
@@ -241,7 +266,7 @@ class ModelRunner:
                 kv[rows, :, pos] = qkv[:, :, Hq:]
                 q = qkv[:, :, :Hq].transpose(1, 2)
                 k, v = kv[:, :Hk, :L], kv[:, Hk:, :L]
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self._gqa)
+                o = gqa_attention(q, k, v, mask)
                 o = o.transpose(1, 2).reshape(B, T, Hq * D)
                 x = x + F.linear(o, ly.o_w, ly.o_b)
                 h = unit_rms_norm(x, self.eps)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from engine_helpers import hf_greedy
+from tailspec.rollout import model_runner
 from tailspec.rollout.drafters import DraftModelProposer, NgramProposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.model_runner import ModelRunner
@@ -42,7 +43,16 @@ def model(request, tmp_path_factory):
     return loaded
 
 
-def test_runner_forward_matches_hf(model):
+@pytest.fixture(params=["enable_gqa", "folded"])
+def gqa_path(request, monkeypatch):
+    """Both ways the runner computes grouped-query attention: SDPA's `enable_gqa` (CPU) and query heads folded
+    into the query length (CUDA; model_runner.gqa_attention), here on CPU."""
+    if request.param == "folded":
+        monkeypatch.setattr(model_runner, "FOLD_GQA_DEVICES", ("cuda", "cpu"))
+    return request.param
+
+
+def test_runner_forward_matches_hf(model, gqa_path):
     prompts = [[1, 5, 9, 13, 17, 21, 25], [1, 30, 31], [1, 7, 7, 7, 40]]
     runner = ModelRunner(model, max_slots=3, cache_len=64)
     lengths = [len(p) for p in prompts]
@@ -67,7 +77,7 @@ def test_runner_forward_matches_hf(model):
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
-def test_engine_greedy_matches_hf_generate(model, drafter):
+def test_engine_greedy_matches_hf_generate(model, drafter, gqa_path):
     prompts = [[1] + [3 + (i * 7 + j * 5) % 50 for j in range(2 + 3 * i)] for i in range(5)]
     refs = [hf_greedy(model, p, 24) for p in prompts]
     d = NgramProposer() if drafter == "ngram" else DraftModelProposer(model)

@@ -1,7 +1,7 @@
 """On CUDA, cuDNN's SDPA builds an execution plan the first time it meets a shape (45-65 ms on an H100:
 BENCHMARKS.md, fourth GPU lease), and both a long tail (a new row count at every finished request) and a session
 (a new padded width with most batches) meet new shapes all the time. The engine's forward and a session's teacher
-keep cuDNN's kernel out. Self-contained (no helpers from other test modules): benchmarks/gpu_checks.sh runs it
+keep cuDNN's kernel out, and the engine's grouped-query attention still reaches a fused kernel. Self-contained (no helpers from other test modules): benchmarks/gpu_checks.sh runs it
 from outside the checkout against the installed package."""
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ def test_gpu_engine_forward_never_runs_cudnn_attention(dtype):
     ops = attention_ops(lambda: runner_at_three_row_counts(runner, "cuda"))
     assert "aten::scaled_dot_product_attention" in ops
     assert not any("cudnn" in op for op in ops), sorted(ops)
+    # GQA (4 query heads over 2 key/value heads) folded: a fused kernel, not the math fallback that `enable_gqa`
+    # got without cuDNN (BENCHMARKS.md, fifth lease)
+    assert "aten::_scaled_dot_product_efficient_attention" in ops, sorted(ops)
 
 
 @pytest.mark.gpu
