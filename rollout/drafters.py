@@ -26,7 +26,7 @@ from tailspec.rollout.model_runner import (
     ModelRunner,
     attention_backends,
     check_supported,
-    fold_gqa_mask,
+    attention_mask,
     gqa_attention,
     qkv_rope_tables,
     rope,
@@ -253,8 +253,8 @@ class Eagle3Proposer(Proposer):
         kv[rows, :, pos] = qkv[:, :, Hq:]
         max_pos = int(pos.max()) if max_pos is None else max_pos
         Lk = min(self.cache_len, (max_pos // 64 + 1) * 64)
-        mask = (torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, :, None])[:, None]
-        mask = fold_gqa_mask(mask, Hq // Hk, pos.device)
+        mask = attention_mask((torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, :, None])[:, None],
+                              Hq // Hk, self.dtype)
         with attention_backends(pos.device):  # no per-shape cuDNN plan builds (model_runner)
             o = gqa_attention(qkv[:, :, :Hq].transpose(1, 2), kv[:, :Hk, :Lk], kv[:, Hk:, :Lk], mask)
         out = hidden + F.linear(o.transpose(1, 2).reshape(B, T, self.Hq * D), ml.self_attn.o_proj.weight)

@@ -68,7 +68,9 @@ class GraphShape:
         t, e = bucket * (k + 1), self.itemsize
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         per_token = (3 * self.hidden_size + (q + 2 * kv) + 3 * q + 3 * self.intermediate_size) * e
-        scores = bucket * self.num_heads * (k + 1) * self.attn_len * (e + 1)  # scores + bool mask (broadcast)
+        # scores, the boolean mask, and the additive mask tiled over a group's folded query heads
+        groups = self.num_heads // self.num_kv_heads
+        scores = bucket * (k + 1) * self.attn_len * ((self.num_heads + groups) * e + 1)
         rope = 4 * t * self.head_dim * e
         aux = t * self.n_aux * self.hidden_size * e
         return t * per_token + scores + rope + aux + t * self.vocab_size * e

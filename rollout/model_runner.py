@@ -34,10 +34,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 # The memory-efficient kernel needs as many key/value heads as query heads, so with grouped-query attention
 # (`enable_gqa`) and cuDNN excluded SDPA falls back to the math kernel: on an H100 that made the deep preset's
-# replayed forward 1.6x slower than cuDNN's and its eager one 2.5x (BENCHMARKS.md, fifth lease). On these devices
-# a group's query heads are folded into the query length instead (`fold_gqa_mask`, `gqa_attention`), which every
-# kernel takes without copying the cache's keys and values.
-FOLD_GQA_DEVICES = ("cuda",)
+# replayed forward 1.6x slower than cuDNN's and its eager one 2.5x (BENCHMARKS.md, fifth lease). A group's query
+# heads are folded into the query length instead (`attention_mask`, `gqa_attention`), which every kernel takes
+# without copying the cache's keys and values; on a CPU it reads each key/value head once for its group, not
+# once per query head (the deep preset's attention at 4 query tokens a row: 1.06 ms a layer, 1.59 unfolded).
+FOLD_GQA_DEVICES = ("cuda", "cpu")
 
 
 def attention_backends(device: torch.device):
@@ -46,20 +47,22 @@ def attention_backends(device: torch.device):
     return sdpa_kernel(_SDPA_BACKENDS) if device.type == "cuda" else nullcontext()
 
 
-def fold_gqa_mask(mask: torch.Tensor, groups: int, device: torch.device) -> torch.Tensor:
-    """The attention mask [B,1,T,L] for `gqa_attention` on `device`: tiled to [B,1,groups*T,L] where query heads
-    are folded (row g*T + t is query token t of the group's g-th head), as is elsewhere. Built once per forward."""
-    return mask.repeat(1, 1, groups, 1) if groups > 1 and device.type in FOLD_GQA_DEVICES else mask
+def attention_mask(allowed: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask (0 where `allowed` [B,1,T,L], -inf elsewhere) for `gqa_attention`, built once per forward
+    (a boolean mask is converted inside SDPA at every layer), tiled to [B,1,groups*T,L] where query heads are
+    folded: row g*T + t is query token t of the group's g-th head."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    return mask.repeat(1, 1, groups, 1) if groups > 1 and allowed.device.type in FOLD_GQA_DEVICES else mask
 
 
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """SDPA of q [B,Hq,T,D] over k, v [B,Hk,L,D], query head h reading key/value head h // (Hq/Hk), as
-    `enable_gqa`; `mask` from `fold_gqa_mask`. Folded, the Hq/Hk query heads that share a key/value head are
+    `enable_gqa`; `mask` from `attention_mask`. Folded, the Hq/Hk query heads that share a key/value head are
     one head over Hq/Hk times the query tokens (the mask tiled to match), so the kernel sees Hk heads on both
     sides. Returns [B,Hq,T,D]."""
     B, Hq, T, D = q.shape
     Hk = k.shape[1]
-    if Hq == Hk or mask.shape[2] == T:  # not folded (CPU: its flash kernel takes enable_gqa)
+    if Hq == Hk or mask.shape[2] == T:  # not folded
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hq != Hk)
     o = F.scaled_dot_product_attention(q.reshape(B, Hk, (Hq // Hk) * T, D), k, v, attn_mask=mask)
     return o.view(B, Hq, T, D)
@@ -239,9 +242,8 @@ class ModelRunner:
             self._kv_all[:, :, :, self._zeroed : L].zero_()
             self._zeroed = L
         key_pos = torch.arange(L, device=start.device)
-        mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,L]
         Hq, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
-        mask = fold_gqa_mask(mask, Hq // Hk, start.device)
+        mask = attention_mask((key_pos[None, None, :] <= pos[:, :, None])[:, None], Hq // Hk, self.embed.dtype)
         # RoPE tables for every qkv head at these positions: built once per forward, not per layer
         cos, sin = qkv_rope_tables(self.cos[pos], self.sin_signed[pos], Hq + Hk, Hk)  # [B,T,Hq+2Hk,D]
         rows = torch.arange(B, device=start.device)[:, None].expand(B, T)

@@ -1,9 +1,9 @@
-"""Grouped-query attention folded into the query length (rollout.model_runner.gqa_attention): on CUDA the
-engine's forwards fold a group's query heads into one head over more query tokens, so the memory-efficient
-kernel (which needs equal head counts) serves GQA models without copying keys and values, instead of the math
-kernel that `enable_gqa` falls back to once cuDNN's is excluded. Checked here on CPU with the folding turned on
-for it: against an independent reference (keys/values repeated per query head, masked softmax) and, through
-the engine with an EAGLE-3 drafter, against the unfolded path."""
+"""Grouped-query attention folded into the query length (rollout.model_runner.gqa_attention): the engine's
+forwards fold a group's query heads into one head over more query tokens, so on CUDA the memory-efficient kernel
+(which needs equal head counts) serves GQA models without copying keys and values, instead of the math kernel
+that `enable_gqa` falls back to once cuDNN's is excluded, and on a CPU each key/value head is read once per group.
+Checked against an independent reference (keys/values repeated per query head, masked softmax) and, through the
+engine with an EAGLE-3 drafter, against the unfolded path (`enable_gqa`)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,8 @@ from engine_helpers import random_eagle3, random_micro, task_prompts
 from tailspec.rollout import model_runner
 from tailspec.rollout.drafters import Eagle3Proposer
 from tailspec.rollout.engine import Engine
-from tailspec.rollout.model_runner import fold_gqa_mask, gqa_attention
+from tailspec.rollout.model_runner import attention_mask, gqa_attention
 from tailspec.rollout.sequence import SamplingParams
-
-CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def fold_on_cpu(monkeypatch):
-    monkeypatch.setattr(model_runner, "FOLD_GQA_DEVICES", ("cuda", "cpu"))
-
 
 def reference(q, k, v, mask):
     g = q.shape[1] // k.shape[1]
@@ -33,23 +25,27 @@ def reference(q, k, v, mask):
 
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("T", [1, 3])
-def test_folded_attention_matches_repeated_heads(fold_on_cpu, groups, T):
+@pytest.mark.parametrize("fold", [True, False])
+def test_attention_matches_repeated_heads(monkeypatch, groups, T, fold):
+    if not fold:
+        monkeypatch.setattr(model_runner, "FOLD_GQA_DEVICES", ())
     torch.manual_seed(groups * 10 + T)
     B, Hk, L, D = 3, 2, 64, 16
     q = torch.randn(B, Hk * groups, T, D)
     k, v = torch.randn(B, Hk, L, D), torch.randn(B, Hk, L, D)
     pos = torch.tensor([5, 40, 63 - T + 1])[:, None] + torch.arange(T)  # ragged positions per row
     mask = (torch.arange(L)[None, None, :] <= pos[:, :, None])[:, None]
-    folded = fold_gqa_mask(mask, groups, CPU)
-    assert folded.shape == (B, 1, groups * T, L)
-    out = gqa_attention(q, k, v, folded)
+    added = attention_mask(mask, groups, q.dtype)
+    assert added.shape == (B, 1, (groups if fold else 1) * T, L)
+    out = gqa_attention(q, k, v, added)
     assert out.shape == (B, Hk * groups, T, D)
     torch.testing.assert_close(out, reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
-def test_masks_are_not_folded_where_the_device_is_not_listed():
-    mask = torch.ones(2, 1, 3, 64, dtype=torch.bool)
-    assert fold_gqa_mask(mask, 2, CPU) is mask  # CPU's flash kernel takes enable_gqa as it is
+def test_the_mask_is_additive_in_the_model_dtype():
+    allowed = torch.tensor([[True, True, False]])[:, None, None]
+    m = attention_mask(allowed, 1, torch.bfloat16)
+    assert m.dtype == torch.bfloat16 and m.tolist() == [[[[0.0, 0.0, float("-inf")]]]]
 
 
 @pytest.mark.parametrize("rule", ["coupled", "residual"])
@@ -65,8 +61,9 @@ def test_engine_with_eagle3_decodes_the_same_folded(monkeypatch, rule):
                      max_seq_len=256, verify_rule=rule)
         return eng.generate(prompts, sp)
 
+    monkeypatch.setattr(model_runner, "FOLD_GQA_DEVICES", ())
     plain = run()
-    monkeypatch.setattr(model_runner, "FOLD_GQA_DEVICES", ("cuda", "cpu"))
+    monkeypatch.undo()
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
