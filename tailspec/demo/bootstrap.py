@@ -18,7 +18,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from tailspec.core import state
-from tailspec.core.config import TailspecConfig
+from tailspec.core.config import TailspecConfig, TrainerConfig
 from tailspec.core.state import DrafterVersion, Sample
 from tailspec.drafter_trainer.checkpoint import flatten_optimizer_state, unflatten_optimizer_state
 from tailspec.drafter_trainer.lineage import Lineage
@@ -71,10 +71,17 @@ def rollout_samples(policy_dir: str | Path, cfg: TailspecConfig, n: int, seed: i
     ]
 
 
+def bootstrap_trainer(cfg: TailspecConfig) -> TrainerConfig:
+    """The trainer settings the offline run trains with: the co-training ones at `bootstrap_lr`."""
+    return cfg.trainer.model_copy(update={"lr": cfg.trainer.bootstrap_lr or cfg.trainer.lr})
+
+
 def _key(policy_dir: Path, cfg: TailspecConfig, n: int, seconds: float, seed: int, steps: int | None = None) -> str:
+    """The cache key: what the offline run depends on. Its trainer settings as it runs them, so a co-training lr
+    (sessions' `lr` beside a set `bootstrap_lr`) does not retrain an identical first drafter."""
     weights = policy_dir / "model.safetensors"
     h = hashlib.sha256()
-    h.update(json.dumps({"trainer": cfg.trainer.model_dump(exclude={"checkpoint_dir"}), "n": n, "s": seconds,
+    h.update(json.dumps({"trainer": bootstrap_trainer(cfg).model_dump(exclude={"checkpoint_dir"}), "n": n, "s": seconds,
                          "seed": seed, "task": cfg.task.model_dump(), "format": 3,
                          **({"steps": steps} if steps is not None else {})}, sort_keys=True).encode())
     h.update(weights.read_bytes() if weights.is_file() else str(policy_dir).encode())
@@ -96,8 +103,7 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
     buffer = make_buffer(cfg)
     fill_buffer(buffer, samples, teacher.config.vocab_size, cfg.trainer.max_seq_len)
     with tempfile.TemporaryDirectory(prefix="tailspec-boot-") as tmp:
-        tc = cfg.trainer.model_copy(update={"lr": cfg.trainer.bootstrap_lr or cfg.trainer.lr})
-        session = TrainingSession(tc, teacher, buffer, checkpoint_dir=Path(tmp) / "ckpt")
+        session = TrainingSession(bootstrap_trainer(cfg), teacher, buffer, checkpoint_dir=Path(tmp) / "ckpt")
         res = session.run(max_seconds=seconds, max_steps=steps)
         drafter: Eagle3Module = session.drafter
         drafter.eval()
