@@ -16,14 +16,15 @@ import sys
 import time
 
 import torch
-from torch.nn.attention import SDPBackend
-from tailspec.core.config import TailspecConfig
 from tailspec.rollout import model_runner as mr
 from tailspec.rollout.cost_model import CostModel
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.graph_pool import build_pool
 from tailspec.rollout.model_runner import ModelRunner
 from tailspec.rollout.sequence import SamplingParams
+from torch.nn.attention import SDPBackend
+
+from tailspec.core.config import TailspecConfig
 from tailspec.tasks.policy import load_policy, resolve_policy
 
 E, F_, M, C = SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION
@@ -60,7 +61,7 @@ def runner_figures(model, dev: str) -> dict:
     for b, t in SHAPES:
         ids = torch.ones(b, t, dtype=torch.long, device=dev)
         start = torch.full((b,), 300, device=dev)
-        row = {"eager_ms": round(timed(lambda: runner.forward(ids, start, max_pos=310), dev, 20), 3)}
+        row = {"eager_ms": round(timed(lambda ids=ids, start=start: runner.forward(ids, start, max_pos=310), dev, 20), 3)}
         if dev == "cuda":
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -113,7 +114,7 @@ def main() -> None:
     model = model.to(dev)
     result = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu", "torch": torch.__version__}
     for name, (backends, fold) in SETS.items():
-        mr._SDPA_BACKENDS = backends  # noqa: SLF001 - the setting under test
+        mr._SDPA_BACKENDS = backends
         mr.FOLD_GQA_DEVICES = ("cuda",) if fold else ()
         try:
             result[name] = runner_figures(model, dev) | engine_figures(model, tok, dev)

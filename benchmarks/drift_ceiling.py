@@ -22,15 +22,16 @@ import tempfile
 from pathlib import Path
 
 import torch
-from tailspec.core.config import TailspecConfig
-from tailspec.demo.bootstrap import bootstrap_drafter, load_samples, make_buffer, rollout_samples
-from tailspec.demo.options import DemoOptions
-from tailspec.demo.run import apply_demo_trainer
 from tailspec.drafter_trainer.model import Eagle3Module
 from tailspec.drafter_trainer.samples import fill_buffer
 from tailspec.drafter_trainer.session import TrainingSession
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.drafter_trainer.validation import validate
+
+from tailspec.core.config import TailspecConfig
+from tailspec.demo.bootstrap import bootstrap_drafter, load_samples, make_buffer, rollout_samples
+from tailspec.demo.options import DemoOptions
+from tailspec.demo.run import apply_demo_trainer
 from tailspec.tasks.policy import load_policy, resolve_policy
 
 
@@ -63,7 +64,7 @@ def main() -> None:
     run = a.run_dir
     versions = sorted((run / "policy").glob("v*"), key=lambda d: int(d.name[1:]))
     final = versions[-2] if len(versions) > 1 else versions[-1]  # the last step ran the version before the last update
-    head = sorted((run / "drafter" / "lineage").glob("head-*"))[-1]
+    head = max((run / "drafter" / "lineage").glob("head-*"))
     lineage_steps = json.loads((head / "trainer_state.json").read_text())["lineage"]["steps"]
     cfg = TailspecConfig()
     apply_demo_trainer(cfg.trainer, DemoOptions.validation_samples)

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from tailspec.rollout.model_runner import (
     ModelRunner,
     attention_backends,
-    check_supported,
     attention_mask,
+    check_supported,
     gqa_attention,
     qkv_rope_tables,
     rope,

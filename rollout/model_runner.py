@@ -29,15 +29,15 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 # cuDNN's attention builds an execution plan the first time it meets a shape: 45-65 ms on an H100 for every new
 # row count or attended length, which a long tail meets at every finished request (BENCHMARKS.md, fourth GPU
-# lease: 1.67 s of a 2.5 s cold rollout). The memory-efficient kernel takes the same boolean mask without a
-# per-shape build; flash and math stay allowed so a CPU picks what it always picked.
+# lease: 1.67 s of a 2.5 s cold rollout). The memory-efficient kernel takes the same mask without a per-shape
+# build; flash and math stay allowed so a CPU picks what it always picked.
 _SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 # The memory-efficient kernel needs as many key/value heads as query heads, so with grouped-query attention
 # (`enable_gqa`) and cuDNN excluded SDPA falls back to the math kernel: on an H100 that made the deep preset's
 # replayed forward 1.6x slower than cuDNN's and its eager one 2.5x (BENCHMARKS.md, fifth lease). A group's query
 # heads are folded into the query length instead (`attention_mask`, `gqa_attention`), which every kernel takes
 # without copying the cache's keys and values; on a CPU it reads each key/value head once for its group, not
-# once per query head (the deep preset's attention at 4 query tokens a row: 1.06 ms a layer, 1.59 unfolded).
+# once per query head (faster there too: BENCHMARKS.md, "End to end").
 FOLD_GQA_DEVICES = ("cuda", "cpu")
 
 

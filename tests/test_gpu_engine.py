@@ -15,6 +15,7 @@ from tailspec.rollout.drafters import DraftModelProposer, Eagle3Proposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.graph_pool import build_pool
 from tailspec.rollout.sequence import SamplingParams
+
 from tailspec.tasks.policy import build_model
 from tailspec.tasks.runsum import sample_problems
 from tailspec.tasks.tokenizer import build_tokenizer, encode_prompt

@@ -16,6 +16,7 @@ from tailspec.rollout.engine import Engine
 from tailspec.rollout.model_runner import attention_mask, gqa_attention
 from tailspec.rollout.sequence import SamplingParams
 
+
 def reference(q, k, v, mask):
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
