@@ -45,10 +45,9 @@ def model(request, tmp_path_factory):
 
 @pytest.fixture(params=["enable_gqa", "folded"])
 def gqa_path(request, monkeypatch):
-    """Both ways the runner computes grouped-query attention: query heads folded into the query length (the
-    engine's, model_runner.gqa_attention) and SDPA's `enable_gqa`."""
-    if request.param == "enable_gqa":
-        monkeypatch.setattr(model_runner, "FOLD_GQA_DEVICES", ())
+    """Both ways the runner computes grouped-query attention: query heads folded into the query length (CUDA's,
+    model_runner.gqa_attention) and SDPA's `enable_gqa` (the CPU's)."""
+    monkeypatch.setattr(model_runner, "FOLD_GQA_DEVICES", ("cuda", "cpu") if request.param == "folded" else ())
     return request.param
 
 

@@ -1,9 +1,9 @@
-"""Grouped-query attention folded into the query length (rollout.model_runner.gqa_attention): the engine's
-forwards fold a group's query heads into one head over more query tokens, so on CUDA the memory-efficient kernel
+"""Grouped-query attention folded into the query length (rollout.model_runner.gqa_attention): on CUDA the
+engine's forwards fold a group's query heads into one head over more query tokens, so the memory-efficient kernel
 (which needs equal head counts) serves GQA models without copying keys and values, instead of the math kernel
-that `enable_gqa` falls back to once cuDNN's is excluded, and on a CPU each key/value head is read once per group.
-Checked against an independent reference (keys/values repeated per query head, masked softmax) and, through the
-engine with an EAGLE-3 drafter, against the unfolded path (`enable_gqa`)."""
+that `enable_gqa` falls back to once cuDNN's is excluded. Checked here on CPU with the fold turned on for it:
+against an independent reference (keys/values repeated per query head, masked softmax) and, through the engine
+with an EAGLE-3 drafter, against the unfolded path (`enable_gqa`, the CPU's)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ def reference(q, k, v, mask):
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("fold", [True, False])
 def test_attention_matches_repeated_heads(monkeypatch, groups, T, fold):
-    if not fold:
-        monkeypatch.setattr(model_runner, "FOLD_GQA_DEVICES", ())
+    monkeypatch.setattr(model_runner, "FOLD_GQA_DEVICES", ("cuda", "cpu") if fold else ())
     torch.manual_seed(groups * 10 + T)
     B, Hk, L, D = 3, 2, 64, 16
     q = torch.randn(B, Hk * groups, T, D)
@@ -64,7 +63,7 @@ def test_engine_with_eagle3_decodes_the_same_folded(monkeypatch, rule):
 
     monkeypatch.setattr(model_runner, "FOLD_GQA_DEVICES", ())
     plain = run()
-    monkeypatch.undo()
+    monkeypatch.setattr(model_runner, "FOLD_GQA_DEVICES", ("cuda", "cpu"))
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
