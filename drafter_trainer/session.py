@@ -41,6 +41,7 @@ from tailspec.drafter_trainer.backends import make_backend
 from tailspec.drafter_trainer.lineage import DUPLICATE, FENCED, Lineage, MergeResult, snapshot
 from tailspec.drafter_trainer.loss import StopRequested, step_token_counts, ttt_loss
 from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module, vocab_maps_from_counts
+from tailspec.drafter_trainer.rollout_targets import load_targets
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
 from tailspec.drafter_trainer.teacher import Teacher, collate
 
@@ -82,6 +83,7 @@ class SessionResult:
     merged_steps: int = 0  # optimizer steps this session merged into the lineage head
     merges: int = 0
     head: int | None = None  # lineage head number after the session's last merge
+    shipped_batches: int = 0  # (micro-)batches trained on the rollout's shipped targets, not the teacher's forward
 
     @property
     def tokens_per_s(self) -> float:
@@ -118,6 +120,7 @@ class TrainingSession:
         self.merge_every_steps = merge_every_steps
         self.merged_steps = self.merges = self._seq = 0
         self.partial_steps = 0  # steps cut short by a stop and taken on the micro-batches done
+        self.shipped_batches = 0  # (micro-)batches whose targets the rollout shipped (rollout_targets.py)
         self.base = None  # the lineage head the local work started from
         self.fenced_out = False
 
@@ -205,11 +208,22 @@ class TrainingSession:
             return None
         micro = self.cfg.micro_batch_size if hasattr(self.backend, "accumulate") else 0
         if not micro or micro >= len(samples):
-            return self._whole_step(collate(samples, w).to(self.teacher.device))
+            return self._whole_step(collate(samples, w).to(self.teacher.device), samples)
         return self._micro_step(samples, w, micro, rng)
 
-    def _whole_step(self, batch) -> tuple[float, int, list[float]]:
-        out = self.teacher(batch, self._check)
+    def _targets(self, samples: list, batch):
+        """The batch's aux states and logits: the rollout's shipped ones when every sample has them (and
+        `trainer.target_source` is `rollout`), else the teacher's forward."""
+        if self.cfg.target_source == "rollout":
+            got = load_targets(samples, self.teacher.aux_layer_ids, batch.ids.shape[1],
+                               next(self.teacher.model.parameters()).dtype, self.teacher.device)
+            if got is not None:
+                self.shipped_batches += 1
+                return got
+        return self.teacher(batch, self._check)
+
+    def _whole_step(self, batch, samples: list) -> tuple[float, int, list[float]]:
+        out = self._targets(samples, batch)
         self._check()
         res = ttt_loss(self.drafter, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
                        batch.weights, self.cfg.ttt_length, self.cfg.step_decay, check=self._check)
@@ -231,7 +245,7 @@ class TrainingSession:
         for part in parts:
             batch = collate([samples[j] for j in part], [weights[j] for j in part]).to(self.teacher.device)
             try:
-                out = self.teacher(batch, self._check)
+                out = self._targets([samples[j] for j in part], batch)
                 self._check()
                 res = ttt_loss(self.drafter, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
                                batch.weights, self.cfg.ttt_length, self.cfg.step_decay, check=self._check,
@@ -376,7 +390,7 @@ class TrainingSession:
         latency = time.monotonic() - self._stop_at if self._stop_at is not None else None
         return SessionResult(self.session_id, steps, self.step, tokens, losses, reason, latency, path,
                              time.monotonic() - t0, train_s, acc, self.merged_steps, self.merges,
-                             self.base.number if self.base is not None else None)
+                             self.base.number if self.base is not None else None, self.shipped_batches)
 
     def close(self) -> None:
         """Free what the session holds (optimizer state, gradients, accelerator cache)."""

@@ -50,6 +50,7 @@ from tailspec.rollout.slots import (
     Batch,
     SlotTable,
 )
+from tailspec.rollout.states import StateRecorder
 from tailspec.rollout.strategy import ChooseK, StepRecord
 
 # the verify forward's seam: ModelRunner.forward's contract, (ids, start, slot0, max_pos, want_aux) -> (logits, aux)
@@ -74,6 +75,7 @@ class Engine:
         eos_token_id: int | Sequence[int] | None = None,
         history: int = 1024,
         verify_rule: str = "residual",
+        record_states: bool = False,
     ):
         cfg = model.config
         check_supported(cfg)
@@ -101,6 +103,12 @@ class Engine:
         self.slots = SlotTable(max_batch, cache_len + k_max + 2, max_seq_len + k_max + 2, max_stop_ids, self.device)
         if drafter is not None:
             drafter.setup(max_batch, cache_len, self.device)
+        self.recorder = None  # each request's aux states and logits (rollout/states.py), when asked for
+        if record_states:
+            if aux_ids is None:
+                raise ValueError("record_states needs a drafter that reads the target's aux states (EAGLE-3)")
+            self.recorder = StateRecorder(max_batch, cache_len + k_max + 1, max_seq_len + k_max + 2,
+                                          len(aux_ids) * cfg.hidden_size, self.vocab_size, self.device, self.runner.dtype)
         self.waiting: deque[tuple[int, list[int], SamplingParams]] = deque()
         self.last: StepRecord | None = None  # the latest decode step
         self.history: deque[StepRecord] = deque(maxlen=history)  # the latest `history` decode steps
@@ -298,14 +306,17 @@ class Engine:
             if c.width > 1:
                 start = torch.zeros(c.unique, dtype=torch.long, device=self.device)
                 _, aux = self.runner.forward(part[:, :-1], start, slot0 + a, want_aux=need_aux)
+                if self.recorder is not None:
+                    self.recorder.prefill(slot0 + a, aux)
             if self.drafter is not None:
                 self.drafter.prefill(part, lengths[a:u], slot0 + a, aux)
             if c.sources:
                 src = torch.tensor(c.sources, device=self.device) + slot0
                 dst = torch.arange(u, c.end, device=self.device) + slot0
                 self.runner.move_slots(src, dst, upto=c.width - 1)
-                if self.drafter is not None:
-                    self.drafter.move_slots(src, dst)
+                for part in (self.drafter, self.recorder):
+                    if part is not None:
+                        part.move_slots(src, dst)
 
     # -- one decode step -------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -368,6 +379,8 @@ class Engine:
             out, n_acc = sampling.verify(p, q, drafts, u_acc, u_smp)
         if self.drafter is not None:
             self.drafter.observe(batch, k, out, n_acc, aux)
+        if self.recorder is not None:
+            self.recorder.step(L, self.slots.ints[:n, GEN], aux, logits)
         return out, n_acc, logits, p
 
     def _emit(self, batch: Batch, n: int, k: int, out, n_acc, logits, p):
@@ -410,6 +423,7 @@ class Engine:
         toks = s.tokens[idx_t, :width].tolist()
         gmax = max(r[GEN] for r in rows)
         lps = s.logprobs[idx_t, :, :gmax].tolist()
+        states = self.recorder.take(idx_t, [r[LEN] for r in rows], [r[GEN] for r in rows]) if self.recorder else None
         outs = []
         for n, (i, was_stop, row) in enumerate(zip(idx, stop_flags, rows)):
             g, ln, pl = row[GEN], row[LEN], row[PROMPT_LEN]
@@ -422,14 +436,14 @@ class Engine:
                     sampling_logprobs=lps[n][1][:g],
                     finish_reason="stop" if was_stop else "length",
                     stats=RequestStats(row[FWD], row[DRAFTED], row[ACCEPTED]),
+                    states=states[n] if states is not None else None,
                 )
             )
         moved = s.compact(idx)  # move the last running rows into the freed slots
         if moved is not None:
-            si, di = moved
-            self.runner.move_slots(si, di)
-            if self.drafter is not None:
-                self.drafter.move_slots(si, di)
+            for part in (self.runner, self.drafter, self.recorder):
+                if part is not None:
+                    part.move_slots(*moved)
         self._batch = None
         if s.n == 0:
             self._max_length = 0

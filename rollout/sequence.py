@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -47,3 +47,5 @@ class RequestOutput:
     sampling_logprobs: list[float]
     finish_reason: Literal["stop", "length"]
     stats: RequestStats = field(default_factory=RequestStats)
+    # (aux states [n-1, A], logits [G, V]) on the host when the engine records them (rollout/states.py)
+    states: tuple[Any, Any] | None = None

@@ -245,7 +245,8 @@ def release_validation(redis: Any, cluster: str, session_id: str) -> bool:
 def _merge(a: SessionResult, b: SessionResult) -> SessionResult:
     return SessionResult(b.session_id, a.steps + b.steps, b.total_steps, a.tokens + b.tokens, a.losses + b.losses,
                          b.stop_reason, b.stop_latency_s, b.checkpoint, a.seconds + b.seconds,
-                         a.train_seconds + b.train_seconds, b.step_accuracy, b.merged_steps, b.merges, b.head)
+                         a.train_seconds + b.train_seconds, b.step_accuracy, b.merged_steps, b.merges, b.head,
+                         a.shipped_batches + b.shipped_batches)
 
 
 def make_buffer(cfg: TailspecConfig) -> SampleBuffer:
@@ -360,7 +361,8 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
         res = trainer.run(max_steps=max_steps)
         # One line per session in its log: where a lend's seconds went.
         print(f"tailspec session {ctx.session_id}: ready in {t_ready - t_start:.2f} s, {res.steps} steps "
-              f"({trainer.session.partial_steps} cut short) in {res.train_seconds:.2f} s, {res.merges} merges, "
+              f"({trainer.session.partial_steps} cut short; {res.shipped_batches} batches on shipped targets) in "
+              f"{res.train_seconds:.2f} s, {res.merges} merges, "
               f"validating {trainer.validate_s:.2f} s, {time.monotonic() - t_start:.2f} s in all; stop: {res.stop_reason}",
               file=sys.stderr, flush=True)
         record_seconds(r, cfg.cluster.name, ready=t_ready - t_start, train=res.train_seconds,
@@ -373,4 +375,5 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
             torch.cuda.empty_cache()
     return {"steps": res.steps, "total_steps": res.total_steps, "tokens": res.tokens,
             "stop_reason": res.stop_reason, "stop_latency_s": res.stop_latency_s,
-            "merged_steps": res.merged_steps, "merges": res.merges, "head": res.head}
+            "merged_steps": res.merged_steps, "merges": res.merges, "head": res.head,
+            "shipped_batches": res.shipped_batches}

@@ -138,6 +138,10 @@ class TrainerConfig(_Section):
         0.5, ge=0, le=1, description="a sample n policy versions older than the newest is drawn with weight w^n "
         "(0 = train on the newest version's samples only)")
     checkpoint_dir: str = "runs/drafter"
+    target_source: Literal["rollout", "teacher"] = Field(
+        "rollout", description="a training batch's targets (aux states, logits): `rollout` uses those the rollout "
+        "shipped with its samples when every sample has them, else the teacher's forward; `teacher` always runs "
+        "the current policy's forward (drafter_trainer/rollout_targets.py)")
     validation_k: int = Field(4, ge=1, le=16)
     seed: int = Field(0, ge=0, lt=2**32, description="random seed (numpy takes 0..2^32-1)")
     holdout_fraction: float = Field(0.1, ge=0, lt=1, description="share of samples held out for validation")

@@ -159,7 +159,7 @@ class SessionInfo(_Payload):
 
 
 class Sample(_Payload):
-    """One rollout sample for drafter training: ids and numbers only, no tensors."""
+    """One rollout sample for drafter training: ids and numbers only, no tensors (shipped targets are named by path)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -167,6 +167,9 @@ class Sample(_Payload):
     policy_version: int = Field(ge=0)
     group_id: str | None = None
     ts: float = Field(default_factory=time.time)
+    # the rollout's own training targets for it, when shipped (drafter_trainer/rollout_targets.py)
+    states_path: str | None = Field(None, max_length=4096, description="directory of the rollout's targets file")
+    states_key: str | None = Field(None, max_length=64, description="this sample's entry in that file")
 
 
 class DrafterVersion(_Payload):

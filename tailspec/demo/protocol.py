@@ -54,6 +54,8 @@ class WorkItem(_Payload):
     cost_model: dict[str, Any] | None = Field(None, description="a cost table t(b, k) (CostModel.to_dict) to start "
                                               "from instead of timing one: a replacement worker takes the one its "
                                               "predecessor reported")
+    states_dir: str | None = Field(None, description="record each request's training targets and write them under "
+                                   "this directory (drafter_trainer/rollout_targets.py); None = do not")
     stop: bool = False
 
 
@@ -65,6 +67,8 @@ class WorkOutput(_Payload):
     target_forwards: int = Field(ge=0)
     drafted: int = Field(ge=0)
     accepted: int = Field(ge=0)
+    states_path: str | None = Field(None, description="where the rollout wrote this request's training targets")
+    states_key: str | None = None
 
 
 class WorkResult(_Payload):

@@ -35,6 +35,7 @@ from tailspec.core import state
 from tailspec.core.config import TailspecConfig
 from tailspec.core.state import DrafterVersion, Sample
 from tailspec.demo.bootstrap import bootstrap_drafter, seed_store
+from tailspec.demo.export import export_run_drafter
 from tailspec.demo.measure import (
     StepRow,
     StepTimes,
@@ -50,8 +51,7 @@ from tailspec.demo.options import DemoOptions
 from tailspec.demo.protocol import WorkItem, WorkRequest, WorkResult, results_key, work_key
 from tailspec.demo.report import read_timeline
 from tailspec.demo.services import Services, place_workers, trainer_threads
-from tailspec.drafter_trainer.export import ExportError, export
-from tailspec.drafter_trainer.model import Eagle3Module
+from tailspec.drafter_trainer.rollout_targets import prune_targets
 from tailspec.rl import Rollout, grpo_step, recompute_logprobs, save_policy_weights
 from tailspec.scheduler.dispatch import warm_ready
 from tailspec.tasks.policy import load_policy, resolve_policy
@@ -120,6 +120,7 @@ class Demo:
         self.frozen_path: str | None = None  # the first (bootstrap) drafter; None in nospec
         self.current_drafter_version: int | None = None  # the drafter the last rollout ran
         self.phase_lag_s = 0.0  # the last rollout's last result → its phase change (StepRow.phase_lag_s)
+        self.targets_root: str | None = None  # where rollouts ship their training targets (co-trained runs)
         self.exported: dict[str, str] = {}  # what the run produced, from here on
         self.export_errors: dict[str, str] = {}
         self.timeline: list[dict] = []
@@ -159,6 +160,9 @@ class Demo:
         self.redis_url = self.services.start_redis()
         self.r = self.services.r
         self.cfg = self.config()
+        # the rollout ships each sample's training targets beside it (drafter_trainer/rollout_targets.py)
+        if self.o.mode == "cotrained" and self.cfg.trainer.target_source == "rollout":
+            self.targets_root = str(self.run_dir / "targets")
         self.services.start(self.cfg, self.o.workers)
         self.client = self.services.client
         self.dashboard_url = self.services.dashboard_url
@@ -182,6 +186,8 @@ class Demo:
         old = self.run_dir / "policy" / f"v{self.policy_version - 2}"
         if old.exists():  # keep two versions: a session may still be reading the previous teacher
             shutil.rmtree(old, ignore_errors=True)
+        if self.targets_root is not None:  # targets leave with their samples' versions (keep_policy_versions)
+            prune_targets(self.targets_root, self.policy_version - self.cfg.trainer.keep_policy_versions)
         return str(out)
 
     def bootstrap_drafter(self) -> str:
@@ -239,7 +245,7 @@ class Demo:
             item = WorkItem(step=step, policy_path=self.policy_path, policy_version=self.policy_version,
                             drafter_path=drafter_path, drafter_version=drafter_version,
                             selector=rc.selector, k=rc.k, rollout=rc.model_dump(mode="json"),
-                            temperature=self.o.temperature,
+                            temperature=self.o.temperature, states_dir=self.targets_root,
                             max_tokens=self.o.max_tokens, requests=share, warmup=warmup)
             self._items[w] = state.encode(item)
             self.r.rpush(work_key(self.cluster, f"w{w}"), self._items[w])
@@ -344,7 +350,8 @@ class Demo:
             styles.append(g.style)
             rollouts.append(Rollout(q.prompt_ids, o.token_ids, o.logprobs, g.reward, group))
             samples.append(Sample(prompt_ids=q.prompt_ids, response_ids=o.token_ids, reward=g.reward,
-                                  policy_version=self.policy_version, group_id=f"{step}:{group}"))
+                                  policy_version=self.policy_version, group_id=f"{step}:{group}",
+                                  states_path=o.states_path, states_key=o.states_key))
         return rollouts, samples, correct, styles
 
     def instrument(self, step: int, rollouts: list[Rollout], samples: list[Sample]
@@ -439,12 +446,5 @@ class Demo:
     def export(self) -> None:
         cur = self.current_drafter()
         path, version = (self.frozen_path, 0) if cur is None else (cur.path, cur.version)
-        drafter = Eagle3Module.load(path, self.model.get_input_embeddings())
-        meta = {"drafter_version": version, "policy_version": self.policy_version, "run": str(self.run_dir)}
-        for fmt in ("eagle3", "hf"):
-            try:
-                export(drafter, self.run_dir / "export" / fmt, fmt=fmt, meta=meta)
-                self.exported[fmt] = str(self.run_dir / "export" / fmt)
-            except ExportError as e:  # e.g. a 2-layer target has no servable aux layer ids
-                self.export_errors[fmt] = str(e)
-                log.warning("export %s skipped: %s", fmt, e)
+        self.exported, self.export_errors = export_run_drafter(self.model, path, version, self.policy_version,
+                                                               self.run_dir)

@@ -28,6 +28,7 @@ from tailspec.core.redis_conn import connect
 from tailspec.core.state import DrafterVersion, Event
 from tailspec.demo.protocol import WorkItem, WorkOutput, WorkResult, results_key, work_key
 from tailspec.drafter_trainer.model import Eagle3Module
+from tailspec.drafter_trainer.rollout_targets import write_targets
 from tailspec.rollout import cost_model
 from tailspec.rollout.acceptance import AcceptanceTracker
 from tailspec.rollout.cost_model import CostModel
@@ -199,7 +200,8 @@ class Worker:
         eos = self.model.config.eos_token_id
         engine = Engine(self.model, drafter, choose_k=0, max_batch=max(1, min(rc.max_batch, len(item.requests))),
                         max_seq_len=rc.max_seq_len, k_max=k_max, seed=item.step, eos_token_id=eos,
-                        verify_rule=rc.verify_rule)
+                        verify_rule=rc.verify_rule,
+                        record_states=bool(item.states_dir) and drafter is not None and drafter.needs_aux)
         self.pool = None
         adaptive = drafter is not None and rc.selector == "adaptive"
         wants_pool = rc.cuda_graphs and engine.device.type == "cuda"
@@ -257,7 +259,7 @@ class Worker:
             max_tokens = min(item.max_tokens, rc.max_seq_len - len(req.prompt_ids))
             sp = SamplingParams(max_tokens=max_tokens, temperature=item.temperature, seed=req.seed)
             rid_of[engine.add_request(req.prompt_ids, sp)] = req.rid
-        outputs, records = self._decode(engine, item, rid_of)
+        outputs, records, states = self._decode(engine, item, rid_of)
         # Drained: the engine (the target's KV cache, the drafter's, a graph pool) is dropped before the report,
         # so mem_released=True is true, and the scheduler may lend this GPU at once while the tail runs. The
         # next item builds its engine anew (it does at every item: the shape follows the item).
@@ -266,6 +268,7 @@ class Worker:
         self.client.report_progress(self.name, [self.gpu], active=0, finished=n, phase="rollout", total=n,
                                     step=item.step, tokens_done=sum(len(o.token_ids) for o in outputs),
                                     mem_released=True)
+        self._ship_targets(item, outputs, states)
         mix = Counter(str(r.k) for r in records)
         by_k: dict[str, list[int]] = {}
         for r in records:
@@ -309,11 +312,27 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - a lost event must not fail the rollout
             log.warning("drafter_guard event not recorded: %s", e)
 
-    def _decode(self, engine, item: WorkItem, rid_of: dict[int, int]) -> tuple[list[WorkOutput], list]:
-        """Run the queued requests to completion, reporting progress; returns the outputs and the engine's
-        record of every decode step of the rollout (the warm-up's are not among them)."""
+    def _ship_targets(self, item: WorkItem, outputs: list[WorkOutput], states: dict[int, tuple]) -> None:
+        """Write the rollout's training targets (after the drain report: host memory and disk, not the GPU's) and
+        point each output at its entry. A failed write costs the sessions a teacher forward, not the rollout."""
+        if not states:
+            return
+        try:
+            d = write_targets(item.states_dir, item.policy_version, self.name, {str(r): st for r, st in states.items()},
+                              self.drafter_module.config.aux_layer_ids)
+        except (OSError, ValueError) as e:
+            log.warning("rollout targets not written (%s); sessions run the teacher's forward", e)
+            return
+        for o in outputs:
+            if o.rid in states:
+                o.states_path, o.states_key = str(d), str(o.rid)
+
+    def _decode(self, engine, item: WorkItem, rid_of: dict[int, int]) -> tuple[list[WorkOutput], list, dict]:
+        """Run the queued requests to completion, reporting progress; returns the outputs, the engine's record
+        of every decode step of the rollout (the warm-up's are not among them) and the recorded targets by rid."""
         n = len(rid_of)
         outputs: list[WorkOutput] = []
+        states: dict[int, tuple] = {}
         records = []
         tokens = 0
         last = 0.0
@@ -321,13 +340,15 @@ class Worker:
             for out in engine.step():
                 outputs.append(work_output(rid_of[out.request_id], out))
                 tokens += len(out.token_ids)
+                if out.states is not None:
+                    states[rid_of[out.request_id]] = out.states
             records.append(engine.last)
             now = time.monotonic()
             if now - last >= self.progress_period_s:
                 last = now
                 self.client.report_progress(self.name, [self.gpu], active=n - len(outputs), finished=len(outputs),
                                             phase="rollout", total=n, step=item.step, tokens_done=tokens)
-        return outputs, records
+        return outputs, records, states
 
     def effective_cost(self) -> dict | None:
         """t(b, k) as the engine's cost model predicts it now (the warm-up table times what the rollout's own

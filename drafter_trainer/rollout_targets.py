@@ -1,0 +1,104 @@
+"""Training targets the rollout shipped with its samples: the aux hidden states and logits the engine computed
+while generating (rollout/states.py), so a session trains without running the policy's forward over the sample.
+
+On the shared filesystem, one directory per rollout worker and policy version, written whole
+(`core.atomic.write_dir_atomic`): `DIR/v<policy version>-<worker>/targets.safetensors` with tensors
+`aux.<key>` [n-1, A] (positions 0..n-2) and `logits.<key>` [G, V] (positions P-1..n-2) per request, and metadata
+naming the aux layer ids. A sample points at its entry with `states_path` (the directory) and `states_key`; the
+stream carries ids and numbers only. safetensors holds plain tensors: nothing is unpickled.
+
+Trade-off: the targets are those of the policy version that generated the sample, one version behind the
+teacher a session loads (the stream's newest samples are the step before the rollout under way); the teacher's
+forward is over half of a session's step on the deep miniature. `trainer.target_source: teacher` recomputes
+them instead. A batch whose targets cannot all be read (no reference, a pruned or unreadable file, other aux
+layers, a shape that does not fit the sample) falls back to the teacher's forward, whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tailspec.drafter_trainer.teacher import TeacherOutput
+
+from tailspec.core.atomic import write_dir_atomic
+from tailspec.core.state import Sample
+
+log = logging.getLogger(__name__)
+
+FILE = "targets.safetensors"
+
+
+def targets_dir(root: str | Path, policy_version: int, worker: str) -> Path:
+    return Path(root) / f"v{policy_version}-{worker}"
+
+
+def write_targets(root: str | Path, policy_version: int, worker: str,
+                  states: dict[str, tuple[torch.Tensor, torch.Tensor]], aux_layer_ids: Sequence[int]) -> Path:
+    """Write one rollout's targets ({key: (aux [n-1, A], logits [G, V])}) whole; returns the directory."""
+    tensors = {}
+    for key, (aux, logits) in states.items():
+        tensors[f"aux.{key}"] = aux.contiguous()
+        tensors[f"logits.{key}"] = logits.contiguous()
+    meta = {"aux_layer_ids": ",".join(str(int(j)) for j in aux_layer_ids), "policy_version": str(policy_version)}
+    return write_dir_atomic(targets_dir(root, policy_version, worker), lambda d: save_file(tensors, str(d / FILE), meta))
+
+
+def prune_targets(root: str | Path, keep_from_version: int) -> int:
+    """Remove the directories of policy versions below `keep_from_version` (their samples left the buffers);
+    returns how many. A session reading one as it goes falls back to the teacher for that batch."""
+    removed = 0
+    for d in Path(root).glob("v*-*"):
+        try:
+            version = int(d.name[1:].split("-", 1)[0])
+        except ValueError:
+            continue
+        if version < keep_from_version and d.is_dir():
+            for f in d.iterdir():
+                f.unlink(missing_ok=True)
+            d.rmdir()
+            removed += 1
+    return removed
+
+
+def load_targets(samples: Sequence[Sample], aux_layer_ids: Sequence[int], width: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> TeacherOutput | None:
+    """The batch's targets laid out as the teacher's forward gives them ([B, width, A], [B, width, V]; positions
+    the loss never reads are 0), or None when any sample's cannot be used (the caller runs the teacher)."""
+    if not samples or any(s.states_path is None or s.states_key is None for s in samples):
+        return None
+    want = ",".join(str(int(j)) for j in aux_layer_ids)
+    got: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        by_path: dict[str, list[int]] = {}
+        for b, s in enumerate(samples):
+            by_path.setdefault(s.states_path, []).append(b)
+        found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for path, rows in by_path.items():
+            with safe_open(str(Path(path) / FILE), framework="pt") as f:
+                if (f.metadata() or {}).get("aux_layer_ids") != want:
+                    return None
+                for b in rows:
+                    k = samples[b].states_key
+                    found[b] = (f.get_tensor(f"aux.{k}"), f.get_tensor(f"logits.{k}"))
+        got = [found[b] for b in range(len(samples))]
+    except (OSError, SafetensorError, KeyError) as e:
+        log.info("rollout targets unreadable (%s); the teacher's forward instead", e)
+        return None
+    dims = {(a.shape[-1], lg.shape[-1]) for a, lg in got}
+    if len(dims) != 1:
+        return None
+    (adim, vocab), = dims
+    aux = torch.zeros(len(samples), width, adim, dtype=dtype)
+    logits = torch.zeros(len(samples), width, vocab, dtype=torch.float32)
+    for b, (s, (a, lg)) in enumerate(zip(samples, got)):
+        p, n = len(s.prompt_ids), len(s.prompt_ids) + len(s.response_ids)
+        if a.shape[0] != n - 1 or lg.shape[0] != n - p or n > width:
+            return None
+        aux[b, : n - 1] = a.to(dtype)
+        logits[b, p - 1 : n - 1] = lg.float()
+    return TeacherOutput(aux=aux.to(device), logits=logits.to(device))
