@@ -30,8 +30,7 @@ from tailspec.drafter_trainer.validation import validate
 
 from tailspec.core.config import TailspecConfig
 from tailspec.demo.bootstrap import bootstrap_drafter, load_samples, make_buffer, rollout_samples
-from tailspec.demo.options import DemoOptions
-from tailspec.demo.run import apply_demo_trainer
+from tailspec.demo.options import DemoOptions, apply_demo_trainer
 from tailspec.tasks.policy import load_policy, resolve_policy
 
 

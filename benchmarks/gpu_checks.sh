@@ -71,7 +71,7 @@ from tailspec.tasks.policy import get_policy; print(get_policy('small', device='
 check adaptive_eager 150 "${TS[@]}" bench adaptive --json --device cuda --no-graphs
 # the demo's bootstrap drafter for deep (cached; bench adaptive built it if it was missing)
 check boot_drafter 30 "$PY" -P -c "from tailspec.core.config import TailspecConfig; \
-from tailspec.demo.bootstrap import bootstrap_drafter; from tailspec.demo.run import DemoOptions, apply_demo_trainer; \
+from tailspec.demo.bootstrap import bootstrap_drafter; from tailspec.demo.options import DemoOptions, apply_demo_trainer; \
 from tailspec.tasks.policy import resolve_policy; c = TailspecConfig(); d = c.model_copy(deep=True); \
 apply_demo_trainer(d.trainer, DemoOptions.validation_samples); \
 print(bootstrap_drafter(resolve_policy('deep', c.task, cache_dir=c.cache_dir), d, progress=False))"

@@ -1,6 +1,7 @@
 """Rollout samples for drafter training: validation, a bounded versioned replay buffer, the Redis reader.
 
-Only ids, rewards and versions travel (docs/architecture.md); hidden states are recomputed by the teacher. A bad
+Only ids, rewards and versions travel (docs/architecture.md), and where the rollout shipped its targets, the
+path of their file (rollout_targets.py); otherwise the teacher recomputes them. A bad
 sample is dropped and counted by reason (locally in `SampleReader.dropped` and in the cluster's `dropped` hash
 as `trainer_<reason>`, which the dashboards show), never raised: one bad writer must not stop a session.
 Reasons: `malformed` (no `data` field, not JSON, not a Sample), `oversized` (more ids than max_seq_len, or an
@@ -10,8 +11,8 @@ entry too large to be one: dropped before it is parsed), `empty_prompt`, `empty_
 Fresh samples first: a new reader starts at the newest end of the stream (XREVRANGE back to the oldest
 policy version the buffer keeps) and then follows new entries forward, so a session never spends its
 lease on samples of a policy that no longer exists. Within the buffer a sample n policy versions older
-than the newest is drawn with weight `stale_version_weight`^n (0: the newest version only). The teacher
-is always the current policy, so an older sample's targets are current; only its prefixes are off-policy.
+than the newest is drawn with weight `stale_version_weight`^n (0: the newest version only). A teacher's
+targets are the current policy's, shipped targets the generating version's (rollout_targets.py).
 
 Held-out split: a sample goes to the validation set when a hash of its ids falls in the held-out
 fraction, so the split is stable whatever the arrival order and a sample is never in both sets.

@@ -24,6 +24,10 @@ def test_the_co_training_lr_does_not_key_the_bootstrap(tmp_path):
     assert key(tmp_path, lr=2e-4) != key(tmp_path, lr=6e-4)  # without bootstrap_lr the offline run trains at lr
 
 
+def test_where_sessions_take_their_targets_does_not_key_the_bootstrap(tmp_path):
+    assert key(tmp_path, target_source="teacher") == key(tmp_path, target_source="rollout")
+
+
 def test_the_offline_run_trains_at_bootstrap_lr():
     cfg = TailspecConfig()
     cfg.trainer.lr, cfg.trainer.bootstrap_lr = 2e-4, 6e-4

@@ -89,6 +89,34 @@ def test_a_candidate_was_trained(demo_run):
     assert steps > 0, "no session merged a step into the lineage"
 
 
+def test_samples_point_at_the_targets_their_rollout_shipped(demo_run):
+    """Every sample in the stream is a rollout's (the seeded bootstrap samples left with the first rollout's) and
+    names its targets file; the files of versions the buffers no longer keep are pruned, the rest load whole."""
+    import redis
+
+    from tailspec.drafter_trainer.rollout_targets import load_targets
+
+    demo, _ = demo_run
+    r = redis.Redis.from_url(demo.redis_url)
+    entries, _ = state.read_stream(r, state.key(demo.cluster, "samples"), state.Sample)
+    samples = [s for _, s in entries]
+    assert samples and not [s for s in samples if s.group_id.startswith("boot:")]
+    root = demo.run_dir / "targets"
+    assert all(s.states_path is not None and s.states_path.startswith(str(root)) for s in samples)
+    keep = demo.policy_version - demo.cfg.trainer.keep_policy_versions
+    assert {int(d.name[1:].split("-")[0]) for d in root.iterdir()} == set(range(keep, 3))
+    kept = [s for s in samples if s.policy_version >= keep]
+    width = max(len(s.prompt_ids) + len(s.response_ids) for s in kept)
+    got = load_targets(kept, _aux_ids(demo), width, torch.float32)
+    assert got is not None and got.aux.shape[:2] == (len(kept), width)
+
+
+def _aux_ids(demo):
+    from tailspec.drafter_trainer.model import Eagle3Module
+
+    return Eagle3Module.load(demo.frozen_path).config.aux_layer_ids
+
+
 def test_export_directories_load(demo_run):
     import torch
     from tailspec.drafter_trainer.export import load_export

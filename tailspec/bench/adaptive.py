@@ -89,7 +89,7 @@ def _load(args, cfg):
         if not args.eagle3:
             # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
             from tailspec.demo.bootstrap import bootstrap_drafter
-            from tailspec.demo.run import DemoOptions, apply_demo_trainer
+            from tailspec.demo.options import DemoOptions, apply_demo_trainer
 
             # the demo's first drafter for this target (its trainer settings and budget: 256 samples, 60 s; cached)
             demo_cfg = cfg.model_copy(deep=True)

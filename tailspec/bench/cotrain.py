@@ -114,7 +114,7 @@ def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_d
     import redis
 
     from tailspec.demo.bootstrap import seed_store
-    from tailspec.demo.run import apply_demo_trainer
+    from tailspec.demo.options import apply_demo_trainer
     from tailspec.drafter_trainer.lineage import Lineage
     from tailspec.redis_server import start_redis
 
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from tailspec.demo.bootstrap import bootstrap_drafter, load_samples
-    from tailspec.demo.run import apply_demo_trainer
+    from tailspec.demo.options import apply_demo_trainer
     from tailspec.drafter_trainer.checkpoint import load_checkpoint
     from tailspec.drafter_trainer.model import Eagle3Module
     from tailspec.drafter_trainer.teacher import Teacher

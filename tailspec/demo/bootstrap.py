@@ -78,10 +78,11 @@ def bootstrap_trainer(cfg: TailspecConfig) -> TrainerConfig:
 
 def _key(policy_dir: Path, cfg: TailspecConfig, n: int, seconds: float, seed: int, steps: int | None = None) -> str:
     """The cache key: what the offline run depends on. Its trainer settings as it runs them, so a co-training lr
-    (sessions' `lr` beside a set `bootstrap_lr`) does not retrain an identical first drafter."""
+    (sessions' `lr` beside a set `bootstrap_lr`) does not retrain an identical first drafter; not
+    `target_source`: its samples carry no shipped targets, so it always trains on the teacher's forward."""
     weights = policy_dir / "model.safetensors"
     h = hashlib.sha256()
-    h.update(json.dumps({"trainer": bootstrap_trainer(cfg).model_dump(exclude={"checkpoint_dir"}), "n": n, "s": seconds,
+    h.update(json.dumps({"trainer": bootstrap_trainer(cfg).model_dump(exclude={"checkpoint_dir", "target_source"}), "n": n, "s": seconds,
                          "seed": seed, "task": cfg.task.model_dump(), "format": 3,
                          **({"steps": steps} if steps is not None else {})}, sort_keys=True).encode())
     h.update(weights.read_bytes() if weights.is_file() else str(policy_dir).encode())
@@ -126,8 +127,9 @@ def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256,
     return str(out)
 
 
-def seed_store(drafter_path: str, cfg: TailspecConfig, redis) -> None:
-    """Make the bootstrap drafter version 1 of the run (promoted) and the lineage's first head."""
+def seed_store(drafter_path: str, cfg: TailspecConfig, redis) -> list[bytes]:
+    """Make the bootstrap drafter version 1 of the run (promoted) and the lineage's first head, and seed the
+    sample stream with its samples; returns their stream entry ids."""
     root = Path(cfg.trainer.checkpoint_dir)
     drafter = Eagle3Module.load(drafter_path)
     Lineage(root / "lineage", redis, cfg.cluster.name).seed(
@@ -143,6 +145,5 @@ def seed_store(drafter_path: str, cfg: TailspecConfig, redis) -> None:
     (dst / "version.json").write_text(info.model_dump_json())
     store.seed(info)
     # the initial policy's own samples: the first tail's sessions train on them
-    for s in load_samples(drafter_path):
-        state.append(redis, state.key(cfg.cluster.name, "samples"), s)
+    return [state.append(redis, state.key(cfg.cluster.name, "samples"), s) for s in load_samples(drafter_path)]
     assert state.get(redis, state.key(cfg.cluster.name, "drafter_current"), DrafterVersion) is not None

@@ -1,5 +1,5 @@
-"""The demo's options (what `tailspec demo` flags set), apart from the run so that building the CLI's parser
-imports no torch."""
+"""The demo's options (what `tailspec demo` flags set) and the session settings it applies, apart from the run so
+that building the CLI's parser imports no torch."""
 
 from __future__ import annotations
 
@@ -56,3 +56,33 @@ class DemoOptions:
     live: bool = True
     export: bool = True
     plots: bool = True
+
+
+# The demo's session settings (also the cotrain bench's), where the user's config does not set them:
+# - batch_size ≤ 8 in micro-batches of 2: a lend is often shorter than a step (0.25-0.6 s against ~0.2-0.4 s a
+#   step), and a revoked step keeps the micro-batches it finished (drafter_trainer/session.py: Stopping);
+# - validate every 5 s: tails are seconds long;
+# - merge every 2 steps (~0.03 s against ~0.5 s a step): a session killed past its deadline loses at most one
+#   step, and contributors see each other's work 2 steps late (every 10 steps cost 0.31 of acceptance, every 2 0.20);
+# - propose a head once it holds 5 more steps than the last one proposed: a paired validation (~1.3 s on a core)
+#   outlasts most lends, so proposing every head spent the lent time validating (4.7 lent GPU-s merged 4 steps);
+# - lr 2e-4: sessions fine-tune the bootstrap drafter (trained offline at bootstrap_lr 6e-4) with three or four
+#   contributors at once, and at 6e-4 their merged deltas made the lineage worse than its start (BENCHMARKS.md,
+#   end to end); two contributors at 2e-4 lose 0.06 of acceptance against one (cotrain);
+# - hold out a quarter of the samples: a session validates on its buffer's held-out share of ~2 policy
+#   versions' 64 samples each, and at 0.1 that was 12-18 samples, below the paired test's 16; training is
+#   short of seconds, not of samples.
+DEMO_TRAINER = {"batch_size": 8, "micro_batch_size": 2, "validate_every_s": 5.0, "merge_every_steps": 2,
+                "holdout_fraction": 0.25, "propose_min_steps": 5, "lr": 2e-4, "bootstrap_lr": 6e-4}
+# Lend when the expected tail exceeds this (scheduler.session_startup_s; see Demo.config).
+DEMO_SESSION_STARTUP_S = 0.3
+
+
+def apply_demo_trainer(tc, validation_samples: int | None = None) -> None:
+    """DEMO_TRAINER into a TrainerConfig, except where the user set a value (batch_size: at most 8); and the
+    run's `validation_samples` when given (the demo's DemoOptions.validation_samples)."""
+    for k, v in DEMO_TRAINER.items():
+        if k not in tc.model_fields_set:
+            setattr(tc, k, v if k != "batch_size" else min(tc.batch_size, v))
+    if validation_samples is not None:
+        tc.validation_samples = validation_samples
