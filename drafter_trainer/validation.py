@@ -146,14 +146,15 @@ Score = tuple[float, float, int]  # (candidate, current, anchors) of one held-ou
 
 
 def pick_holdout(holdout: Sequence[Sample], done: dict[str, Score], n: int | None) -> list[Sample]:
-    """Up to `n` held-out samples (oldest first in `holdout`): those a resumed validation scored already, then
-    the newest others. Without the first rule a validation that spans RL steps would chase the newest samples
-    and never finish: each step brings as many new held-out samples as a lend can score."""
-    if n is None or len(holdout) <= n:
+    """The held-out samples (oldest first in `holdout`) of a validation of `n` samples, `done` of them scored
+    already by a resumed validation, here or since gone from the buffer: those still here, then the newest
+    others, as many as `n` leaves. Without counting what was scored, a validation that spans RL steps would
+    chase the newest samples and never finish: each step brings as many new held-out samples as a lend scores."""
+    if n is None:
         return list(holdout)
     scored = [x for x in holdout if sample_key(x) in done][-n:]
     others = [x for x in holdout if sample_key(x) not in done]
-    left = n - len(scored)
+    left = n - max(len(done), len(scored))
     return scored + (others[-left:] if left > 0 else [])
 
 
@@ -173,6 +174,8 @@ def validate_paired(candidate: Eagle3Module, current: Eagle3Module, teacher: Tea
     scored already does not look: the count only grows, so a validation resumed across sessions looks once."""
     done = dict(done or {})
     keys = [sample_key(x) for x in samples]
+    # pairs scored in earlier lends on samples since gone from the held-out set still count (versions.py: _progress)
+    keys += sorted(set(done) - set(keys))
     todo = [x for x, key in zip(samples, keys) if key not in done]
     looking = look is not None and len(_scored(keys, done)) < look_at
     stopped = False

@@ -232,8 +232,10 @@ class VersionStore:
         """The paired scores already computed for validation `identity` (lineage head, baseline version, k) and a
         callback that adds a batch's: a validation longer than a lend is finished by the next sessions (on any
         GPU) instead of starting over in each. Each pair was scored under one teacher, the policy of its session,
-        so a pair stays a fair comparison of the two drafters when the policy has moved on since; the held-out
-        set itself moves to the newest samples, and scores of samples that left it are not used."""
+        so a pair stays a fair comparison of the two drafters when the policy has moved on since, and the pairs
+        of samples that have left the session's held-out set since (their policy version dropped from the
+        buffer) still count: with one validation at a time and lends of a second in short tails, a validation
+        that counted only the current held-out set lost half its pairs each RL step and never finished."""
         if self.redis is None or identity is None:
             return {}, None
         key = self._key("drafter_validation")

@@ -314,9 +314,9 @@ class Engine:
                 src = torch.tensor(c.sources, device=self.device) + slot0
                 dst = torch.arange(u, c.end, device=self.device) + slot0
                 self.runner.move_slots(src, dst, upto=c.width - 1)
-                for part in (self.drafter, self.recorder):
-                    if part is not None:
-                        part.move_slots(src, dst)
+                for holder in (self.drafter, self.recorder):
+                    if holder is not None:
+                        holder.move_slots(src, dst)
 
     # -- one decode step -------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -423,7 +423,7 @@ class Engine:
         toks = s.tokens[idx_t, :width].tolist()
         gmax = max(r[GEN] for r in rows)
         lps = s.logprobs[idx_t, :, :gmax].tolist()
-        states = self.recorder.take(idx_t, [r[LEN] for r in rows], [r[GEN] for r in rows]) if self.recorder else None
+        states = None if self.recorder is None else self.recorder.take(idx_t, [r[LEN] for r in rows], [r[GEN] for r in rows])
         outs = []
         for n, (i, was_stop, row) in enumerate(zip(idx, stop_flags, rows)):
             g, ln, pl = row[GEN], row[LEN], row[PROMPT_LEN]
@@ -441,9 +441,9 @@ class Engine:
             )
         moved = s.compact(idx)  # move the last running rows into the freed slots
         if moved is not None:
-            for part in (self.runner, self.drafter, self.recorder):
-                if part is not None:
-                    part.move_slots(*moved)
+            for holder in (self.runner, self.drafter, self.recorder):
+                if holder is not None:
+                    holder.move_slots(*moved)
         self._batch = None
         if s.n == 0:
             self._max_length = 0

@@ -46,11 +46,12 @@ def random_eagle3(target, draft_vocab_size: int = 16):
     return d.to("cuda").eval()
 
 
-def pooled_engine(policy, drafter_kind: str, max_batch: int, rule: str = "residual") -> tuple[Engine, object]:
+def pooled_engine(policy, drafter_kind: str, max_batch: int, rule: str = "residual",
+                  record_states: bool = False) -> tuple[Engine, object]:
     drafter = {"none": None, "draft_model": DraftModelProposer(policy),
                "eagle3": Eagle3Proposer(random_eagle3(policy), target=policy)}[drafter_kind]
     eng = Engine(policy, drafter, choose_k=0 if drafter is None else 2, max_batch=max_batch, max_seq_len=256,
-                 k_max=3, verify_rule=rule)
+                 k_max=3, verify_rule=rule, record_states=record_states)
     cost = CostModel(BUCKETS, KS, {(b, k): 0.001 * (1 + b * (k + 1) / 64) for b in BUCKETS for k in KS})
     pool = build_pool(eng, cost, budget_bytes=1 << 34)
     assert pool.enabled and pool.graphs and eng.verify_forward == pool.forward
@@ -84,3 +85,23 @@ def test_gpu_greedy_matches_hf_generate(policy):
         ref = policy.generate(torch.tensor([p], device="cuda"), attention_mask=torch.ones(1, len(p), dtype=torch.long,
                               device="cuda"), max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=0)
         assert o.token_ids == ref[0, len(p):].tolist()
+
+
+def test_gpu_recorded_targets_match_the_policys_forward(policy):
+    """The training targets a rollout ships (rollout/states.py), recorded through the replayed graphs, against the
+    policy's own forward over each finished sequence on the device (what a session's teacher computes)."""
+    from tailspec.drafter_trainer.model import capture_aux
+
+    prompts = group_batch()
+    eng, pool = pooled_engine(policy, "eagle3", len(prompts) + 1, "coupled", record_states=True)
+    outs = eng.generate(prompts, [SamplingParams(max_tokens=24, seed=100 + i) for i in range(len(prompts))])
+    assert pool.replays > 0
+    ids = eng.drafter.aux_layer_ids
+    for p, o in zip(prompts, outs):
+        seq = torch.tensor([p + o.token_ids], device="cuda")
+        with torch.no_grad(), capture_aux(policy, ids) as got:
+            logits = policy(input_ids=seq, use_cache=False).logits.float()
+        aux, lg = o.states
+        n = seq.shape[1]
+        torch.testing.assert_close(aux, got[-1][0, : n - 1].cpu(), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(lg, logits[0, len(p) - 1 : n - 1].cpu(), rtol=1e-3, atol=1e-3)

@@ -223,6 +223,24 @@ def test_a_resumed_validation_keeps_the_samples_it_scored():
     got = pick_holdout(samples, done, 4)
     assert got == samples[2:5] + samples[-1:]  # what was scored, then the newest of the rest
     assert pick_holdout(samples, done, 2) == samples[3:5]
+    # pairs scored on samples since gone from the held-out set count toward the n: fewer new ones are picked
+    gone = {f"gone{i}": (2.0, 1.5, 3) for i in range(5)}
+    assert pick_holdout(samples, {**done, **gone}, 10) == samples[2:5] + samples[-2:]
+    assert pick_holdout(samples, gone, 5) == []
+
+
+def test_pairs_of_samples_gone_from_the_holdout_count_in_the_test(trained):
+    """A validation resumed after an RL step dropped the samples it had scored: their pairs still decide."""
+    from tailspec.drafter_trainer.validation import sample_key, validate_paired
+
+    teacher, holdout, untrained, better = trained
+    first, later = holdout[:8], holdout[8:16]
+    scored: dict = {}
+    validate_paired(better, untrained, teacher, first, k=3, batch_size=4, on_batch=scored.update)
+    both = validate_paired(better, untrained, teacher, later, k=3, batch_size=4, done=scored)
+    alone = validate_paired(better, untrained, teacher, first + later, k=3, batch_size=4)
+    assert sorted(both.gains) == pytest.approx(sorted(alone.gains))
+    assert all(sample_key(x) in scored for x in first)
 
 
 def test_a_clear_gain_is_promoted_at_the_interim_look(trained, tmp_path, redis_client):
