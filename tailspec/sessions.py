@@ -121,6 +121,8 @@ class Contributor:
         if cand is None:
             return None
         number, steps, drafter = cand
+        if drafter is None and len(holdout) < tc.promotion_min_pairs:  # could not pass the test: train instead
+            return None
         if not self._claim_validation(number):  # another session is validating: train instead
             return None
         t0 = time.monotonic()

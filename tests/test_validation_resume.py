@@ -79,3 +79,20 @@ def test_the_next_session_finishes_a_validation_cut_short_on_the_head_it_began(r
     assert not any((tmp_path / "versions" / "pending").iterdir())
     # b's own, newer head is the next candidate
     assert b.propose().lineage_head == b.session.base.number
+
+
+def test_no_validation_on_a_held_out_set_too_small_to_pass_the_test(redis_client, tmp_path):
+    """A head is not validated while fewer held-out samples than promotion_min_pairs exist: it could only be
+    recorded as 'too few', and the lent time goes to training."""
+    for s in synthetic_samples(40, seed=2, version=0):
+        state.append(redis_client, state.key("few", "samples"), s)
+    cfg = TailspecConfig.model_validate({"cluster": {"name": "few"}, "trainer": {
+        "checkpoint_dir": str(tmp_path), "batch_size": 8, "draft_vocab_size": 16, "holdout_fraction": 0.3,
+        "propose_min_steps": 1, "validation_k": 3, "merge_every_steps": 1, "promotion_min_pairs": 16}})
+    c = Contributor(cfg, frozen_teacher(), make_buffer(cfg), redis=redis_client, session_id="c")
+    assert 0 < len(c.buffer.holdout) < 16
+    c.session.run(max_steps=2)
+    assert c.propose() is None and c.validate_s == 0.0
+    assert not redis_client.exists(state.key("few", "drafter_validating"))
+    cfg.trainer.promotion_min_pairs = len(c.buffer.holdout)
+    assert c.propose() is not None
