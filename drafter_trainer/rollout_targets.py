@@ -39,13 +39,15 @@ def targets_dir(root: str | Path, policy_version: int, worker: str) -> Path:
 
 def write_targets(root: str | Path, policy_version: int, worker: str,
                   states: dict[str, tuple[torch.Tensor, torch.Tensor]], aux_layer_ids: Sequence[int]) -> Path:
-    """Write one rollout's targets ({key: (aux [n-1, A], logits [G, V])}) whole; returns the directory."""
+    """Write one rollout's targets ({key: (aux [n-1, A], logits [G, V])}) whole; returns the directory, absolute
+    (what a sample's `states_path` must be)."""
     tensors = {}
     for key, (aux, logits) in states.items():
         tensors[f"aux.{key}"] = aux.contiguous()
         tensors[f"logits.{key}"] = logits.contiguous()
     meta = {"aux_layer_ids": ",".join(str(int(j)) for j in aux_layer_ids), "policy_version": str(policy_version)}
-    return write_dir_atomic(targets_dir(root, policy_version, worker), lambda d: save_file(tensors, str(d / FILE), meta))
+    out = targets_dir(Path(root).resolve(), policy_version, worker)
+    return write_dir_atomic(out, lambda d: save_file(tensors, str(d / FILE), meta))
 
 
 def prune_targets(root: str | Path, keep_from_version: int) -> int:

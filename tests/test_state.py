@@ -71,3 +71,13 @@ def test_stream_append_and_read_skips_bad_entries(redis_client):
 def test_encode_rejects_nan_free_form():
     with pytest.raises(ValueError):
         state.encode_dict({"x": float("nan")})
+
+
+def test_a_samples_targets_path_must_be_absolute():
+    """Sessions on any node read a sample's shipped targets: a relative path would name another place on each."""
+    from pydantic import ValidationError
+
+    ok = Sample(prompt_ids=[1], response_ids=[2], reward=0.0, policy_version=0, states_path="/shared/t", states_key="0")
+    assert ok.states_path == "/shared/t"
+    with pytest.raises(ValidationError, match="states_path"):
+        Sample(prompt_ids=[1], response_ids=[2], reward=0.0, policy_version=0, states_path="runs/t", states_key="0")

@@ -168,7 +168,8 @@ class Sample(_Payload):
     group_id: str | None = None
     ts: float = Field(default_factory=time.time)
     # the rollout's own training targets for it, when shipped (drafter_trainer/rollout_targets.py)
-    states_path: str | None = Field(None, max_length=4096, description="directory of the rollout's targets file")
+    states_path: str | None = Field(None, max_length=4096, pattern=r"^/", description="directory of the rollout's "
+                                    "targets file, absolute: sessions on any node read it")
     states_key: str | None = Field(None, max_length=64, description="this sample's entry in that file")
 
 
