@@ -6,7 +6,9 @@ scheduler sees it drain), and hands tokens + the logprobs of the distribution it
 loop. Work and results travel as JSON through Redis lists (tailspec.demo.protocol), never
 pickle. Each work item carries the run's `rollout` config section, and the worker builds its engine from it:
 selector, k, k_max, epsilon, max_batch, max_seq_len, dtype, drafter kind, and a CUDA graph pool for the verify
-forward when `rollout.cuda_graphs` is on and CUDA is present (CUDA device `gpu` when there is one).
+forward when `rollout.cuda_graphs` is on and CUDA is present (CUDA device `gpu` when there is one). An item that
+names a `states_dir` (a co-trained run) has the engine record each request's training targets, which the worker
+writes there after its drain report, each output naming its entry (drafter_trainer/rollout_targets.py).
 """
 
 from __future__ import annotations
