@@ -64,8 +64,11 @@ class DemoOptions:
 # - validate every 5 s: tails are seconds long;
 # - merge every 2 steps (~0.03 s against ~0.5 s a step): a session killed past its deadline loses at most one
 #   step, and contributors see each other's work 2 steps late (every 10 steps cost 0.31 of acceptance, every 2 0.20);
-# - propose a head once it holds 5 more steps than the last one proposed: a paired validation (~1.3 s on a core)
-#   outlasts most lends, so proposing every head spent the lent time validating (4.7 lent GPU-s merged 4 steps);
+# - propose a head once it holds 12 more steps than the last one proposed: a paired validation (~1.3 s on a core)
+#   outlasts most lends, so proposing every head spent the lent time validating (4.7 lent GPU-s merged 4 steps).
+#   At 5 (steps on the teacher's forward took ~0.8 s at 0.45 of a core) the 5-6-step head of policy version 2 was
+#   proposed in every run and never passed; on shipped targets a step takes ~0.3 s, and 12 are about the same
+#   seconds of training per candidate (BENCHMARKS.md, end to end);
 # - lr 2e-4: sessions fine-tune the bootstrap drafter (trained offline at bootstrap_lr 6e-4) with three or four
 #   contributors at once, and at 6e-4 their merged deltas made the lineage worse than its start (BENCHMARKS.md,
 #   end to end); two contributors at 2e-4 lose 0.06 of acceptance against one (cotrain);
@@ -73,7 +76,7 @@ class DemoOptions:
 #   versions' 64 samples each, and at 0.1 that was 12-18 samples, below the paired test's 16; training is
 #   short of seconds, not of samples.
 DEMO_TRAINER = {"batch_size": 8, "micro_batch_size": 2, "validate_every_s": 5.0, "merge_every_steps": 2,
-                "holdout_fraction": 0.25, "propose_min_steps": 5, "lr": 2e-4, "bootstrap_lr": 6e-4}
+                "holdout_fraction": 0.25, "propose_min_steps": 12, "lr": 2e-4, "bootstrap_lr": 6e-4}
 # Lend when the expected tail exceeds this (scheduler.session_startup_s; see Demo.config).
 DEMO_SESSION_STARTUP_S = 0.3
 
