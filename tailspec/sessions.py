@@ -121,7 +121,9 @@ class Contributor:
         if cand is None:
             return None
         number, steps, drafter = cand
-        if drafter is None and len(holdout) < tc.promotion_min_pairs:  # could not pass the test: train instead
+        # Against a current version a candidate needs promotion_min_pairs scored samples to pass (the first version
+        # is taken without a test): with fewer held out it could only be recorded as "too few"; train instead.
+        if drafter is None and len(holdout) < tc.promotion_min_pairs and self.store.current() is not None:
             return None
         if not self._claim_validation(number):  # another session is validating: train instead
             return None

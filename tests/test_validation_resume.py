@@ -92,7 +92,10 @@ def test_no_validation_on_a_held_out_set_too_small_to_pass_the_test(redis_client
     c = Contributor(cfg, frozen_teacher(), make_buffer(cfg), redis=redis_client, session_id="c")
     assert 0 < len(c.buffer.holdout) < 16
     c.session.run(max_steps=2)
-    assert c.propose() is None and c.validate_s == 0.0
+    assert c.propose().version == 1  # the first version needs no test: taken on any held-out set
+    c.session.run(max_steps=2)
+    spent = c.validate_s
+    assert c.propose() is None and c.validate_s == spent  # against v1 it could not pass: not validated
     assert not redis_client.exists(state.key("few", "drafter_validating"))
     cfg.trainer.promotion_min_pairs = len(c.buffer.holdout)
-    assert c.propose() is not None
+    assert c.propose().version == 2
