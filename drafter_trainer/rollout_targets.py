@@ -17,6 +17,7 @@ layers, a shape that does not fit the sample) falls back to the teacher's forwar
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,21 +61,19 @@ def prune_targets(root: str | Path, keep_from_version: int) -> int:
         except ValueError:
             continue
         if version < keep_from_version and d.is_dir():
-            for f in d.iterdir():
-                f.unlink(missing_ok=True)
-            d.rmdir()
+            shutil.rmtree(d, ignore_errors=True)  # a failed removal must not stop the RL loop
             removed += 1
     return removed
 
 
 def load_targets(samples: Sequence[Sample], aux_layer_ids: Sequence[int], width: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> TeacherOutput | None:
+                 device: torch.device | str = "cpu", dims: tuple[int, int] | None = None) -> TeacherOutput | None:
     """The batch's targets laid out as the teacher's forward gives them ([B, width, A], [B, width, V]; positions
-    the loss never reads are 0), or None when any sample's cannot be used (the caller runs the teacher)."""
+    the loss never reads are 0), or None when any sample's cannot be used (the caller runs the teacher). `dims`:
+    the (A, V) the drafter and its target need (len(aux_layer_ids) x hidden size, the target's vocabulary)."""
     if not samples or any(s.states_path is None or s.states_key is None for s in samples):
         return None
     want = ",".join(str(int(j)) for j in aux_layer_ids)
-    got: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         by_path: dict[str, list[int]] = {}
         for b, s in enumerate(samples):
@@ -91,10 +90,12 @@ def load_targets(samples: Sequence[Sample], aux_layer_ids: Sequence[int], width:
     except (OSError, SafetensorError, KeyError) as e:
         log.info("rollout targets unreadable (%s); the teacher's forward instead", e)
         return None
-    dims = {(a.shape[-1], lg.shape[-1]) for a, lg in got}
-    if len(dims) != 1:
+    if any(a.ndim != 2 or lg.ndim != 2 for a, lg in got):
         return None
-    (adim, vocab), = dims
+    found_dims = {(a.shape[-1], lg.shape[-1]) for a, lg in got}
+    if len(found_dims) != 1 or (dims is not None and found_dims != {tuple(dims)}):
+        return None
+    (adim, vocab), = found_dims
     aux = torch.zeros(len(samples), width, adim, dtype=dtype)
     logits = torch.zeros(len(samples), width, vocab, dtype=torch.float32)
     for b, (s, (a, lg)) in enumerate(zip(samples, got)):

@@ -215,8 +215,10 @@ class TrainingSession:
         """The batch's aux states and logits: the rollout's shipped ones when every sample has them (and
         `trainer.target_source` is `rollout`), else the teacher's forward."""
         if self.cfg.target_source == "rollout":
+            tcfg = self.teacher.config
             got = load_targets(samples, self.teacher.aux_layer_ids, batch.ids.shape[1],
-                               next(self.teacher.model.parameters()).dtype, self.teacher.device)
+                               next(self.teacher.model.parameters()).dtype, self.teacher.device,
+                               dims=(len(self.teacher.aux_layer_ids) * tcfg.hidden_size, tcfg.vocab_size))
             if got is not None:
                 self.shipped_batches += 1
                 return got

@@ -79,6 +79,13 @@ def test_unusable_targets_fall_back_to_the_teacher(shipped, tmp_path):
     assert load_targets(samples[:2], [0, 1, 1], width, torch.float32) is None  # other aux layers
     longer = samples[0].model_copy(update={"response_ids": samples[0].response_ids + [5]})
     assert load_targets([longer], ids, width + 1, torch.float32) is None  # not this sample's targets
+    a, v = load_targets(samples[:1], ids, width, torch.float32).aux.shape[-1], policy.config.vocab_size
+    assert load_targets(samples[:1], ids, width, torch.float32, dims=(a, v)) is not None
+    assert load_targets(samples[:1], ids, width, torch.float32, dims=(a + 1, v)) is None  # another hidden size
+    flat = tmp_path / "flat"
+    write_targets(flat, 3, "w9", {"0": (torch.zeros(7), torch.zeros(3, v))}, ids)  # a tensor of the wrong rank
+    bad = samples[0].model_copy(update={"states_path": str(flat / "v3-w9"), "states_key": "0"})
+    assert load_targets([bad], ids, width, torch.float32) is None
     moved = tmp_path / "moved"
     shutil.copytree(root, moved)
     assert prune_targets(moved, 4) == 2 and not any(moved.iterdir())  # versions below 4 removed
