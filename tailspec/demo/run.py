@@ -8,7 +8,8 @@ Per RL step:
   set_phase(rollout) → work to every worker → workers decode, report progress, drain one by one
   → the scheduler lends drained GPUs to drafter-training sessions while the tail runs
   → last worker done: set_phase(train) → leases revoked, sessions stop
-  → grade, GRPO update, submit samples (ids, reward, policy version), publish policy version N+1
+  → grade, GRPO update, submit samples (ids, reward, policy version; co-trained: their targets' file), publish
+    policy version N+1
   → workers load the newest promoted drafter at the next phase start.
 
 Three modes share every seed: `cotrained` (the above), `frozen` (the first drafter forever, no lending) and
