@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import micro_policy, random_eagle3, task_prompts
-
 from tailspec.drafter_trainer.teacher import Teacher, collate
 from tailspec.rollout.drafters import Eagle3Proposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
+
 from tailspec.core.state import Sample
 
 

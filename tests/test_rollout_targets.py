@@ -9,9 +9,6 @@ import shutil
 import pytest
 import torch
 from engine_helpers import micro_policy, random_eagle3, task_prompts
-
-from tailspec.core.config import TrainerConfig
-from tailspec.core.state import Sample
 from tailspec.drafter_trainer.rollout_targets import load_targets, prune_targets, write_targets
 from tailspec.drafter_trainer.samples import SampleBuffer
 from tailspec.drafter_trainer.session import TrainingSession
@@ -19,6 +16,9 @@ from tailspec.drafter_trainer.teacher import Teacher, collate
 from tailspec.rollout.drafters import Eagle3Proposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
+
+from tailspec.core.config import TrainerConfig
+from tailspec.core.state import Sample
 
 
 @pytest.fixture(scope="module")
