@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 FILE = "targets.safetensors"
 
 
+def _layer_ids(aux_layer_ids: Sequence[int]) -> str:
+    """The aux layer ids as the file's metadata names them (written and compared the same way)."""
+    return ",".join(str(int(j)) for j in aux_layer_ids)
+
+
 def targets_dir(root: str | Path, policy_version: int, worker: str) -> Path:
     return Path(root) / f"v{policy_version}-{worker}"
 
@@ -46,7 +51,7 @@ def write_targets(root: str | Path, policy_version: int, worker: str,
     for key, (aux, logits) in states.items():
         tensors[f"aux.{key}"] = aux.contiguous()
         tensors[f"logits.{key}"] = logits.contiguous()
-    meta = {"aux_layer_ids": ",".join(str(int(j)) for j in aux_layer_ids), "policy_version": str(policy_version)}
+    meta = {"aux_layer_ids": _layer_ids(aux_layer_ids), "policy_version": str(policy_version)}
     out = targets_dir(Path(root).resolve(), policy_version, worker)
     return write_dir_atomic(out, lambda d: save_file(tensors, str(d / FILE), meta))
 
@@ -73,7 +78,7 @@ def load_targets(samples: Sequence[Sample], aux_layer_ids: Sequence[int], width:
     the (A, V) the drafter and its target need (len(aux_layer_ids) x hidden size, the target's vocabulary)."""
     if not samples or any(s.states_path is None or s.states_key is None for s in samples):
         return None
-    want = ",".join(str(int(j)) for j in aux_layer_ids)
+    want = _layer_ids(aux_layer_ids)
     try:
         by_path: dict[str, list[int]] = {}
         for b, s in enumerate(samples):

@@ -154,7 +154,7 @@ def pick_holdout(holdout: Sequence[Sample], done: dict[str, Score], n: int | Non
         return list(holdout)
     scored = [x for x in holdout if sample_key(x) in done][-n:]
     others = [x for x in holdout if sample_key(x) not in done]
-    left = n - max(len(done), len(scored))
+    left = n - len(done)  # `scored` are among `done`
     return scored + (others[-left:] if left > 0 else [])
 
 
