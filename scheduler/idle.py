@@ -93,6 +93,20 @@ class GpuMachine:
     def _forget_drain(self) -> None:
         self.step = self.drained_at = self.last_high = self.low_since = self.detected_at = None
 
+    def hold_until(self, until: float) -> None:
+        """Not lent again before `until`: a drain is dated no earlier, and one already seen waits a fresh window."""
+        self.floor = max(self.floor, until)
+        if self.state == GpuState.DRAINED and self.drained_at is not None:
+            self.drained_at = max(self.drained_at, until)
+            self.low_since = self.detected_at = None
+
+    def lend_to(self, token: int, session_id: str, now: float) -> None:
+        """The lease was granted and the session started on this drained GPU."""
+        if self.state != GpuState.DRAINED:
+            raise RuntimeError(f"GPU {self.node}:{self.gpu} lent from state {self.state.value}, expected drained")
+        self.lease_token, self.session_id, self.lent_at = token, session_id, now
+        self._enter(GpuState.LENT, now)
+
 
 def expected_tail_s(now: float, phase: PhaseInfo | None, progress: Iterable[Progress]) -> float:
     """Expected remaining rollout time. A worker may report its own estimate (`remaining_s`); otherwise
@@ -226,6 +240,26 @@ class IdleDetector:
                         None if m.revoked_at is None else m.revoked_at + deadline_s)
         return actions
 
+    def step_one(
+        self,
+        m: GpuMachine,
+        now: float,
+        phase: PhaseInfo | None,
+        progress: Mapping[str, Progress],
+        telemetry: GpuTelemetry | None,
+        stopped_sessions: set[str] | frozenset[str] = frozenset(),
+    ) -> list[Action]:
+        """Step one machine the caller owns (not one of `machines`) on a snapshot, by the rules a tick applies, without
+        the tick's bookkeeping of which machines are due: for a caller that knows the moments a GPU's inputs change
+        (the cluster projection, tailspec/simulate/lending.py). Its owner is the last report in `progress` naming it."""
+        owner = None
+        for p in progress.values():
+            if p.node == m.node and m.gpu in p.gpus:
+                owner = p
+        rollout = phase is not None and phase.phase == "rollout"
+        return self._step(m, now, phase, rollout, _Tail(now, phase, progress.values()), owner, telemetry,
+                          stopped_sessions)
+
     def _step(
         self,
         m: GpuMachine,
@@ -339,18 +373,12 @@ class IdleDetector:
         """Do not lend this GPU again before `until` (its session failed to start or crashed)."""
         m = self.machine(node, gpu)
         self.index.touched(m.key)
-        m.floor = max(m.floor, until)
-        if m.state == GpuState.DRAINED and m.drained_at is not None:
-            m.drained_at = max(m.drained_at, until)
-            m.low_since = m.detected_at = None
+        m.hold_until(until)
 
     def lent(self, node: str, gpu: int, token: int, session_id: str, now: float) -> None:
         """The service got the lease and started the session."""
         m = self.machine(node, gpu)
-        if m.state != GpuState.DRAINED:
-            raise RuntimeError(f"GPU {node}:{gpu} lent from state {m.state.value}, expected drained")
-        m.lease_token, m.session_id, m.lent_at = token, session_id, now
-        m._enter(GpuState.LENT, now)
+        m.lend_to(token, session_id, now)
         self.index.moved(m.key, GpuState.DRAINED, GpuState.LENT)
         self.index.lent(m.key, session_id)
 

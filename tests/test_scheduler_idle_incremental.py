@@ -5,7 +5,8 @@ changed is among those the incremental one reports changed (the scheduler publis
 
 A third detector sees telemetry as the scheduler reads it (scheduler/observe.py): the sample of every GPU that
 `IdleDetector.sampled` names before the tick, and only a `Health` (there, and its error) for the others; it too
-decides as the one that sees every sample."""
+decides as the one that sees every sample. A fourth owns its machines and steps every one at every tick through
+`IdleDetector.step_one`, the cluster projection's entry (tailspec/simulate/lending.py), with no index at all."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import astuple
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tailspec.scheduler.idle import Health, IdleDetector
+from tailspec.scheduler.idle import GpuMachine, Health, IdleDetector
 
 from tailspec.core.state import GpuState, GpuTelemetry, PhaseInfo, Progress
 
@@ -41,6 +42,33 @@ _event = st.one_of(
     st.tuples(st.just("back_off"), st.sampled_from(GPUS), st.sampled_from([0.0, 0.3, 5.0])),
     st.tuples(st.just("need"), st.sampled_from([0, 1, 2])),
 )
+
+class StepOne:
+    """Machines the caller owns, each stepped at every tick by `IdleDetector.step_one` (the rules, no index); created
+    in the order a detector creates them (telemetry's GPUs, then the workers')."""
+
+    def __init__(self, **params) -> None:
+        self.det = IdleDetector(**params)
+        self.machines: dict[tuple[str, int], GpuMachine] = {}
+
+    def _machine(self, key: tuple[str, int]) -> GpuMachine:
+        return self.machines.setdefault(key, GpuMachine(*key))
+
+    def back_off(self, node: str, gpu: int, until: float) -> None:
+        self._machine((node, gpu)).hold_until(until)
+
+    def learn_need(self, nbytes: int) -> None:
+        self.det.learn_need(nbytes)
+
+    def lent(self, node: str, gpu: int, token: int, session_id: str, now: float) -> None:
+        self._machine((node, gpu)).lend_to(token, session_id, now)
+
+    def tick(self, now, phase, progress, telemetry, stopped) -> list:
+        for k in [*telemetry, *((p.node, g) for p in progress.values() for g in p.gpus)]:
+            self._machine(k)
+        return [a for m in list(self.machines.values())
+                for a in self.det.step_one(m, now, phase, progress, telemetry.get(m.key), stopped)]
+
 
 class World:
     """The cluster state both detectors see, and the lends the scheduler would make."""
@@ -123,7 +151,7 @@ def _apply(w: World, dets: list[IdleDetector], ev: tuple) -> None:
 
 
 def _tick(w: World, dets: list[IdleDetector]) -> None:
-    full, inc, read = dets
+    full, inc, read, one = dets
     before = {k: (m.state, m.since) for k, m in full.machines.items()}
     a_full = full.tick(w.now, w.phase, dict(w.progress), dict(w.telemetry), set(w.stopped))
     a_inc = inc.tick(w.now, w.phase, dict(w.progress), dict(w.telemetry), set(w.stopped))
@@ -133,6 +161,7 @@ def _tick(w: World, dets: list[IdleDetector]) -> None:
     lent = {k for k, m in read.machines.items() if m.state == GpuState.LENT and m.session_id not in w.stopped}
     assert sampled == (drained - lent if w.phase is not None and w.phase.phase == "rollout" else set())
     assert read.tick(w.now, w.phase, dict(w.progress), w.as_read(sampled), set(w.stopped)) == a_full
+    assert one.tick(w.now, w.phase, dict(w.progress), dict(w.telemetry), set(w.stopped)) == a_full
     for a in a_full:
         if a.kind == "lend":
             w.lends += 1
@@ -141,6 +170,7 @@ def _tick(w: World, dets: list[IdleDetector]) -> None:
                     d.lent(a.node, a.gpu, w.lends, f"s{w.lends}", w.now)
         elif a.kind == "reclaimed":
             w.stopped.discard(a.session_id)
+    assert {k: astuple(m) for k, m in one.machines.items()} == {k: astuple(m) for k, m in full.machines.items()}
     for d in (inc, read):
         assert {k: astuple(m) for k, m in d.machines.items()} == {k: astuple(m) for k, m in full.machines.items()}
         changed = set(d.changed())
@@ -158,7 +188,8 @@ def _tick(w: World, dets: list[IdleDetector]) -> None:
 def test_incremental_detector_decides_as_stepping_every_machine(evs, window, startup, release, grant):
     params = {"util_threshold": 10, "window_s": window, "startup_s": startup, "stop_deadline_s": 1.0,
               "require_release": release, "min_free_bytes": 1 << 30}
-    dets = [IdleDetector(**params, incremental=False), IdleDetector(**params), IdleDetector(**params)]
+    dets = [IdleDetector(**params, incremental=False), IdleDetector(**params), IdleDetector(**params),
+            StepOne(**params)]
     w = World(grant)
     for ev in [("phase", "rollout"), *evs, ("phase", "train"), ("tick", 0.05), ("tick", 1.2)]:
         _apply(w, dets, ev)
@@ -172,7 +203,7 @@ def test_generator_reaches_every_state():
     @given(evs=st.lists(_event, min_size=20, max_size=120))
     def run(evs):
         dets = [IdleDetector(window_s=0.0, startup_s=0.0, incremental=False),
-                *(IdleDetector(window_s=0.0, startup_s=0.0) for _ in range(2))]
+                *(IdleDetector(window_s=0.0, startup_s=0.0) for _ in range(2)), StepOne(window_s=0.0, startup_s=0.0)]
         w = World([True])
         orig = dets[0].tick
 

@@ -1,7 +1,8 @@
 """Which drained replicas the scheduler lends, decided by the scheduler's own idle state machine.
 
-Each replica's GPUs get an `IdleDetector` (scheduler/idle.py, the class the service runs) ticked at the
-moments that matter instead of every `tick_s`: when the scheduler can first call the replica idle (its
+Each replica's GPUs are state machines (`GpuMachine`) stepped by the rules of the `IdleDetector` the service runs
+(scheduler/idle.py, `step_one`: a tick's rules without its index of which machines are due) at the moments that
+matter instead of every `tick_s`: when the scheduler can first call the replica idle (its
 drain report seen, a low telemetry sample after it, the idle window passed), when it reads the phase change
 (revoke) and when the session has stopped (reclaimed). Between those moments the detector's inputs do not
 change, so the extra ticks of the real loop would return nothing. The expected remaining tail it lends on is
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tailspec.core.state import PhaseInfo
-from tailspec.scheduler.idle import IdleDetector
+from tailspec.scheduler.idle import GpuMachine, IdleDetector
 
 
 @dataclass(frozen=True)
@@ -108,27 +109,31 @@ def decide(finish: np.ndarray, phase_end: float, tp: int, lat: Latencies, lend: 
     phase = PhaseInfo.model_construct(phase="rollout", step=step, started_at=0.0, policy_version=0, policy_path=None)
     ended = PhaseInfo.model_construct(phase="train", step=step, started_at=end, policy_version=0, policy_path=None)
     gpus = tuple(range(tp))
-    for r, f in enumerate(finish):
-        now = f - lat.lead_s + lat.detect_s
+    # one detector's rules and settings; each replica's GPUs are their own machines, stepped at the three moments
+    det = IdleDetector(window_s=lat.window_s, startup_s=lat.startup_s, stop_deadline_s=max(lat.stop_s, 1e-3) * 4,
+                       lend=lend, lend_on_release=lat.on_release)
+    step_one = det.step_one
+    report = finish - lat.lead_s  # each replica's drain report
+    nows = report + lat.detect_s
+    stills = len(order) - np.searchsorted(order, nows + lat.lead_s, side="right")  # replicas not drained at `now`
+    for r, (f, now, still) in enumerate(zip(report.tolist(), nows.tolist(), stills.tolist())):
         if now >= end:
             continue
-        det = IdleDetector(window_s=lat.window_s, startup_s=lat.startup_s, stop_deadline_s=max(lat.stop_s, 1e-3) * 4,
-                           lend=lend, lend_on_release=lat.on_release)
-        still = int(len(order) - np.searchsorted(order, now + lat.lead_s, side="right"))  # not drained at `now`
-        progress = {"r": _Report("r", gpus, 0, step, f - lat.lead_s), "others": _Report("others", (), still, step, now)}
-        tel = {("sim", g): _Sample(g, 0.0, f - lat.lead_s + lat.telemetry_s) for g in gpus}
-        acts = det.tick(now, phase, progress, tel)  # type: ignore[arg-type]
+        machines = [GpuMachine("sim", g) for g in gpus]
+        progress = {"r": _Report("r", gpus, 0, step, f), "others": _Report("others", (), still, step, now)}
+        tel = _Sample(0, 0.0, f + lat.telemetry_s)  # every GPU of the replica: one sample's values
+        acts = [a for m in machines for a in step_one(m, now, phase, progress, tel)]  # type: ignore[arg-type]
         if not any(a.kind == "lend" for a in acts):
             continue
         sid = f"s{r}"
-        for g in gpus:
-            det.lent("sim", g, token=1, session_id=sid, now=now)
+        for m in machines:
+            m.lend_to(1, sid, now)
         out.lent[r] = now
-        acts = det.tick(end, ended, progress, tel)  # type: ignore[arg-type]
+        acts = [a for m in machines for a in step_one(m, end, ended, progress, tel)]  # type: ignore[arg-type]
         if not any(a.kind == "revoke" for a in acts):
             raise AssertionError("the idle state machine kept a GPU lent past the phase end")
         out.revoked[r] = end
-        acts = det.tick(end + lat.stop_s, ended, progress, tel, {sid})  # type: ignore[arg-type]
+        acts = [a for m in machines for a in step_one(m, end + lat.stop_s, ended, progress, tel, {sid})]  # type: ignore[arg-type]
         out.reclaimed[r] = next((end + a.latency_s for a in acts if a.kind == "reclaimed" and a.latency_s),
                                 end + lat.stop_s)
     return out

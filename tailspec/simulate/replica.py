@@ -49,10 +49,10 @@ def ks_by_batch(cost: CostModel, acceptance: FixedAcceptance | None, max_batch: 
 
 
 def seconds_per_token(cost: CostModel, acceptance: FixedAcceptance | None, max_batch: int,
-                      fixed_k: int | None = None) -> np.ndarray:
+                      fixed_k: int | None = None, ks: list[int] | None = None) -> np.ndarray:
     """g[b]: wall seconds per token of per-row progress at batch b (g[0] = 0); k from the adaptive selector,
-    or `fixed_k` at every batch size."""
-    ks = ks_by_batch(cost, acceptance, max_batch, fixed_k)
+    or `fixed_k` at every batch size, or `ks` (ks_by_batch's, when the caller has it)."""
+    ks = ks_by_batch(cost, acceptance, max_batch, fixed_k) if ks is None else ks
     tokens = acceptance.token_table() if acceptance is not None else [1.0]
     g = np.zeros(max_batch + 1)
     for b in range(1, max_batch + 1):
@@ -62,10 +62,10 @@ def seconds_per_token(cost: CostModel, acceptance: FixedAcceptance | None, max_b
 
 def width_seconds_per_token(attn_s: Callable[[CostModel, int, int], float], cost: CostModel,
                             acceptance: FixedAcceptance | None, max_batch: int,
-                            fixed_k: int | None = None) -> np.ndarray:
+                            fixed_k: int | None = None, ks: list[int] | None = None) -> np.ndarray:
     """h[b]: seconds per token of per-row progress per position of attention width at batch b (h[0] = 0);
-    `attn_s(cost, b, k)` is one step's seconds per position of width."""
-    ks = ks_by_batch(cost, acceptance, max_batch, fixed_k)
+    `attn_s(cost, b, k)` is one step's seconds per position of width; k as in `seconds_per_token`."""
+    ks = ks_by_batch(cost, acceptance, max_batch, fixed_k) if ks is None else ks
     tokens = acceptance.token_table() if acceptance is not None else [1.0]
     h = np.zeros(max_batch + 1)
     for b in range(1, max_batch + 1):

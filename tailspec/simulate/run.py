@@ -224,4 +224,4 @@ def rows_json(proj: Projection) -> list[dict]:
     return [asdict(r) for r in proj.rows]
 
 
-__all__ = ["MODES", "STATES", "LABEL", "Scenario", "Projection", "Row", "simulate", "step_lengths", "read_trace"]
+__all__ = ["LABEL", "MODES", "STATES", "Projection", "Row", "Scenario", "read_trace", "simulate", "step_lengths"]

@@ -11,8 +11,8 @@ Every GPU-second of the step is in exactly one state (`STATES`), so the states s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -20,7 +20,7 @@ import numpy as np
 from tailspec.rollout.cost_model import CostModel
 from tailspec.simulate.drafter import FixedAcceptance
 from tailspec.simulate.lending import Latencies, Lending, decide
-from tailspec.simulate.replica import finish_times, seconds_per_token, width_seconds_per_token
+from tailspec.simulate.replica import finish_times, ks_by_batch, seconds_per_token, width_seconds_per_token
 
 STATES = ("decode", "tail_idle", "lent_starting", "lent_training", "lent_validating", "reclaiming", "train",
           "pool_idle")
@@ -91,13 +91,15 @@ def run_step(inp: StepInputs) -> StepOut:
     groups: dict[int, list[int]] = {}  # replicas sharing a cost model are decoded together
     for i, c in enumerate(costs):
         groups.setdefault(id(c), []).append(i)
+    top = min(inp.max_batch, inp.lengths.shape[1])  # no replica runs a larger batch than it has requests
     for idx in groups.values():
-        g = seconds_per_token(costs[idx[0]], inp.acceptance, inp.max_batch, inp.fixed_k)
+        ks = ks_by_batch(costs[idx[0]], inp.acceptance, top, inp.fixed_k)
+        g = seconds_per_token(costs[idx[0]], inp.acceptance, top, ks=ks)
         h = ctx0 = None
         if inp.attn_s is not None and inp.ctx0 is not None:
-            h = width_seconds_per_token(inp.attn_s, costs[idx[0]], inp.acceptance, inp.max_batch, inp.fixed_k)
+            h = width_seconds_per_token(inp.attn_s, costs[idx[0]], inp.acceptance, top, ks=ks)
             ctx0 = inp.ctx0[idx]
-        finish[idx] = finish_times(inp.lengths[idx], inp.max_batch, g, h, ctx0, inp.per_row).max(axis=1)
+        finish[idx] = finish_times(inp.lengths[idx], top, g, h, ctx0, inp.per_row).max(axis=1)
     finish = finish + inp.fixed_s + inp.dispatch_s
     rollout_end = float(finish.max()) + inp.dispatch_s
     train_end = inp.train_s if inp.pipeline == "async" else 0.0
