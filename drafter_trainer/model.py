@@ -327,11 +327,18 @@ class Eagle3Module(nn.Module):
                                    f"expected {FORMAT_VERSION}")
         try:
             cfg = Eagle3Config.from_dict(meta.get("config"))
-            with torch.device("meta"):
-                shapes = {n: (tuple(t.shape), t.dtype) for n, t in cls(cfg).state_dict().items()}
+            key = json.dumps(meta.get("config"), sort_keys=True)
+            shapes = _SHAPES.get(key)
+            if shapes is None:  # building even a meta module is most of a small drafter's load: once per config
+                with torch.device("meta"):
+                    shapes = _SHAPES[key] = {n: (tuple(t.shape), t.dtype) for n, t in cls(cfg).state_dict().items()}
+            shapes = dict(shapes)
         except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, ZeroDivisionError, OverflowError) as e:
             raise DrafterFileError(f"{cfg_file}: bad drafter config: {str(e)[:300]}") from None
         return cfg, shapes
+
+
+_SHAPES: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}  # from_meta's, by the config's JSON
 
 
 def fits(cfg: Eagle3Config, target_config: Any) -> list[str]:

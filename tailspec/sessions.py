@@ -76,10 +76,12 @@ class Contributor:
         self.buffer = buffer
         self.redis = redis
         self.reader = None
+        t0 = time.monotonic()
         if redis is not None:
             self.reader = SampleReader(redis, cfg.cluster.name, buffer, teacher.config.vocab_size, tc.max_seq_len,
                                        keep_versions=tc.keep_policy_versions)
             self.reader.poll()
+        t1 = time.monotonic()
         self.root = Path(tc.checkpoint_dir)
         self.store = VersionStore(self.root / "versions", redis, cfg.cluster.name)
         self.lineage = Lineage(self.root / "lineage", redis, cfg.cluster.name, fence=fence, outer_lr=tc.merge_outer_lr)
@@ -88,6 +90,7 @@ class Contributor:
             tc, teacher, buffer, checkpoint_dir=self.root / "checkpoints", should_continue=should_continue,
             on_step=on_step, reader=self.reader, session_id=session_id, lineage=self.lineage,
             merge_every_steps=tc.merge_every_steps or None)
+        self.ready_split = {"stream": t1 - t0, "lineage": time.monotonic() - t1}  # where start-up went
 
     def proposed_head(self) -> tuple[int, int]:
         """(number, optimizer steps) of the lineage head last proposed; (0, 0) when none."""
@@ -323,7 +326,7 @@ def load_teacher(path: str | Path, device: str, dtype: torch.dtype, policy_versi
     key = ((path / "config.json").read_text(), str(dtype))
     kept = _KEPT.pop("teacher", None)
     if kept is not None and kept[0] == key and load_weights_in_place(kept[1], path):
-        model = kept[1].to(device)
+        model = kept[1] if next(kept[1].parameters()).device == torch.device(device) else kept[1].to(device)
         return Teacher(model, default_aux_layer_ids(model.config.num_hidden_layers), policy_version, str(path))
     return Teacher.from_dir(path, device=device, dtype=dtype, policy_version=policy_version)
 
@@ -354,7 +357,9 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
     device, dtype = device_and_dtype()
     if not fits(ctx, cfg, phase.policy_path, dtype):
         return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": ctx.stop_reason, "stop_latency_s": 0.0}
+    t_fit = time.monotonic()
     teacher = load_teacher(phase.policy_path, device, dtype, phase.policy_version)
+    t_teacher = time.monotonic()
     if not ctx.should_continue():
         return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": "should_continue", "stop_latency_s": 0.0}
     trainer = Contributor(cfg, teacher, make_buffer(cfg), redis=r, should_continue=ctx.should_continue,
@@ -364,10 +369,13 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
     try:
         res = trainer.run(max_steps=max_steps)
         # One line per session in its log: where a lend's seconds went.
-        print(f"tailspec session {ctx.session_id}: ready in {t_ready - t_start:.2f} s, {res.steps} steps "
+        split = {"fit": t_fit - t_start, "teacher": t_teacher - t_fit, **trainer.ready_split}
+        print(f"tailspec session {ctx.session_id}: ready in {t_ready - t_start:.2f} s ("
+              + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + f"), {res.steps} steps "
               f"({trainer.session.partial_steps} cut short; {res.shipped_batches} batches on shipped targets) in "
               f"{res.train_seconds:.2f} s, {res.merges} merges, "
-              f"validating {trainer.validate_s:.2f} s, {time.monotonic() - t_start:.2f} s in all; stop: {res.stop_reason}",
+              f"validating {trainer.validate_s:.2f} s, {time.monotonic() - t_start:.2f} s in all; stop: {res.stop_reason}"
+              + (f", saved {res.stop_latency_s:.3f} s after" if res.stop_latency_s is not None else ""),
               file=sys.stderr, flush=True)
         record_seconds(r, cfg.cluster.name, ready=t_ready - t_start, train=res.train_seconds,
                        validate=trainer.validate_s, total=time.monotonic() - t_start)

@@ -153,3 +153,22 @@ def test_a_warm_process_reuses_its_teacher_module_with_the_new_weights(tmp_path)
     keep_teacher(t1)
     other = load_teacher(get_policy("micro", progress=False), "cpu", torch.float32, 0)  # another config: built anew
     assert other.model is not t1.model and "teacher" not in _KEPT
+
+
+def test_weights_that_do_not_fit_are_refused_before_anything_is_copied(tmp_path):
+    """A policy file whose tensors differ from the module's (a shape, an unknown name) is refused whole: False, and
+    the module keeps every weight it had (the caller then loads the directory afresh)."""
+    from safetensors.torch import load_file, save_file
+    from tailspec.tasks.policy import get_policy, load_policy, load_weights_in_place
+
+    p0 = get_policy("tiny", progress=False)
+    model, _ = load_policy(p0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tensors = load_file(p0 / "model.safetensors")
+    name = next(k for k in tensors if k.endswith("q_proj.weight"))
+    for i, change in enumerate(({name: torch.zeros(3, 3)}, {"model.extra.weight": torch.zeros(2)})):
+        bad = tmp_path / f"bad{i}"
+        bad.mkdir()
+        save_file({**{k: v + 1.0 for k, v in tensors.items()}, **change}, str(bad / "model.safetensors"))
+        assert not load_weights_in_place(model, bad)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -377,20 +377,28 @@ def load_weights_in_place(model: torch.nn.Module, path: str | Path) -> bool:
     framework syncs a new policy version into its rollout engine (in place; tied weights stay tied). Building
     the modules is most of a small policy's `from_pretrained` (the deep preset on one core: 87 ms of it, the
     weights 12 ms). False when it cannot be done whole: no single model.safetensors, a tensor of another shape
-    or name, a torn file; the caller then loads the directory afresh (and drops `model`, which may be half
-    written)."""
+    or name, a torn file, each found before anything is copied; the caller then loads the directory afresh."""
     weights = Path(path) / "model.safetensors"
     if not weights.is_file():
         return False
     try:
-        missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
+        loaded = load_file(weights)
     except (RuntimeError, OSError, ValueError) as e:
         log.warning("weights of %s not loaded in place (%s)", path, e)
         return False
     sd = model.state_dict()
     ptrs = Counter(t.data_ptr() for t in sd.values())
     tied = {k for k, t in sd.items() if ptrs[t.data_ptr()] > 1}  # lm_head tied to the embedding
-    return not unexpected and set(missing) <= tied
+    if not loaded.keys() <= sd.keys() or not sd.keys() - loaded.keys() <= tied \
+            or any(sd[k].shape != v.shape for k, v in loaded.items()):
+        log.warning("weights of %s not loaded in place (names or shapes differ from the module's)", path)
+        return False
+    # Copied tensor by tensor: load_state_dict's walk over every submodule cost more than the copies here
+    # (the deep preset: 20 of 27 ms on one core).
+    with torch.no_grad():
+        for k, v in loaded.items():
+            sd[k].copy_(v)
+    return True
 
 
 def policy_meta(path: str | Path) -> dict:
