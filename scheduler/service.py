@@ -42,6 +42,7 @@ from tailspec.scheduler.leases import LeaderLost, Leases
 from tailspec.scheduler.monitor import TelemetryMonitor
 from tailspec.scheduler.observe import Observer, Sent
 from tailspec.scheduler.placement import simulated_gpu_placement
+from tailspec.scheduler.session import WARM_POLICY_ENV
 from tailspec.scheduler.telemetry import make_telemetry
 from tailspec.scheduler.tick_writes import TickWrites
 
@@ -416,7 +417,8 @@ def run_local(
     ).start()
     gpu_cpus, gpu_cgroups = simulated_gpu_placement(cfg) if telemetry.simulated else (None, None)
     dispatcher = LocalDispatcher(sc.session_entry, log_dir=log_dir, warm=sc.warm_sessions, nice=sc.session_nice,
-                                 gpu_cpus=gpu_cpus, gpu_cgroups=gpu_cgroups)
+                                 gpu_cpus=gpu_cpus, gpu_cgroups=gpu_cgroups,
+                                 extra_env={WARM_POLICY_ENV: sc.warm_policy} if sc.warm_policy else {})
     sched = Scheduler(cfg, r, dispatcher, redis_url=url)
     stop = stop or threading.Event()
     try:

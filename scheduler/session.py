@@ -262,6 +262,7 @@ def threading_is_main() -> bool:
 
 DONE_ENV = "TAILSPEC_SESSION_DONE"  # a warm process writes the session's exit code here when it ends
 READY_ENV = "TAILSPEC_WARM_READY"  # a warm process creates this file when its imports are done
+WARM_POLICY_ENV = "TAILSPEC_WARM_POLICY"  # scheduler.warm_policy: a policy directory warm processes build while waiting
 
 
 def warm_main(entry: str) -> int:

@@ -159,7 +159,8 @@ def test_weights_that_do_not_fit_are_refused_before_anything_is_copied(tmp_path)
     """A policy file whose tensors differ from the module's (a shape, an unknown name) is refused whole: False, and
     the module keeps every weight it had (the caller then loads the directory afresh)."""
     from safetensors.torch import load_file, save_file
-    from tailspec.tasks.policy import get_policy, load_policy, load_weights_in_place
+    from tailspec.tasks.policy import get_policy, load_policy
+    from tailspec.tasks.policy_sync import load_weights_in_place
 
     p0 = get_policy("tiny", progress=False)
     model, _ = load_policy(p0)
@@ -172,3 +173,29 @@ def test_weights_that_do_not_fit_are_refused_before_anything_is_copied(tmp_path)
         save_file({**{k: v + 1.0 for k, v in tensors.items()}, **change}, str(bad / "model.safetensors"))
         assert not load_weights_in_place(model, bad)
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_warm_process_builds_the_warm_policy_for_its_first_session(tmp_path, monkeypatch):
+    """scheduler.warm_policy reaches a warm process as an environment variable: warm_up() builds that policy's
+    modules as the kept teacher, so the first session's load_teacher of another version of it reuses them. A
+    relative path is refused by the config; a missing directory costs nothing but the build."""
+    from tailspec.bench.vllm import perturbed_policy
+    from tailspec.scheduler.session import WARM_POLICY_ENV
+    from tailspec.sessions import _KEPT, load_teacher, warm_up
+    from tailspec.tasks.policy import get_policy
+
+    from tailspec.core.config import SchedulerConfig
+
+    p0 = get_policy("tiny", progress=False)
+    p1 = perturbed_policy(p0, tmp_path / "p1", scale=0.2)
+    _KEPT.clear()
+    monkeypatch.setenv(WARM_POLICY_ENV, str(p0))
+    warm_up()
+    kept = _KEPT["teacher"][1]
+    assert load_teacher(p1, "cpu", torch.float32, 1).model is kept
+    with pytest.raises(ValueError, match="absolute"):
+        SchedulerConfig(warm_policy="policies/v0")
+    _KEPT.clear()
+    monkeypatch.setenv(WARM_POLICY_ENV, str(tmp_path / "gone"))
+    warm_up()
+    assert "teacher" not in _KEPT

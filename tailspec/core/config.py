@@ -82,6 +82,9 @@ class SchedulerConfig(_Section):
     mode: Literal["local", "ray"] = "local"
     warm_sessions: int = Field(0, ge=0, le=64, description="session processes kept pre-started (imports done) "
                                "in single-node mode, so a lent GPU starts training at once")
+    warm_policy: str | None = Field(None, description="a policy directory (absolute) whose model the warm session "
+                                    "processes build while they wait: each session then loads its own policy "
+                                    "version's weights into it (same config.json), not the modules anew")
     lend: bool = Field(True, description="false: watch and count idle GPU time but never lend (baselines)")
     session_nice: int = Field(0, ge=0, le=19, description="niceness of single-node session processes; >0 where "
                               "simulated GPUs share the host's CPU cores with rollout workers, so a session takes "
@@ -110,6 +113,13 @@ class SchedulerConfig(_Section):
                                     "to what they computed they need")
     simulated_gpu_mem_gib: float = Field(80.0, gt=0, le=1e6, description="memory of each simulated GPU (what simulated "
                                          "telemetry shows and what a session on one checks its footprint against)")
+
+    @field_validator("warm_policy")
+    @classmethod
+    def _warm_policy(cls, v: str | None) -> str | None:
+        if v is not None and not os.path.isabs(_check_path(v)):
+            raise ValueError(f"must be an absolute path (every node's sessions read it), got {v!r}")
+        return v
 
 
 class TrainerConfig(_Section):

@@ -55,7 +55,7 @@ from tailspec.demo.services import Services, place_workers, trainer_threads
 from tailspec.drafter_trainer.rollout_targets import prune_targets
 from tailspec.rl import Rollout, grpo_step, recompute_logprobs, save_policy_weights
 from tailspec.scheduler.dispatch import warm_ready
-from tailspec.tasks.policy import load_policy, resolve_policy
+from tailspec.tasks.policy import cached_policy, load_policy, resolve_policy
 from tailspec.tasks.runsum import grade, sample_problems
 from tailspec.tasks.tokenizer import decode_response, encode_prompt
 
@@ -121,6 +121,11 @@ class Demo:
         # Pre-started session processes (torch imported), one per GPU, all started before the first rollout:
         # a lent GPU trains at once instead of importing for seconds, and no process imports during a run.
         c.scheduler.warm_sessions = self.o.workers if self.o.mode == "cotrained" else 0
+        # ... and they build the policy's modules while they wait (its versions share one config.json): where the
+        # policy is cached already, since the services start before a fresh machine's pre-training
+        src = cached_policy(self.o.policy, c.task, cache_dir=c.cache_dir)
+        if src is not None and "warm_policy" not in c.scheduler.model_fields_set:
+            c.scheduler.warm_policy = str(src.resolve())
         # scheduler.session_nice (default 0) is left to the user's config: at 19 a session takes only the CPU
         # the tail leaves idle, but on 2 cores it is also starved while the RL step runs, and with this
         # policy's short tails it often finished no step at all (`--set scheduler.session_nice=19` to try).

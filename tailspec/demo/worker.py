@@ -137,7 +137,8 @@ class Worker:
     def _load_policy(self, item: WorkItem, rc) -> None:
         # deferred: transformers (tasks.policy imports it) starts a thread when it loads: after main() pinned
         # this process to its GPU's cores, so that thread runs on them too
-        from tailspec.tasks.policy import load_policy, load_weights_in_place
+        from tailspec.tasks.policy import load_policy
+        from tailspec.tasks.policy_sync import load_weights_in_place
 
         key = (item.policy_path, item.policy_version, rc.dtype, str(self.device))
         if key == self.policy_key:

@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import os
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -51,7 +48,6 @@ from tailspec.tasks.tokenizer import (
     save_tokenizer,
 )
 
-log = logging.getLogger(__name__)
 
 KIT_VERSION = 3  # bump to invalidate every cached policy when training code changes
 
@@ -372,35 +368,6 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[L
     return model, load_tokenizer(path)
 
 
-def load_weights_in_place(model: torch.nn.Module, path: str | Path) -> bool:
-    """Load the policy directory's weights into `model`, a module built from the same config.json, as an RL
-    framework syncs a new policy version into its rollout engine (in place; tied weights stay tied). Building
-    the modules is most of a small policy's `from_pretrained` (the deep preset on one core: 87 ms of it, the
-    weights 12 ms). False when it cannot be done whole: no single model.safetensors, a tensor of another shape
-    or name, a torn file, each found before anything is copied; the caller then loads the directory afresh."""
-    weights = Path(path) / "model.safetensors"
-    if not weights.is_file():
-        return False
-    try:
-        loaded = load_file(weights)
-    except (RuntimeError, OSError, ValueError) as e:
-        log.warning("weights of %s not loaded in place (%s)", path, e)
-        return False
-    sd = model.state_dict()
-    ptrs = Counter(t.data_ptr() for t in sd.values())
-    tied = {k for k, t in sd.items() if ptrs[t.data_ptr()] > 1}  # lm_head tied to the embedding
-    if not loaded.keys() <= sd.keys() or not sd.keys() - loaded.keys() <= tied \
-            or any(sd[k].shape != v.shape for k, v in loaded.items()):
-        log.warning("weights of %s not loaded in place (names or shapes differ from the module's)", path)
-        return False
-    # Copied tensor by tensor: load_state_dict's walk over every submodule cost more than the copies here
-    # (the deep preset: 20 of 27 ms on one core).
-    with torch.no_grad():
-        for k, v in loaded.items():
-            sd[k].copy_(v)
-    return True
-
-
 def policy_meta(path: str | Path) -> dict:
     f = Path(path) / "tailspec_policy.json"
     return json.loads(f.read_text()) if f.is_file() else {}
@@ -414,6 +381,16 @@ def resolve_policy(spec: str | Path, task: TaskConfig | None = None, cache_dir: 
         raise ValueError(f"policy {str(spec)!r} is neither a policy directory (with config.json) nor a preset "
                          f"({', '.join(PRESETS)})")
     return Path(spec)
+
+
+def cached_policy(spec: str | Path, task: TaskConfig | None = None, cache_dir: str | Path | None = None) -> Path | None:
+    """The policy directory `spec` names if it is there already (a directory as given, a preset once pre-trained
+    and cached), without building anything; None otherwise."""
+    if str(spec) in PRESETS and not Path(spec).exists():
+        path = Path(cache_dir or default_cache_dir()) / "policies" / cache_key(PRESETS[str(spec)], task or TaskConfig())
+    else:
+        path = Path(spec)
+    return path if (path / "config.json").is_file() else None
 
 
 def get_policy(
