@@ -32,10 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=4, help="tail worker's batch (default 4: a tail's few sequences)")
     p.add_argument("--window-s", type=float, default=4.0, help="seconds per measurement window (default 4)")
     p.add_argument("--repeats", type=int, default=5, help="alone/with pairs (default 5)")
-    p.add_argument("--placement", choices=("split", "quota", "shared", "both", "all"), default="all",
+    p.add_argument("--placement", choices=("split", "quota", "shared", "both", "all", "demo"), default="all",
                    help="split: each simulated GPU on its own cores; quota: both GPUs on one core, half of it each "
                         "under a CPU quota (the demo's placement with more GPUs than cores, where a quota can be "
-                        "set); shared: no pinning; both: split and shared; all (default): the three")
+                        "set); shared: no pinning; both: split and shared; all (default): the three; demo: the "
+                        "demo's 4 GPUs on this machine's cores (under quotas where they share), a session on each "
+                        "of GPUs 1-3, as in a co-trained tail")
     p.add_argument("--child", choices=("decode", "train"), help=argparse.SUPPRESS)
     p.add_argument("--cpus", help=argparse.SUPPRESS)
     p.add_argument("--cgroup", help=argparse.SUPPRESS)
@@ -139,10 +141,19 @@ def _measure(args: argparse.Namespace, mode: str, out) -> dict:
     if mode == "quota":  # GPUs 0 and 1 on one core, half of it each (placement.shares with a quota)
         cpus = [s.cpus for s in placement.shares(2, placement.host_cpus()[:1], quota=True)]
         cgroups = [cpu_quota.create(cpu_quota.name_for(f"isolation-{os.getpid()}", g), 0.5) for g in (0, 1)]
+    elif mode == "demo":  # the demo's 4 GPUs as it places them here: whole cores, or quotas where cores are few
+        quota = cpu_quota.root()[0] is not None
+        got = placement.shares(placement.gpus_that_fit(4, quota=quota), quota=quota)
+        cpus = [s.cpus for s in got]
+        cgroups = [cpu_quota.create(cpu_quota.name_for(f"isolation-{os.getpid()}", g), s.fraction)
+                   if s.fraction < 1.0 else None for g, s in enumerate(got)]
     else:
         cpus = placement.split(2) if mode == "split" else [None, None]
     try:
-        return _pairs(args, mode, cpus, cgroups, out)
+        res = _pairs(args, mode, cpus, cgroups, out)
+        if mode == "demo":
+            res["quota"] = [s.fraction for s in got]
+        return res
     finally:
         for cg in cgroups:
             if cg is not None:
@@ -150,30 +161,40 @@ def _measure(args: argparse.Namespace, mode: str, out) -> dict:
 
 
 def _pairs(args: argparse.Namespace, mode: str, cpus: list, cgroups: list, out) -> dict:
+    """The decoder on GPU 0, a session on every other GPU in `cpus`; alone / with windows in turn."""
     decoder = _spawn("decode", args, cpus[0], cgroups[0])
-    trainer = _spawn("train", args, cpus[1], cgroups[1])
-    os.kill(trainer.pid, signal.SIGSTOP)
+    trainers = [_spawn("train", args, c, g) for c, g in zip(cpus[1:], cgroups[1:])]
+    others = "the other GPU" if len(trainers) == 1 else f"each of the {len(trainers)} other GPUs"
+
+    def signal_all(sig: int) -> None:
+        for t in trainers:
+            os.kill(t.pid, sig)
+
+    signal_all(signal.SIGSTOP)
     alone, with_, ratios = [], [], []
     try:
         for i in range(args.repeats):
             a = _window(decoder, args.window_s)
-            os.kill(trainer.pid, signal.SIGCONT)
-            time.sleep(0.2)  # the session is mid-step when the window opens
+            signal_all(signal.SIGCONT)
+            time.sleep(0.2)  # the sessions are mid-step when the window opens
             w = _window(decoder, args.window_s)
-            os.kill(trainer.pid, signal.SIGSTOP)
+            signal_all(signal.SIGSTOP)
             alone.append(a)
             with_.append(w)
             ratios.append(w / a)
             print(f"  {mode} pair {i + 1}/{args.repeats}: alone {a:.0f} tok/s, "
-                  f"with a session on the other GPU {w:.0f} tok/s ({w / a:.3f})", file=out, flush=True)
+                  f"with a session on {others} {w:.0f} tok/s ({w / a:.3f})", file=out, flush=True)
     finally:
-        os.kill(trainer.pid, signal.SIGCONT)
-        trainer.kill()
+        signal_all(signal.SIGCONT)
+        for t in trainers:
+            t.kill()
         decoder.stdin.close()
         decoder.wait(timeout=30)
-        trainer.wait(timeout=30)
+        for t in trainers:
+            t.wait(timeout=30)
     ratio = statistics.median(ratios)
     return {"cpus": cpus if mode != "shared" else "shared", "quota": 0.5 if mode == "quota" else None,
+            "sessions": len(trainers),
             "alone_tok_s": [round(x, 1) for x in alone],
             "with_session_tok_s": [round(x, 1) for x in with_], "ratios": [round(x, 4) for x in ratios],
             "with_over_alone": round(ratio, 4), "slowdown": round(1 - ratio, 4)}
@@ -204,7 +225,8 @@ def run(args: argparse.Namespace) -> dict:
         result[m] = _measure(args, m, out)
     for m in modes:
         r = result[m]
-        print(f"{m}: tail worker with a session training on the other simulated GPU runs at "
+        print(f"{m}: tail worker with a session training on {'each other' if r['sessions'] > 1 else 'the other'} "
+              f"simulated GPU ({r['sessions']}) runs at "
               f"{r['with_over_alone']:.3f} x its speed alone (slowdown {r['slowdown']:.1%}; target ≤ 5% split "
               "and quota)", file=out)
     return result
