@@ -246,7 +246,7 @@ class IdleDetector:
         now: float,
         phase: PhaseInfo | None,
         progress: Mapping[str, Progress],
-        telemetry: GpuTelemetry | None,
+        telemetry: GpuTelemetry | Health | None,
         stopped_sessions: set[str] | frozenset[str] = frozenset(),
     ) -> list[Action]:
         """Step one machine the caller owns (not one of `machines`) on a snapshot, by the rules a tick applies, without
