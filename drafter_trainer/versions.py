@@ -162,13 +162,14 @@ class VersionStore:
             return None
         info = _read_version(f)
         # CURRENT is a copy of a version's record: one that names another version than the record in the
-        # directory it points to is damaged, however well-formed (a flipped digit in `version`)
-        # (a damaged record there is that version's problem, judged when it is loaded)
+        # directory it points to is damaged, however well-formed (a flipped digit in `version`). The directory's
+        # name (v00002) says which of the two is: a record in the directory that disagrees with its own name is
+        # that version's problem, judged when it is loaded, as is a record there that does not parse.
         try:
             own = _read_version(Path(info.path) / "version.json")
         except (DrafterFileError, OSError):
             return info
-        if own.version != info.version:
+        if own.version != info.version and Path(info.path).name != self.path(info.version).name:
             raise DrafterFileError(f"{f}: records version {info.version}, but {info.path} is version {own.version}")
         return info
 
@@ -202,6 +203,8 @@ class VersionStore:
         info = _read_version(f)
         if info.version != version:
             raise DrafterFileError(f"{f}: records version {info.version}, expected {version}")
+        if Path(info.path).name != f.parent.name:  # a damaged `path` would send a load elsewhere, naming only that
+            raise DrafterFileError(f"{f}: records path {info.path}, not its own directory {f.parent}")
         return info
 
     def load(self, version: int | None = None, target_embedding: Any = None) -> tuple[Eagle3Module, DrafterVersion]:

@@ -462,3 +462,22 @@ def test_an_export_whose_torch_dtype_is_not_a_dtype_name_is_refused(good, tmp_pa
         (ex / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(DrafterFileError, match="config.json: torch_dtype"):
             load_export(ex)
+
+
+def test_a_versions_own_record_damaged_is_judged_by_its_directory(good, tmp_path):
+    """Two damages the fuzzing above once found, kept as fixed cases. A flipped digit in v00002/version.json's
+    `version` (2 -> 3) is that record's damage, not CURRENT's (CURRENT's 2 agrees with the directory's name): the
+    current version still loads. An altered `path` in it is refused by `get`, naming the record, instead of
+    sending a load to another directory."""
+    root, ref = good
+    ver = fresh(root, tmp_path, "ver")
+    rec = ver / "v00002" / "version.json"
+    original = rec.read_text()
+    rec.write_text(original.replace('"version":2', '"version":3', 1))
+    drafter, info = VersionStore(ver).load()
+    assert info.version == 2 and same_weights(drafter, ref["d2"])
+    rec.write_text(original.replace(json.loads(original)["path"], "x", 1))
+    with pytest.raises(DrafterFileError, match="version.json: records path x"):
+        VersionStore(ver).get(2)
+    drafter, info = VersionStore(ver).load()  # CURRENT's own path is intact: the current version loads
+    assert info.version == 2 and same_weights(drafter, ref["d2"])
