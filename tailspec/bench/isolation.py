@@ -138,22 +138,22 @@ def _measure(args: argparse.Namespace, mode: str, out) -> dict:
     from tailspec.scheduler import cpu_quota, placement
 
     cgroups: list = [None, None]
+    quota: float | list[float] | None = None  # each GPU's share of its cores (None: whole cores or no pinning)
     if mode == "quota":  # GPUs 0 and 1 on one core, half of it each (placement.shares with a quota)
         cpus = [s.cpus for s in placement.shares(2, placement.host_cpus()[:1], quota=True)]
         cgroups = [cpu_quota.create(cpu_quota.name_for(f"isolation-{os.getpid()}", g), 0.5) for g in (0, 1)]
+        quota = 0.5
     elif mode == "demo":  # the demo's 4 GPUs as it places them here: whole cores, or quotas where cores are few
-        quota = cpu_quota.root()[0] is not None
-        got = placement.shares(placement.gpus_that_fit(4, quota=quota), quota=quota)
+        can_quota = cpu_quota.root()[0] is not None
+        got = placement.shares(placement.gpus_that_fit(4, quota=can_quota), quota=can_quota)
         cpus = [s.cpus for s in got]
         cgroups = [cpu_quota.create(cpu_quota.name_for(f"isolation-{os.getpid()}", g), s.fraction)
                    if s.fraction < 1.0 else None for g, s in enumerate(got)]
+        quota = [s.fraction for s in got]
     else:
         cpus = placement.split(2) if mode == "split" else [None, None]
     try:
-        res = _pairs(args, mode, cpus, cgroups, out)
-        if mode == "demo":
-            res["quota"] = [s.fraction for s in got]
-        return res
+        return {"quota": quota, **_pairs(args, mode, cpus, cgroups, out)}
     finally:
         for cg in cgroups:
             if cg is not None:
@@ -193,8 +193,7 @@ def _pairs(args: argparse.Namespace, mode: str, cpus: list, cgroups: list, out) 
         for t in trainers:
             t.wait(timeout=30)
     ratio = statistics.median(ratios)
-    return {"cpus": cpus if mode != "shared" else "shared", "quota": 0.5 if mode == "quota" else None,
-            "sessions": len(trainers),
+    return {"cpus": cpus if mode != "shared" else "shared", "sessions": len(trainers),
             "alone_tok_s": [round(x, 1) for x in alone],
             "with_session_tok_s": [round(x, 1) for x in with_], "ratios": [round(x, 4) for x in ratios],
             "with_over_alone": round(ratio, 4), "slowdown": round(1 - ratio, 4)}

@@ -387,10 +387,18 @@ def cached_policy(spec: str | Path, task: TaskConfig | None = None, cache_dir: s
     """The policy directory `spec` names if it is there already (a directory as given, a preset once pre-trained
     and cached), without building anything; None otherwise."""
     if str(spec) in PRESETS and not Path(spec).exists():
-        path = Path(cache_dir or default_cache_dir()) / "policies" / cache_key(PRESETS[str(spec)], task or TaskConfig())
-    else:
-        path = Path(spec)
-    return path if (path / "config.json").is_file() else None
+        path = _preset_dir(PRESETS[str(spec)], task or TaskConfig(), cache_dir)
+        return path if _built(path) else None
+    return Path(spec) if (Path(spec) / "config.json").is_file() else None
+
+
+def _preset_dir(preset: Preset, task: TaskConfig, cache_dir: str | Path | None) -> Path:
+    return Path(cache_dir or default_cache_dir()) / "policies" / cache_key(preset, task)
+
+
+def _built(path: Path) -> bool:
+    """A cached preset's directory holds both its model and its metadata (what get_policy returns as built)."""
+    return (path / "config.json").is_file() and (path / "tailspec_policy.json").is_file()
 
 
 def get_policy(
@@ -406,8 +414,8 @@ def get_policy(
         raise ValueError(f"unknown policy preset {preset!r}; choose from {', '.join(PRESETS)}")
     task = task or TaskConfig()
     p = PRESETS[preset]
-    path = Path(cache_dir or default_cache_dir()) / "policies" / cache_key(p, task)
-    if (path / "config.json").is_file() and (path / "tailspec_policy.json").is_file():
+    path = _preset_dir(p, task, cache_dir)
+    if _built(path):
         return path
     tokenizer = build_tokenizer()
     model = build_model(p, tokenizer)
