@@ -66,7 +66,7 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     if Hq == Hk or mask.shape[2] == T:  # not folded
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hq != Hk)
     o = F.scaled_dot_product_attention(q.reshape(B, Hk, (Hq // Hk) * T, D), k, v, attn_mask=mask)
-    return o.view(B, Hq, T, D)
+    return o.reshape(B, Hq, T, D)  # the memory-efficient kernel may return [B,T,H,D] strides
 
 
 @dataclass

@@ -74,3 +74,18 @@ def test_engine_with_eagle3_decodes_the_same_folded(monkeypatch, rule):
         assert a.token_ids == b.token_ids
         assert (a.stats.drafted, a.stats.accepted) == (b.stats.drafted, b.stats.accepted)
         assert (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max().item() <= 1e-5
+
+
+def test_folded_output_with_the_kernels_own_strides(monkeypatch):
+    """On an H100 the memory-efficient kernel returned its output with [B,T,H,D] strides, which `view` refused (the
+    engine failed on the GPU while every CPU test passed). SDPA here returns the same values in that layout."""
+    monkeypatch.setattr(model_runner, "FOLD_GQA_DEVICES", ("cuda", "cpu"))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: sdpa(q, k, v, **kw).transpose(1, 2).contiguous().transpose(1, 2))
+    torch.manual_seed(0)
+    B, Hk, groups, T, L, D = 2, 2, 2, 3, 16, 8
+    q, k, v = torch.randn(B, Hk * groups, T, D), torch.randn(B, Hk, L, D), torch.randn(B, Hk, L, D)
+    mask = torch.ones(B, 1, T, L, dtype=torch.bool).tril(L - T)
+    out = gqa_attention(q, k, v, attention_mask(mask, groups, q.dtype))
+    torch.testing.assert_close(out, reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
