@@ -149,6 +149,39 @@ def test_a_run_hung_in_teardown_after_its_summaries_is_killed_and_used(tmp_path,
     assert proc.poll() is not None
 
 
+def test_a_killed_run_takes_its_ranks_in_their_own_sessions_along(tmp_path, monkeypatch):
+    """torchrun starts each rank in a new session: killing the launcher's group alone left a rank hung in
+    teardown running after the suite (seen once after CI). Here the launcher starts a 'rank' with setsid."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tailspec.bench import attach
+
+    monkeypatch.setattr(attach, "TEARDOWN_GRACE_S", 0.5)
+    summary, log, pid_file = tmp_path / "s.json", tmp_path / "run.log", tmp_path / "rank.pid"
+    log.write_text("")
+    rank = (f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+            f"open({str(summary)!r}, 'w').write('{{}}'); time.sleep(60)")
+    launcher = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {rank!r}], " \
+               "start_new_session=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", launcher], start_new_session=True)
+    assert attach._wait(proc, [summary], 30.0, log) == 0
+    pid = int(pid_file.read_text())
+    for _ in range(100):  # SIGKILL is delivered asynchronously; the zombie is reaped by init
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the rank {pid} outlived the killed run")
+
+
 def test_a_run_that_crashes_in_teardown_after_its_summaries_is_used(tmp_path, monkeypatch):
     """A rank aborting after every summary was written (seen once in CI: 'terminate called without an active
     exception', SIGABRT, after TRL's last step): the summaries are used; with a summary torn, the run's failure

@@ -134,18 +134,49 @@ def _wait(proc: subprocess.Popen, summaries: list[Path], timeout_s: float, log: 
         if written_at is None and all(p.exists() for p in summaries):
             written_at = now
         if written_at is not None and now - written_at > TEARDOWN_GRACE_S:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _kill_run(proc)
             print(f"warning: every rank wrote its summary but the run had not exited {TEARDOWN_GRACE_S:.0f} s later "
                   f"(teardown hang); killed. Log: {log}", file=sys.stderr)
             return 0
         if now > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun's ranks too, not only the launcher
-            proc.wait()
+            _kill_run(proc)
             raise RuntimeError(f"TRL run still going after {timeout_s:.0f} s, killed; last lines of {log}:\n"
                                f"{_tail(log, 80)}")
         time.sleep(0.2)
     return rc
+
+
+def _kill_run(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher's process group and every process descended from it, each with its own group:
+    torchrun starts every rank in a new session (so that it can kill a rank's group), so killing the
+    launcher's group alone left a rank hung in teardown running after the test suite ended."""
+    pids = _descendants(proc.pid)  # before the launcher dies and its ranks are re-parented
+    for pid in [proc.pid, *pids]:
+        for kill in (os.killpg, os.kill):  # the group where the process leads one, the process itself
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    proc.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, read from /proc (children before grandchildren)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(0), []):
+            found.append(c)
+            todo.append(c)
+    return found
 
 
 def _tail(path: Path, n: int) -> str:
