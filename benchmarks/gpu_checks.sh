@@ -9,7 +9,8 @@
 #   the component folders (rollout/, scheduler/, ...) install as tailspec.<component>, so everything here runs
 #   with `python -P` (no current directory on sys.path) and pytest from outside the checkout.
 # What it runs (BENCHMARKS.md, "On a GPU", has the figures of earlier leases):
-#   1. pytest -m gpu (graph pool replay vs eager and pool size; NVML utilisation and the idle detector; the engine
+#   1. pytest -m gpu (graph pool replay vs eager and pool size; NVML utilisation and the idle detector; a session
+#      freeing its device memory before its last merge; the engine
 #      with its pool against each request alone and HF generate; no cuDNN
 #      attention in the engine's forward or a session's teacher)
 #   2. benchmarks/attention_backends.py: the target's forward and a no-SD rollout under each SDPA setting
@@ -57,7 +58,7 @@ print(torch.cuda.get_device_properties(0))"; } > "$OUT/env.txt" 2>&1
 
 check pytest_gpu 90 "$PY" -P -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --rootdir=/tmp \
   "$REPO/tests/test_graph_pool.py" "$REPO/tests/test_scheduler_telemetry.py" "$REPO/tests/test_gpu_attention.py" \
-  "$REPO/tests/test_gpu_engine.py"
+  "$REPO/tests/test_gpu_engine.py" "$REPO/tests/test_session_release.py"
 # the engine's attention kernel per setting (fifth lease: with cuDNN excluded, GQA fell back to the math kernel)
 check attention 60 "$PY" -P "$REPO/benchmarks/attention_backends.py" "$OUT/attention.json"
 # the one-time cost per new shape on the graph path (third lease): profile a cold long tail before anything else

@@ -20,6 +20,13 @@ shortest responses would count as much as a whole step. Then the state as of the
 (drafter + optimizer + counters, see checkpoint.py) and the session returns. The stop latency (request →
 checkpoint whole and memory freed) is recorded.
 
+Giving the GPU back before the last merge. When the lend is over (any stop but a `max_seconds` chunk's end) and
+`on_release` is given, what the last merge needs (the weights, their base, AdamW's moments) is moved to the host,
+the device memory is freed (the teacher's module too), and `on_release()` says so, before the merge: writing a
+real drafter's head (weights and moments, gigabytes, fsynced to a shared filesystem) takes seconds, the copy to
+the host a fraction of that, and the GPU is not needed for it. On the CPU (simulated GPUs) there is nothing to
+move, and the merge's host work runs on the simulated GPU's cores as before.
+
 Backends (backends.py): `torch` (AdamW); `deepspeed` (ZeRO-2, optimizer offload to CPU, deepspeed_backend.py).
 """
 
@@ -100,7 +107,8 @@ class TrainingSession:
                  on_step: Callable[[int, float, int], object] | None = None,
                  reader: SampleReader | None = None, checkpoint_every_steps: int | None = None,
                  poll_every_steps: int = 10, report_every_s: float = 0.25, session_id: str | None = None,
-                 lineage: Lineage | None = None, merge_every_steps: int | None = None):
+                 lineage: Lineage | None = None, merge_every_steps: int | None = None,
+                 on_release: Callable[[], object] | None = None):
         self.cfg = cfg
         self.teacher = teacher
         self.buffer = buffer
@@ -123,6 +131,9 @@ class TrainingSession:
         self.shipped_batches = 0  # (micro-)batches whose targets the rollout shipped (rollout_targets.py)
         self.base = None  # the lineage head the local work started from
         self.fenced_out = False
+        self.on_release = on_release
+        self.released_after_s: float | None = None  # stop → device memory freed (the module doc: Giving the GPU back)
+        self._host_optimizer: dict | None = None  # AdamW's state on the host once the device is released
 
         if lineage is not None:
             ck = self._pull_or_seed(reader)
@@ -289,7 +300,8 @@ class TrainingSession:
         state = {"step": self.step, "tokens": self.tokens_total, "backend": self.backend.name,
                  "session_id": self.session_id, "policy_version": self.teacher.policy_version,
                  "saved_at": time.time()}
-        res = self.lineage.merge(self.base, self.base_weights, self.drafter, self.backend.state_dict(), state,
+        opt = self._host_optimizer if self._host_optimizer is not None else self.backend.state_dict()
+        res = self.lineage.merge(self.base, self.base_weights, self.drafter, opt, state,
                                  self.session_id, self._seq, self._steps_since_merge, self._tokens_since_merge,
                                  policy_version=self.teacher.policy_version)
         if res.code == DUPLICATE:
@@ -298,7 +310,7 @@ class TrainingSession:
             log.warning("session %s: merge %d was applied already", self.session_id, self._seq)
             self.merged_steps += res.steps
             self.merges += 1
-            head, ck = self.lineage.pull(self.teacher.embedding(), map_location=str(self.teacher.device))
+            head, ck = self.lineage.pull(self.teacher.embedding(), map_location=str(self.drafter.fc.weight.device))
             with torch.no_grad():
                 for n, p in self.drafter.named_parameters():
                     if p.requires_grad:
@@ -384,8 +396,10 @@ class TrainingSession:
                     self.save()
         except StopRequested:
             reason = self._stop_reason or "requested"
-        # Whatever ended the loop, the last whole step is saved before returning.
+        # Whatever ended the loop, the last whole step is saved before returning (the GPU given back first).
         self.drafter.zero_grad(set_to_none=True)
+        if self.on_release is not None and reason != "max_seconds":
+            self.release_device()
         path = self.save()
         if self.on_step is not None and losses:
             self.on_step(self.step, losses[-1], self.tokens_total)
@@ -393,6 +407,28 @@ class TrainingSession:
         return SessionResult(self.session_id, steps, self.step, tokens, losses, reason, latency, path,
                              time.monotonic() - t0, train_s, acc, self.merged_steps, self.merges,
                              self.base.number if self.base is not None else None, self.shipped_batches)
+
+    def release_device(self) -> None:
+        """Move what the last merge needs to the host, free the device memory, then call `on_release` (the module
+        doc: Giving the GPU back). The session trains no more after this; `save()` still merges."""
+        on_device = self.drafter.fc.weight.device.type != "cpu"
+        if on_device and self.backend.name != "torch":
+            return  # DeepSpeed's engine keeps its master weights on the device: the GPU is back when the process ends
+        if on_device:
+            sd = self.backend.state_dict()
+            self._host_optimizer = {
+                "state": {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in st.items()}
+                          for i, st in sd["state"].items()},
+                "param_groups": sd["param_groups"]}
+            self.backend.close()
+            self.drafter.to("cpu")
+            self.base_weights = {n: w.cpu() for n, w in self.base_weights.items()}
+            self.teacher.model.to("meta")  # its storage freed; the teacher is not used again (keep_teacher: host only)
+            torch.cuda.empty_cache()
+        if self._stop_at is not None:
+            self.released_after_s = time.monotonic() - self._stop_at
+        if self.on_release is not None:
+            self.on_release()
 
     def close(self) -> None:
         """Free what the session holds (optimizer state, gradients, accelerator cache)."""

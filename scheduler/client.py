@@ -225,12 +225,13 @@ class TailspecClient(ClientWriter):
         return self._drafter
 
     def wait_reclaimed(self, timeout_s: float = 15.0, poll_s: float = 0.01) -> ReclaimWait:
-        """Block until every GPU lent to drafter training is back: every session process ended (its final
-        record written after its memory is freed; the scheduler writes one for a killed session), and no GPU
-        lent or reclaiming except by a session that has ended (the scheduler marks those at its next tick).
-        Call it after `set_phase("train", …)` and before the optimizer step needs the GPUs. A revoked GPU
-        counts as reclaimed at the scheduler's stop deadline, but a session still merging there would take
-        compute from the update, so sessions are waited for too. Returns how long it waited; on timeout,
+        """Block until every GPU lent to drafter training is back: every session ended or released its GPU
+        (its final record, written after its memory is freed, or its record's `released_at`: the state its last
+        merge writes is on the host; the scheduler writes a record for a killed session), and no GPU lent or
+        reclaiming except by such a session (the scheduler marks those at its next tick). Call it after
+        `set_phase("train", …)` and before the optimizer step needs the GPUs. A revoked GPU counts as reclaimed
+        at the scheduler's stop deadline, but a session still training there would take the GPU from the update,
+        so sessions are waited for too. Returns how long it waited; on timeout,
         which GPUs are still held and by whom (and logs a warning). Never raises: on a Redis error it
         returns with `error` set, after at most 2 s spent flushing this client's queue, so an outage never
         stalls training for longer."""
@@ -265,8 +266,8 @@ class TailspecClient(ClientWriter):
                 continue
             if info is None:
                 continue
-            if info.status in ("stopped", "failed"):
-                ended.add(info.session_id)
+            if info.status in ("stopped", "failed") or info.released_at is not None:
+                ended.add(info.session_id)  # ended, or its GPU freed and only its host-side merge left
             else:
                 held.append(f"{info.node}:gpu{info.gpu} held by session {info.session_id} ({info.status}, "
                             f"step {info.step})")

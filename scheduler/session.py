@@ -66,6 +66,7 @@ class SessionContext:
         self.mem_needed: int | None = None  # what the session computed it needs (memory handshake)
         self.mem_free: int | None = None
         self.declined = False
+        self.released_at: float | None = None  # wall time the session freed its GPU (release)
 
     # -- serialisation (JSON only) --------------------------------------------------------------
     def to_json(self) -> str:
@@ -156,6 +157,30 @@ class SessionContext:
         except Exception:  # Redis down: the lease expires within one TTL anyway
             pass
 
+    def release(self) -> None:
+        """The session has freed its GPU and trains no more; what is left (its last merge, from host memory, and
+        its exit) does not need the GPU. The record says so (status stopping, `released_at`): the trainer's
+        `wait_reclaimed` counts the GPU back from here. The scheduler still counts it reclaimed when the process
+        ends, and lends it again only then. Never raises."""
+        self.released_at = time.time()
+        k = state.key(self.cluster, "session", session_id=self.session_id)
+        try:
+            prev = state.get(self.redis, k, SessionInfo)
+            if prev is not None and prev.status in ("stopped", "failed"):
+                return  # the scheduler wrote the end already (e.g. the deadline passed): leave it
+            info = self._info("stopping", prev)
+            # the session's own record, written when the lease may be gone already: not fenced, as the final one
+            state.put(self.redis, k, info)
+        except Exception:  # Redis down: the trainer waits for the final record (or its timeout) instead
+            pass
+
+    def _info(self, status: str, prev: SessionInfo | None, **kw: Any) -> SessionInfo:
+        return SessionInfo(
+            session_id=self.session_id, node=self.node, gpu=self.gpu, lease_token=self.lease_token, status=status,
+            step=prev.step if prev else 0, loss=prev.loss if prev else None, tokens=prev.tokens if prev else 0,
+            started_at=self.started_at, drafter_version=prev.drafter_version if prev else None, pid=os.getpid(),
+            released_at=self.released_at, **kw)
+
     def report(
         self, step: int, loss: float | None = None, tokens: int = 0, drafter_version: int | None = None
     ) -> bool:
@@ -165,13 +190,14 @@ class SessionContext:
             node=self.node,
             gpu=self.gpu,
             lease_token=self.lease_token,
-            status="running",
+            status="running" if self.released_at is None else "stopping",
             step=step,
             loss=None if loss is None or loss != loss else float(loss),
             tokens=tokens,
             started_at=self.started_at,
             drafter_version=drafter_version,
             pid=os.getpid(),
+            released_at=self.released_at,
         )
         try:
             return self.leases.fenced_set(
@@ -191,25 +217,9 @@ class SessionContext:
         except Exception:
             prev = None
         now = time.time()
-        info = SessionInfo(
-            session_id=self.session_id,
-            node=self.node,
-            gpu=self.gpu,
-            lease_token=self.lease_token,
-            status=status,
-            step=prev.step if prev else 0,
-            loss=prev.loss if prev else None,
-            tokens=prev.tokens if prev else 0,
-            started_at=self.started_at,
-            stopped_at=now,
-            stop_reason=reason,
-            drafter_version=prev.drafter_version if prev else None,
-            stop_latency_s=(now - self.stop_seen_at) if self.stop_seen_at else None,
-            mem_needed=self.mem_needed,
-            mem_free=self.mem_free,
-            declined=self.declined,
-            pid=os.getpid(),
-        )
+        info = self._info(status, prev, stopped_at=now, stop_reason=reason, mem_needed=self.mem_needed,
+                          mem_free=self.mem_free, declined=self.declined,
+                          stop_latency_s=(now - self.stop_seen_at) if self.stop_seen_at else None)
         try:
             # The session's own record, written after the lease is gone: not fenced on purpose.
             state.put(self.redis, k, info)

@@ -71,7 +71,7 @@ class Contributor:
     def __init__(self, cfg: TailspecConfig, teacher: Teacher, buffer: SampleBuffer, *, redis: Any = None,
                  should_continue: Callable[[], bool] | None = None,
                  on_step: Callable[[int, float, int], object] | None = None, session_id: str | None = None,
-                 fence: Fence | None = None):
+                 fence: Fence | None = None, on_release: Callable[[], object] | None = None):
         tc = cfg.trainer
         self.cfg = cfg
         self.teacher = teacher
@@ -91,7 +91,7 @@ class Contributor:
         self.session = TrainingSession(
             tc, teacher, buffer, checkpoint_dir=self.root / "checkpoints", should_continue=should_continue,
             on_step=on_step, reader=self.reader, session_id=session_id, lineage=self.lineage,
-            merge_every_steps=tc.merge_every_steps or None)
+            merge_every_steps=tc.merge_every_steps or None, on_release=on_release)
         self.ready_split = {"stream": t1 - t0, "lineage": time.monotonic() - t1}  # where start-up went
 
     def proposed_head(self) -> tuple[int, int]:
@@ -376,7 +376,8 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
         return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": "should_continue", "stop_latency_s": 0.0}
     trainer = Contributor(cfg, teacher, make_buffer(cfg), redis=r, should_continue=ctx.should_continue,
                       on_step=lambda step, loss, tokens: ctx.report(step, loss, tokens),
-                      session_id=ctx.session_id, fence=Fence(ctx.node, ctx.gpu, ctx.lease_token))
+                      session_id=ctx.session_id, fence=Fence(ctx.node, ctx.gpu, ctx.lease_token),
+                      on_release=ctx.release)
     t_ready = time.monotonic()
     try:
         res = trainer.run(max_steps=max_steps)
@@ -387,6 +388,8 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
               f"({trainer.session.partial_steps} cut short; {res.shipped_batches} batches on shipped targets) in "
               f"{res.train_seconds:.2f} s, {res.merges} merges, "
               f"validating {trainer.validate_s:.2f} s, {time.monotonic() - t_start:.2f} s in all; stop: {res.stop_reason}"
+              + (f", GPU released {trainer.session.released_after_s:.3f} s after"
+                 if trainer.session.released_after_s is not None else "")
               + (f", saved {res.stop_latency_s:.3f} s after" if res.stop_latency_s is not None else ""),
               file=sys.stderr, flush=True)
         record_seconds(r, cfg.cluster.name, ready=t_ready - t_start, train=res.train_seconds,

@@ -81,6 +81,9 @@ def test_run_session_trains_until_revoked(redis_client, redis_url, tmp_path, mic
     # The session's work is in the lineage head, counted in the same atomic step as the merge.
     head = state.get(redis_client, state.key(cluster, "lineage_head"), LineageHead)
     assert head is not None and head.steps == out["steps"] == out["merged_steps"] and out["merges"] >= 1
+    # It gave the GPU back before its last merge (tests/test_session_release.py: the order): the record says so,
+    # and the trainer's wait_reclaimed stops waiting there.
+    assert info.status == "stopping" and info.released_at is not None
     assert redis_client.hget(state.key(cluster, "lineage_contributions"), "s1:steps") == str(out["steps"]).encode()
     # A second session starts from the head where the first stopped, and validates that head first.
     out2, _ = one_session("s2", 1, 0.2)

@@ -112,3 +112,21 @@ def test_an_unreachable_redis_returns_at_once_with_the_error():
         assert not res.reclaimed and res.error and res.waited_s < 10
     finally:
         c.close(flush_s=0.1)
+
+
+def test_a_session_that_released_its_gpu_is_back_while_it_merges(redis_url, redis_client):
+    """A session frees its GPU before its last merge (drafter_trainer/session.py: Giving the GPU back) and says so
+    (`released_at`): the trainer does not wait for the merge; the same record without it is waited for."""
+    cluster = _cluster()
+    _lend(redis_client, cluster, 1, "node0-g1-t1", status="stopping")
+    c = TailspecClient(redis_url, cluster=cluster)
+    try:
+        res = c.wait_reclaimed(timeout_s=0.3)
+        assert not res.reclaimed and any("stopping" in h for h in res.held), res
+        key = state.key(cluster, "session", session_id="node0-g1-t1")
+        info = state.get(redis_client, key, SessionInfo)
+        state.put(redis_client, key, info.model_copy(update={"released_at": time.time()}))
+        res = c.wait_reclaimed(timeout_s=5)
+        assert res.reclaimed and res.waited_s < 1.0, res
+    finally:
+        c.close()

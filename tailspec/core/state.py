@@ -156,6 +156,8 @@ class SessionInfo(_Payload):
                                    "gradients + optimizer + activations")
     mem_free: int | None = Field(None, ge=0, description="bytes free on its GPU when it checked (before loading)")
     declined: bool = Field(False, description="the session did not fit and gave the GPU back without loading")
+    released_at: float | None = Field(None, description="when the session freed its GPU (its last merge's state on "
+                                      "the host): the GPU is back for the trainer, the merge may still be writing")
 
 
 class Sample(_Payload):
