@@ -68,7 +68,7 @@ def test_trl_vllm_engine_speculates_and_loads_promoted_drafters(redis_url, redis
     cfg = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=STEPS, seed=0,
                      per_device_train_batch_size=8, num_generations=4, max_completion_length=32, learning_rate=1e-5,
                      logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, use_vllm=True,
-                     vllm_mode="colocate", vllm_max_model_length=256, vllm_enable_sleep_mode=False)
+                     vllm_mode="colocate", vllm_max_model_length=256, vllm_enable_sleep_mode=False, bf16=False)  # fp32 on the CPU
     cb = PromoteAfterFirstStep(redis_client, d["trained"])
     trainer = TailspecGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(str(policy), dtype=torch.float32),
                                   reward_funcs=runsum_reward, args=cfg, train_dataset=build_dataset("task", 64, 0, 2, 1),

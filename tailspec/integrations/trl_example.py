@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         per_device_train_batch_size=a.batch, num_generations=a.generations,
         max_completion_length=a.max_completion_length, temperature=a.temperature, learning_rate=a.lr,
         shuffle_dataset=a.dataset == "task", logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
+        # TRL's default is bf16 autocast, which a CPU without bf16 instructions emulates: every matmul ~20x slower
+        # (a 2-rank step of the tiny policy took 19 s against 2 s), a step no GPU would take. fp32 on the CPU.
+        bf16=torch.cuda.is_available(),
     )
     kw = {"model": model, "reward_funcs": runsum_reward, "args": cfg, "train_dataset": dataset, "processing_class": tok}
     attach = None
