@@ -112,6 +112,23 @@ def runsum_reward(prompts: list[str], completions: list[str], **_: Any) -> list[
     return [grade(parse_prompt(p, task.modulus), c, task).reward for p, c in zip(prompts, completions)]
 
 
+def grpo_config(a: argparse.Namespace) -> Any:
+    """The run's `trl.GRPOConfig`."""
+    # deferred: as in main, torch and TRL load after the arguments are checked
+    import torch
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=a.output_dir or tempfile.mkdtemp(prefix="tailspec-trl-"), use_cpu=not torch.cuda.is_available(),
+        max_steps=a.steps, seed=a.seed, per_device_train_batch_size=a.batch, num_generations=a.generations,
+        max_completion_length=a.max_completion_length, temperature=a.temperature, learning_rate=a.lr,
+        shuffle_dataset=a.dataset == "task", logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
+        # TRL's default is bf16 autocast, which a CPU without bf16 instructions emulates: every matmul ~20x slower
+        # (a 2-rank step of the tiny policy took 19 s against 2 s), a step no GPU would take. fp32 on the CPU.
+        bf16=torch.cuda.is_available(),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.stack_dump_after > 0:
@@ -120,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     # deferred: torch, transformers and TRL load after the arguments are checked and the stack dump is armed
     import torch
     from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from tailspec.tasks.policy import resolve_policy
 
@@ -137,17 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     per_rank_prompts = a.batch // a.generations
     dataset = build_dataset(a.dataset, max(64, 4 * a.steps * a.batch * world // a.generations), a.seed,
                             per_rank_prompts, world)
-    out_dir = a.output_dir or tempfile.mkdtemp(prefix="tailspec-trl-")
-    cfg = GRPOConfig(
-        output_dir=out_dir, use_cpu=not torch.cuda.is_available(), max_steps=a.steps, seed=a.seed,
-        per_device_train_batch_size=a.batch, num_generations=a.generations,
-        max_completion_length=a.max_completion_length, temperature=a.temperature, learning_rate=a.lr,
-        shuffle_dataset=a.dataset == "task", logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
-        # TRL's default is bf16 autocast, which a CPU without bf16 instructions emulates: every matmul ~20x slower
-        # (a 2-rank step of the tiny policy took 19 s against 2 s), a step no GPU would take. fp32 on the CPU.
-        bf16=torch.cuda.is_available(),
-    )
-    kw = {"model": model, "reward_funcs": runsum_reward, "args": cfg, "train_dataset": dataset, "processing_class": tok}
+    kw = {"model": model, "reward_funcs": runsum_reward, "args": grpo_config(a), "train_dataset": dataset,
+          "processing_class": tok}
     attach = None
     if a.no_tailspec:
         trainer = GRPOTrainer(**kw)
