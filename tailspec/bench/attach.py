@@ -212,6 +212,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from tailspec.commands.bench import machine
     from tailspec.redis_server import start_redis
+    from tailspec.tasks.policy import cached_policy, resolve_policy
 
     out = sys.stderr if args.json else sys.stdout
     server = None if args.redis else start_redis()
@@ -222,6 +223,10 @@ def run(args: argparse.Namespace) -> dict:
     try:
         print(f"bench attach: TRL GRPOTrainer, {args.ranks} ranks, {args.steps} steps, policy {args.policy}, "
               f"dataset {args.dataset}, seed {args.seed}, {args.repeats} repeats", file=out)
+        if cached_policy(args.policy) is None:
+            # here, with its progress bar, rather than silently inside the first run's ranks (minutes on 2 cores)
+            print(f"  the {args.policy} policy is not cached: pre-training it first", file=out)
+            resolve_policy(args.policy)
         reps = [_repeat(i, r, url, work, args.ranks, kw, out) for i in range(args.repeats)]
         result = {"device": machine(), "ranks": args.ranks, "steps": args.steps, "seed": args.seed,
                   "dataset": args.dataset, "policy": args.policy, "telemetry": "simulated", "repeats": args.repeats,
