@@ -415,20 +415,26 @@ class TrainingSession:
         if on_device and self.backend.name != "torch":
             return  # DeepSpeed's engine keeps its master weights on the device: the GPU is back when the process ends
         if on_device:
-            sd = self.backend.state_dict()
-            self._host_optimizer = {
-                "state": {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in st.items()}
-                          for i, st in sd["state"].items()},
-                "param_groups": sd["param_groups"]}
-            self.backend.close()
-            self.drafter.to("cpu")
-            self.base_weights = {n: w.cpu() for n, w in self.base_weights.items()}
-            self.teacher.model.to("meta")  # its storage freed; the teacher is not used again (keep_teacher: host only)
-            torch.cuda.empty_cache()
+            self._to_host()
         if self._stop_at is not None:
             self.released_after_s = time.monotonic() - self._stop_at
         if self.on_release is not None:
             self.on_release()
+
+    def _to_host(self) -> None:
+        """AdamW's state, the weights and their base to the host (the merge reads them there); the optimizer's and
+        the teacher's device memory freed (the teacher's module to the meta device: it is not used again, and
+        keep_teacher keeps host modules only)."""
+        sd = self.backend.state_dict()
+        self._host_optimizer = {
+            "state": {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in st.items()} for i, st in sd["state"].items()},
+            "param_groups": sd["param_groups"]}
+        self.backend.close()
+        self.drafter.to("cpu")
+        self.base_weights = {n: w.cpu() for n, w in self.base_weights.items()}
+        self.teacher.model.to("meta")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         """Free what the session holds (optimizer state, gradients, accelerator cache)."""

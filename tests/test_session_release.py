@@ -83,3 +83,33 @@ def test_release_frees_the_device_memory_before_the_merge(tmp_path):
     res = s.run()
     assert seen and seen[0] < held / 10, (seen, held)  # the teacher, the drafter and AdamW's moments are off it
     assert res.merged_steps == 2 and lineage.head().steps == 2
+
+
+def test_the_host_path_merges_the_weights_and_moments_it_moved(redis_client, tmp_path):
+    """What release does on a GPU (TrainingSession._to_host), run on the CPU: the optimizer's state is copied before
+    the optimizer is cleared, the teacher's module goes to the meta device, and the merge after it writes the
+    trained weights and AdamW's moments as they were."""
+    from tailspec.drafter_trainer.checkpoint import load_checkpoint
+
+    teacher = frozen_teacher()
+    lineage = Lineage(tmp_path / "lineage", redis_client, "host")
+    s = TrainingSession(cfg(tmp_path), teacher, make_buffer(), lineage=lineage, session_id="h1")
+    for _ in range(2):
+        assert s.train_step() is not None
+    weights = {n: p.detach().clone() for n, p in s.drafter.named_parameters() if p.requires_grad}
+    moments = {i: {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
+               for i, st in s.backend.state_dict()["state"].items()}
+    s._to_host()
+    assert not s.backend.state_dict()["state"]  # the optimizer's own state is freed
+    assert teacher.device.type == "meta"
+    s.save()
+    head = lineage.head()
+    assert head.steps == 2
+    ck = load_checkpoint(head.path)
+    got = ck.drafter.state_dict()
+    for n, w in weights.items():
+        assert torch.equal(got[n], w), n
+    assert ck.optimizer_state is not None
+    for i, st in moments.items():
+        for k, v in st.items():
+            assert torch.equal(ck.optimizer_state["state"][i][k], v), (i, k)
