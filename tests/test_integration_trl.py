@@ -152,13 +152,12 @@ def test_a_run_hung_in_teardown_after_its_summaries_is_killed_and_used(tmp_path,
 def test_a_killed_run_takes_its_ranks_in_their_own_sessions_along(tmp_path, monkeypatch):
     """torchrun starts each rank in a new session: killing the launcher's group alone left a rank hung in
     teardown running after the suite (seen once after CI). Here the launcher starts a 'rank' with setsid."""
-    import os
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
     from tailspec.bench import attach
+    from tailspec.bench.faults import _alive
 
     monkeypatch.setattr(attach, "TEARDOWN_GRACE_S", 0.5)
     summary, log, pid_file = tmp_path / "s.json", tmp_path / "run.log", tmp_path / "rank.pid"
@@ -170,12 +169,8 @@ def test_a_killed_run_takes_its_ranks_in_their_own_sessions_along(tmp_path, monk
     proc = subprocess.Popen([sys.executable, "-c", launcher], start_new_session=True)
     assert attach._wait(proc, [summary], 30.0, log) == 0
     pid = int(pid_file.read_text())
-    for _ in range(100):  # SIGKILL is delivered asynchronously; the zombie is reaped by init
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+    for _ in range(100):  # SIGKILL is delivered asynchronously; a zombie left for init to reap counts as gone
+        if not _alive(pid):
             break
         time.sleep(0.05)
     else:
