@@ -536,3 +536,31 @@ def test_a_new_engines_records_are_observed_from_its_first_step():
         sel.flush()
         assert sel.acceptance.updates == 5 * (i + 1)
         del last
+
+
+@pytest.mark.parametrize("stale_load", [0.0, 0.2])
+def test_a_committed_strategy_whose_warm_up_entry_is_low_is_left_once_the_load_shows_it(stale_load):
+    """The warm-up timed k = 0 at batch 32 a quarter below its true cost, so the selector commits to it. Its steps
+    then move the shared load level, which passes the error on to every other estimate: without a refresh of the
+    runner-up (stale_load 0) it stays at k = 0 through all 400 steps, where k = 2 is 11% faster. With the default,
+    the load's move marks the runner-up's estimate stale, one exploration refreshes it, and k = 2 runs most of
+    steps 100-300."""
+    spoiled = dict(synthetic_cost().table)
+    spoiled[(32, 0)] *= 0.75
+    acc = AcceptanceTracker(k_max=8)
+    rng = random.Random(3)
+    for k in (1, 2, 3, 4):  # the warm-up's steps: the tracker knows the drafter
+        run_chain(acc, rng, k, [0.8] * 8, 12, 32)
+    sel = AdaptiveSelector(CostModel(BUCKETS, KS, spoiled), acc, seed=1, stale_load=stale_load)
+    chosen = feed(sel, 32, 0.8, 400, random.Random(5))
+
+    def true_tps(k):
+        return 32 * (1 + sum(0.8 ** (j + 1) for j in range(k))) / synthetic_time(32, k)
+
+    assert max(sel.candidates(32), key=true_tps) == 2 and true_tps(2) > 1.1 * true_tps(0)
+    assert chosen[0] == 0  # the spoiled table's pick
+    late = chosen[100:300]
+    if stale_load == 0:
+        assert late.count(0) >= 0.9 * len(late)
+    else:
+        assert late.count(2) >= 0.7 * len(late)
