@@ -60,8 +60,9 @@ class Proposer:
         """After a verify of width k+1 at positions L-1..L-1+k (lengths are still the old ones); tokens
         [n, k+1] holds the accepted drafts then the target's token at n_acc."""
 
-    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """The engine compacted its slots: copy the state of slots src into slots dst."""
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor, upto: int | None = None) -> None:
+        """The engine compacted its slots: copy the state of slots src into slots dst; `upto`: per-position state
+        only at positions 0..upto-1 (the rest is written before it is read)."""
 
 
 def _draw(logits: torch.Tensor, batch: Batch, j: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,8 +172,8 @@ class DraftModelProposer(Proposer):
         if k == 0:
             self.lag += 1
 
-    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.runner.move_slots(src, dst)
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor, upto: int | None = None) -> None:
+        self.runner.move_slots(src, dst, upto)
 
 
 class Eagle3Proposer(Proposer):
@@ -315,6 +316,10 @@ class Eagle3Proposer(Proposer):
             return d[:, None], q[:, None]
         return torch.stack(drafts, 1), torch.stack(qs, 1)
 
-    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for t in (self.kv_cache, self.next_logits, self.next_hidden):
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor, upto: int | None = None) -> None:
+        if upto is None:
+            self.kv_cache[dst] = self.kv_cache[src]
+        else:
+            self.kv_cache[dst, :, :upto] = self.kv_cache[src, :, :upto]
+        for t in (self.next_logits, self.next_hidden):
             t[dst] = t[src]

@@ -441,9 +441,12 @@ class Engine:
             )
         moved = s.compact(idx)  # move the last running rows into the freed slots
         if moved is not None:
+            # only the positions the moved rows hold (below the longest running length): a slot's whole cache is
+            # max_seq_len long, 10 MB on the deep preset's 20 layers, and a step finishing 9 of 64 rows spent
+            # 0.14 s copying past their ends (a 0.045 s step otherwise)
             for holder in (self.runner, self.drafter, self.recorder):
                 if holder is not None:
-                    holder.move_slots(*moved)
+                    holder.move_slots(*moved, upto=self._max_length)
         self._batch = None
         if s.n == 0:
             self._max_length = 0

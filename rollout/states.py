@@ -33,9 +33,10 @@ class StateRecorder:
         """aux [rows, w, A] of slots slot0.. at positions 0..w-1."""
         self.aux[slot0 : slot0 + aux.shape[0], : aux.shape[1]] = aux
 
-    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.aux[dst] = self.aux[src]
-        self.logits[dst] = self.logits[src]
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor, upto: int | None = None) -> None:
+        """`upto`: positions 0..upto-1 only (a request's generated count is below its length)."""
+        self.aux[dst, :upto] = self.aux[src, :upto]
+        self.logits[dst, :upto] = self.logits[src, :upto]
 
     def step(self, lengths: torch.Tensor, gen: torch.Tensor, aux: torch.Tensor, logits: torch.Tensor) -> None:
         """A verify of rows 0..n-1: aux [n, k+1, A] at positions L-1.., logits [n, k+1, V] of generated tokens
