@@ -1,13 +1,14 @@
 """Adaptive strategy selection: tokens/s per batch size for every fixed k, the oracle, adaptive, BEG, threshold.
 
-Everything runs side by side in one process on the same models: for each batch size, every policy runs in
-turn inside each repeat (round robin, so load on a shared machine hits them alike) and the median over
-repeats is reported. The per-batch oracle is the best fixed k, and which k that is gets decided on
+Everything runs side by side in one process on the same models: for each batch size and repeat, every policy
+has its own engine on the same requests, and the engines take turns a few steps at a time (lockstep), so the
+drift of a shared machine reaches them alike; the median over repeats is reported. (With a graph pool, one
+engine per batch size is reconfigured, and the policies run one after another.) The per-batch oracle is the best fixed k, and which k that is gets decided on
 other repeats than the one it is scored on (`held_out_oracle`): the best of several near-tied fixed ks on the
 same repeats is their noise's maximum, above what any of them delivers (the winner's curse), and the adaptive
 selector was held against that. `adaptive_vs_oracle` is the median over repeats of adaptive ÷ the held-out
-oracle in the same repeat (the same requests); the in-sample figures stay beside it. A run at batch b keeps b requests running (a queue refills finished slots between
-steps; their prefill is not timed) and times max(`steps`, `rows` / b) decode steps after `warmup` untimed
+oracle in the same repeat (the same requests); the in-sample figures stay beside it. A run at batch b keeps b
+requests running (a queue refills finished slots between steps; their prefill is not timed) and times max(`steps`, `rows` / b) decode steps after `warmup` untimed
 ones, enough at small batch to cover several whole responses. Its requests start at their prompts;
 `--start mid` starts them at a random depth of responses the policy wrote beforehand instead (a
 sensitivity check: it weighs the later tokens of a response more than a rollout does).
@@ -130,35 +131,70 @@ def _mid_response(make_engine, prompts, max_tokens: int, max_seq: int, temperatu
     return out
 
 
-def _steady_tps(make_engine, choose_k, batch: int, prompts, params, warmup: int, steps: int,
-                mix: Counter | None = None) -> float:
-    """Decode tokens/s over `steps` steps with `batch` requests kept running (finished slots refilled
-    between steps, their prefill untimed); `mix` counts the k of each timed step."""
-    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.rollout.slots import GEN
+class _Run:
+    """One policy's engine with `batch` requests kept running: finished slots refilled between steps (their prefill
+    untimed); tokens/s over the steps after `warmup`, and the k of each timed step in `mix`."""
 
-    eng = make_engine(batch, choose_k)
-    for i, p in enumerate(prompts):
-        eng.add_request(p, params[i])
-    done_tokens, elapsed, emitted = 0, 0.0, 0
+    def __init__(self, eng, prompts, params, warmup: int, mix: Counter | None = None):
+        self.eng, self.warmup, self.mix = eng, warmup, mix
+        self.steps = self.done_tokens = self.emitted = 0
+        self.elapsed = 0.0
+        for p, sp in zip(prompts, params):
+            eng.add_request(p, sp)
 
-    def produced() -> int:
-        n = eng.slots.n
-        return done_tokens + (int(eng.slots.ints[:n, GEN].sum()) if n else 0)
+    def produced(self) -> int:
+        # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+        from tailspec.rollout.slots import GEN
 
-    for i in range(warmup + steps):
-        eng.admit()  # refills' prefill stays out of the timed decode step (a rollout prefills each prompt once)
-        before = produced()
-        t0 = time.perf_counter()
-        outs = eng.step()
-        dt = time.perf_counter() - t0
-        done_tokens += sum(len(o.token_ids) for o in outs)
-        if i >= warmup:
-            elapsed += dt
-            emitted += produced() - before
-            if mix is not None:
-                mix[eng.last.k] += 1
-    return emitted / elapsed if elapsed > 0 else 0.0
+        n = self.eng.slots.n
+        return self.done_tokens + (int(self.eng.slots.ints[:n, GEN].sum()) if n else 0)
+
+    def advance(self, n: int) -> None:
+        eng = self.eng
+        for _ in range(n):
+            eng.admit()  # refills' prefill stays out of the timed decode step (a rollout prefills each prompt once)
+            before = self.produced()
+            t0 = time.perf_counter()
+            outs = eng.step()
+            dt = time.perf_counter() - t0
+            self.done_tokens += sum(len(o.token_ids) for o in outs)
+            if self.steps >= self.warmup:
+                self.elapsed += dt
+                self.emitted += self.produced() - before
+                if self.mix is not None:
+                    self.mix[eng.last.k] += 1
+            self.steps += 1
+
+    @property
+    def tps(self) -> float:
+        return self.emitted / self.elapsed if self.elapsed > 0 else 0.0
+
+
+def _repeat_tps(make_engine, policies: dict, batch: int, prompts, params, warmup: int, steps: int, mix: Counter,
+                lockstep: bool, block: int = 8) -> dict[str, float]:
+    """Every policy's tokens/s on the same requests. Lockstep (eager engines): an engine per policy, all alive,
+    taking turns `block` steps at a time, the first turn of each round rotating, so the machine's drift over a
+    repeat reaches every policy alike; one after another, two runs of the same k at batch 8-32 differed by up to
+    10-20% on a shared 2-core machine. Otherwise (a graph pool per batch size, one engine reconfigured): whole runs
+    one after another."""
+    total = warmup + steps
+    if not lockstep:
+        out = {}
+        for name, pol in policies.items():
+            run = _Run(make_engine(batch, pol), prompts, params, warmup, mix if name == "adaptive" else None)
+            run.advance(total)
+            out[name] = run.tps
+        return out
+    runs = [(name, _Run(make_engine(batch, pol), prompts, params, warmup, mix if name == "adaptive" else None))
+            for name, pol in policies.items()]
+    turn = 0
+    while any(r.steps < total for _, r in runs):
+        for _, r in runs[turn % len(runs):] + runs[: turn % len(runs)]:
+            r.advance(min(block, total - r.steps))
+        turn += 1
+    for _, r in runs:
+        r.eng.abort_all()
+    return {name: r.tps for name, r in runs}
 
 
 def _rollout_s(make_engine, choose_k, prompts, params) -> tuple[float, int]:
@@ -255,7 +291,7 @@ def run(args: argparse.Namespace) -> dict:
     adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=cfg.rollout.epsilon, seed=0)
     policies = {f"k{k}": fixed_selector(k) for k in ks}
     policies |= {"adaptive": adaptive, "beg": beg_selector(k_max), "threshold": threshold_selector(min(4, k_max))}
-    per_batch = [_batch_row(make_engine, policies, adaptive, starts, b, ks, args, out) for b in batches]
+    per_batch = [_batch_row(make_engine, policies, adaptive, starts, b, ks, args, out, lockstep=not graphs) for b in batches]
     longtail = _longtail(make_engine, policies, tok, max_seq, cfg, args, out) if args.longtail_n > 0 else {}
     result = {
         "device": machine(), "target": args.target, "drafter": drafter_label, "temperature": args.temperature,
@@ -269,7 +305,7 @@ def run(args: argparse.Namespace) -> dict:
         "adaptive_schedule": adaptive.schedule(max(batches)),
         "acceptance": adaptive.acceptance.summary()["expected_tokens"],
         "cost_model": cost.to_dict(),
-        "seconds": round(time.perf_counter() - t_start, 1), "graphs": graphs,
+        "seconds": round(time.perf_counter() - t_start, 1), "graphs": graphs, "lockstep": not graphs,
     }
     if device == "cuda":
         result["graph_pool"] = _graph_pool_section(target, cost, device)
@@ -321,9 +357,9 @@ def _starts(make_engine, pool_prompts, max_seq: int, args, out) -> list[tuple[li
     return starts
 
 
-def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list[int], args, out) -> dict:
-    """Every policy at batch b, round robin inside each repeat; medians over repeats, the oracle's k among them
-    (in sample, and held out: `held_out_oracle`)."""
+def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list[int], args, out, lockstep: bool) -> dict:
+    """Every policy at batch b in each repeat (`_repeat_tps`); medians over repeats, the oracle's k among them (in
+    sample, and held out: `held_out_oracle`)."""
     n_req = max(4 * b, b + 8)
     steps = max(args.steps, -(-args.rows // b))
     runs: dict[str, list[float]] = {name: [] for name in policies}
@@ -334,9 +370,9 @@ def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list[i
         prompts = [p for p, _ in chosen]
         params = [SamplingParams(max_tokens=max(1, left), temperature=args.temperature, seed=1000 * rep + i)
                   for i, (_, left) in enumerate(chosen)]
-        for name, pol in policies.items():
-            runs[name].append(_steady_tps(make_engine, pol, b, prompts, params, args.warmup, steps,
-                                          mix=adaptive_mix if name == "adaptive" else None))
+        tps = _repeat_tps(make_engine, policies, b, prompts, params, args.warmup, steps, adaptive_mix, lockstep)
+        for name in policies:
+            runs[name].append(tps[name])
     med = {name: statistics.median(v) for name, v in runs.items()}
     oracle_k = max(ks, key=lambda k: med[f"k{k}"])
     held_ks, held_tps = held_out_oracle(runs, ks)
