@@ -439,9 +439,8 @@ class Engine:
                     states=states[n] if states is not None else None,
                 )
             )
-        moved = s.compact(idx)  # move the last running rows into the freed slots
-        if moved is not None:
-            # only below the longest running length: a whole slot is max_seq_len long (10 MB on the deep preset)
+        moved = s.compact(idx)  # the last running rows into the freed slots, their caches below the longest length
+        if moved is not None:  # (a whole slot is max_seq_len long: 10 MB on the deep preset)
             for holder in (self.runner, self.drafter, self.recorder):
                 if holder is not None:
                     holder.move_slots(*moved, upto=self._max_length)
