@@ -199,8 +199,8 @@ def measure(
     Per bucket, one batch of `bucket` requests runs like a rollout: a request that stops is replaced at once by
     the next prompt (cycled, each with its own seed), so the batch stays full and its rows sit at every depth of
     their responses. The strategies take turns on it: `settle` untimed steps at k, then `block` timed ones,
-    round after round until every k has its steps (admissions' prefill is not timed). With `passes` > 1 the
-    sweep repeats and each entry keeps the median over passes. The result is projected onto monotone costs
+    round after round, each round's order the reverse of the last, until every k has its steps (admissions'
+    prefill is not timed). With `passes` > 1 the sweep repeats and each entry keeps the median over passes. The result is projected onto monotone costs
     (`CostModel.monotone`). `on_step(record)` sees every timed step's `StepRecord` (e.g.
     `AcceptanceTracker.observe`: real drafts on real responses). The engine must be idle and is left idle (the
     requests still running at the end are aborted), with its strategy hook restored.
@@ -275,13 +275,19 @@ class _Feed:
 
 def _time_bucket(engine, feed: _Feed, b: int, ks: list[int], n_steps: int, settle: int, block: int,
                  on_step) -> dict[int, list[float]]:
-    """Step seconds per k at batch b: the strategies take turns, `settle` untimed then `block` timed steps each."""
+    """Step seconds per k at batch b: the strategies take turns, `settle` untimed then `block` timed steps each,
+    in rounds whose order reverses each time (at least two rounds): the batch starts fresh, so its rows grow
+    longer and each step dearer as the rounds go on, and a k always timed after the others came out dearer for
+    it (the deep preset at batch 16: k = 6 15-35% above its cost timed first, k = 0 10-30% below)."""
     # deferred: a cycle (tailspec.rollout.selector imports this module)
     from tailspec.rollout.selector import fixed_selector
 
     times: dict[int, list[float]] = {k: [] for k in ks}
+    block = max(1, min(block, -(-n_steps // 2)))
+    rounds = 0
     while any(len(t) < n_steps for t in times.values()):
-        for k in ks:
+        rounds += 1
+        for k in (ks if rounds % 2 else ks[::-1]):
             engine.configure(choose_k=fixed_selector(k))
             settled, tries = 0, 0
             while len(times[k]) < n_steps and tries < settle + block + 4:

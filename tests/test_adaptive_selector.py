@@ -564,3 +564,29 @@ def test_a_committed_strategy_whose_warm_up_entry_is_low_is_left_once_the_load_s
         assert late.count(0) >= 0.9 * len(late)
     else:
         assert late.count(2) >= 0.7 * len(late)
+
+
+def test_warm_up_rounds_reverse_so_no_k_is_always_timed_last():
+    """A fresh batch's steps grow dearer as its rows grow longer, whatever k: timed in one fixed order, the k timed
+    last came out dearest. The rounds reverse, so every k's steps sit at the same mean position."""
+    from tailspec.rollout.cost_model import _time_bucket
+
+    class Growing:  # an engine whose n-th step costs n ms at any k
+        def __init__(self):
+            self.n, self.k, self.last = 0, 0, None
+
+        def configure(self, choose_k):
+            self.k = choose_k(4, None)
+
+        def step(self):
+            self.n += 1
+            self.last = StepRecord(self.n, 4, self.k, 1, 0, (), self.n * 1e-3)
+
+    class NoFeed:
+        def top_up(self, b):
+            pass
+
+    times = _time_bucket(Growing(), NoFeed(), 4, [0, 1, 2, 3], n_steps=6, settle=2, block=6, on_step=None)
+    means = {k: sum(v) / len(v) for k, v in times.items()}
+    assert all(len(v) == 6 for v in times.values())
+    assert max(means.values()) - min(means.values()) < 0.1 * min(means.values()), means
