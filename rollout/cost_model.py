@@ -200,8 +200,8 @@ def measure(
     the next prompt (cycled, each with its own seed), so the batch stays full and its rows sit at every depth of
     their responses. The strategies take turns on it: `settle` untimed steps at k, then `block` timed ones,
     round after round, each round's order the reverse of the last, until every k has its steps (admissions'
-    prefill is not timed). With `passes` > 1 the sweep repeats and each entry keeps the median over passes. The result is projected onto monotone costs
-    (`CostModel.monotone`). `on_step(record)` sees every timed step's `StepRecord` (e.g.
+    prefill is not timed). With `passes` > 1 the sweep repeats and each entry keeps the median over passes. The
+    result is projected onto monotone costs (`CostModel.monotone`). `on_step(record)` sees every timed step's `StepRecord` (e.g.
     `AcceptanceTracker.observe`: real drafts on real responses). The engine must be idle and is left idle (the
     requests still running at the end are aborted), with its strategy hook restored.
     """
