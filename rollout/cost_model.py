@@ -201,8 +201,8 @@ def measure(
     their responses. The strategies take turns on it: `settle` untimed steps at k, then `block` timed ones,
     round after round, each round's order the reverse of the last, until every k has its steps (admissions'
     prefill is not timed). With `passes` > 1 the sweep repeats and each entry keeps the median over passes. The
-    result is projected onto monotone costs (`CostModel.monotone`). `on_step(record)` sees every timed step's `StepRecord` (e.g.
-    `AcceptanceTracker.observe`: real drafts on real responses). The engine must be idle and is left idle (the
+    result is projected onto monotone costs (`CostModel.monotone`). `on_step(record)` sees every timed step's
+    `StepRecord` (e.g. `AcceptanceTracker.observe`: real drafts on real responses). The engine must be idle and is left idle (the
     requests still running at the end are aborted), with its strategy hook restored.
     """
     buckets, ks, room = _warmup_shapes(engine, prompts, buckets, ks, (steps, passes, block, max_tokens, settle, rows))
@@ -277,8 +277,8 @@ def _time_bucket(engine, feed: _Feed, b: int, ks: list[int], n_steps: int, settl
                  on_step) -> dict[int, list[float]]:
     """Step seconds per k at batch b: the strategies take turns, `settle` untimed then `block` timed steps each,
     in rounds whose order reverses each time (at least two rounds): the batch starts fresh, so its rows grow
-    longer and each step dearer as the rounds go on, and a k always timed after the others came out dearer for
-    it (the deep preset at batch 16: k = 6 15-35% above its cost timed first, k = 0 10-30% below)."""
+    longer and each step dearer as the rounds go on, and a k always timed after the others would be timed dearer
+    than it is."""
     # deferred: a cycle (tailspec.rollout.selector imports this module)
     from tailspec.rollout.selector import fixed_selector
 

@@ -258,11 +258,11 @@ class AdaptiveSelector:
     def _stale_runner_up(self, batch_size: int, cands: list[int], scores: dict[int, float] | None) -> int | None:
         """At a decision: the best-scored other candidate, when its estimate is stale. Every timed step moves the
         cost model's shared load level, so the committed strategy's own warm-up error ends up there (cost_model:
-        `observe`) and is passed on to every other estimate; a warm-up entry measured 25-45% low on a noisy
-        machine then held a worse k committed for good (`tailspec bench adaptive`, batch 32: k = 0 for 91 of 96
-        steps where k = 1 and 4 were 40% faster), since no epsilon-rate exploration came soon enough. An
-        estimate is stale once the load has moved by more than `stale_load` since its strategy last ran here;
-        one exploration run refreshes it, so a stale runner-up costs one run per such move of the load.
+        `observe`) and is passed on to every other estimate: a warm-up entry timed low holds its strategy
+        committed, whatever the others would do, until an exploration of them says otherwise, and epsilon-rate
+        explorations come too rarely for that (BENCHMARKS.md, Adaptive selection). An estimate is stale once the
+        load has moved by more than `stale_load` since its strategy last ran here; one exploration run refreshes
+        it, so a stale runner-up costs one run per such move of the load.
         What it does not fix: once the runner-up is committed and its accurate entry brings the load back, the
         mis-measured strategy's factor, learnt relative to the higher load, makes it look better again, and the
         selector can return to it for a while (tests/test_adaptive_selector.py)."""

@@ -3,13 +3,14 @@
 Everything runs side by side in one process on the same models: for each batch size and repeat, every policy
 has its own engine on the same requests, and the engines take turns a few steps at a time (lockstep), so the
 drift of a shared machine reaches them alike; the median over repeats is reported. (With a graph pool, one
-engine per batch size is reconfigured, and the policies run one after another.) The per-batch oracle is the best fixed k, and which k that is gets decided on
-other repeats than the one it is scored on (`held_out_oracle`): the best of several near-tied fixed ks on the
-same repeats is their noise's maximum, above what any of them delivers (the winner's curse), and the adaptive
-selector was held against that. `adaptive_vs_oracle` is the median over repeats of adaptive ÷ the held-out
-oracle in the same repeat (the same requests); the in-sample figures stay beside it. A run at batch b keeps b
-requests running (a queue refills finished slots between steps; their prefill is not timed) and times max(`steps`, `rows` / b) decode steps after `warmup` untimed
-ones, enough at small batch to cover several whole responses. Its requests start at their prompts;
+engine per batch size is reconfigured, and the policies run one after another.) The per-batch oracle is the
+best fixed k, and which k that is gets decided on other repeats than the one it is scored on
+(`held_out_oracle`): the best of several near-tied fixed ks on the same repeats is their noise's maximum, above
+what any of them delivers (the winner's curse). `adaptive_vs_oracle` is the median over repeats of adaptive ÷
+the held-out oracle in the same repeat (the same requests); the in-sample figures stay beside it. A run at
+batch b keeps b requests running (a queue refills finished slots between steps; their prefill is not timed) and
+times max(`steps`, `rows` / b) decode steps after `warmup` untimed ones, enough at small batch to cover several
+whole responses. Its requests start at their prompts;
 `--start mid` starts them at a random depth of responses the policy wrote beforehand instead (a
 sensitivity check: it weighs the later tokens of a response more than a rollout does).
 
@@ -136,18 +137,18 @@ class _Run:
     untimed); tokens/s over the steps after `warmup`, and the k of each timed step in `mix`."""
 
     def __init__(self, eng, prompts, params, warmup: int, mix: Counter | None = None):
-        self.eng, self.warmup, self.mix = eng, warmup, mix
+        # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+        from tailspec.rollout.slots import GEN
+
+        self.eng, self.warmup, self.mix, self.gen_col = eng, warmup, mix, GEN
         self.steps = self.done_tokens = self.emitted = 0
         self.elapsed = 0.0
         for p, sp in zip(prompts, params):
             eng.add_request(p, sp)
 
     def produced(self) -> int:
-        # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-        from tailspec.rollout.slots import GEN
-
         n = self.eng.slots.n
-        return self.done_tokens + (int(self.eng.slots.ints[:n, GEN].sum()) if n else 0)
+        return self.done_tokens + (int(self.eng.slots.ints[:n, self.gen_col].sum()) if n else 0)
 
     def advance(self, n: int) -> None:
         eng = self.eng
@@ -174,9 +175,9 @@ def _repeat_tps(make_engine, policies: dict, batch: int, prompts, params, warmup
                 lockstep: bool, block: int = 8) -> dict[str, float]:
     """Every policy's tokens/s on the same requests. Lockstep (eager engines): an engine per policy, all alive,
     taking turns `block` steps at a time, the first turn of each round rotating, so the machine's drift over a
-    repeat reaches every policy alike; one after another, two runs of the same k at batch 8-32 differed by up to
-    10-20% on a shared 2-core machine. Otherwise (a graph pool per batch size, one engine reconfigured): whole runs
-    one after another."""
+    repeat reaches every policy alike (whole runs one after another put each policy in its own stretch of a
+    shared machine's load). Otherwise (a graph pool per batch size, one engine reconfigured): whole runs one after
+    another."""
     total = warmup + steps
     if not lockstep:
         out = {}
@@ -291,7 +292,8 @@ def run(args: argparse.Namespace) -> dict:
     adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=cfg.rollout.epsilon, seed=0)
     policies = {f"k{k}": fixed_selector(k) for k in ks}
     policies |= {"adaptive": adaptive, "beg": beg_selector(k_max), "threshold": threshold_selector(min(4, k_max))}
-    per_batch = [_batch_row(make_engine, policies, adaptive, starts, b, ks, args, out, lockstep=not graphs) for b in batches]
+    per_batch = [_batch_row(make_engine, policies, adaptive, starts, b, ks, args, out, lockstep=not graphs)
+                 for b in batches]
     longtail = _longtail(make_engine, policies, tok, max_seq, cfg, args, out) if args.longtail_n > 0 else {}
     result = {
         "device": machine(), "target": args.target, "drafter": drafter_label, "temperature": args.temperature,
@@ -309,9 +311,9 @@ def run(args: argparse.Namespace) -> dict:
     }
     if device == "cuda":
         result["graph_pool"] = _graph_pool_section(target, cost, device)
-    print(f"adaptive ÷ per-batch oracle, lowest over batch sizes: {result['adaptive_vs_oracle_min_ratio']:.3f} (oracle's k "
-          f"held out; in sample {result['adaptive_vs_oracle_in_sample_min_ratio']:.3f}); adaptive ÷ no SD, lowest: "
-          f"{result['adaptive_vs_nospec_min_ratio']:.3f}", file=out)
+    print(f"adaptive ÷ per-batch oracle, lowest over batch sizes: {result['adaptive_vs_oracle_min_ratio']:.3f} "
+          f"(oracle's k held out; in sample {result['adaptive_vs_oracle_in_sample_min_ratio']:.3f}); adaptive ÷ no SD, "
+          f"lowest: {result['adaptive_vs_nospec_min_ratio']:.3f}", file=out)
     print(f"adaptive schedule: {result['adaptive_schedule']}; total {result['seconds']}s on {machine()}", file=out)
     return result
 
@@ -357,7 +359,8 @@ def _starts(make_engine, pool_prompts, max_seq: int, args, out) -> list[tuple[li
     return starts
 
 
-def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list[int], args, out, lockstep: bool) -> dict:
+def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list[int], args, out,
+               lockstep: bool) -> dict:
     """Every policy at batch b in each repeat (`_repeat_tps`); medians over repeats, the oracle's k among them (in
     sample, and held out: `held_out_oracle`)."""
     n_req = max(4 * b, b + 8)
