@@ -118,7 +118,7 @@ class SchedulerConfig(_Section):
     @classmethod
     def _warm_policy(cls, v: str | None) -> str | None:
         if v is not None and not os.path.isabs(_check_path(v)):
-            raise ValueError(f"must be an absolute path (every node's sessions read it), got {v!r}")
+            raise ValueError(f"must be an absolute path (every node's sessions read it), got {v[:200]!r}")
         return v
 
 
