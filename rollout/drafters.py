@@ -317,9 +317,6 @@ class Eagle3Proposer(Proposer):
         return torch.stack(drafts, 1), torch.stack(qs, 1)
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor, upto: int | None = None) -> None:
-        if upto is None:
-            self.kv_cache[dst] = self.kv_cache[src]
-        else:
-            self.kv_cache[dst, :, :upto] = self.kv_cache[src, :, :upto]
+        self.kv_cache[dst, :, :upto] = self.kv_cache[src, :, :upto]  # upto None: every position
         for t in (self.next_logits, self.next_hidden):
             t[dst] = t[src]

@@ -213,10 +213,7 @@ class ModelRunner:
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor, upto: int | None = None) -> None:
         """Copy the caches of slots src into slots dst (compaction after requests finish); `upto`: only positions
         0..upto-1 (a repeated prompt's prefill: the rest of the slot is never read before it is written)."""
-        if upto is None:
-            self._kv_all[:, dst] = self._kv_all[:, src]
-        else:
-            self._kv_all[:, dst, :, :upto] = self._kv_all[:, src, :, :upto]
+        self._kv_all[:, dst, :, :upto] = self._kv_all[:, src, :, :upto]  # upto None: every position
 
     def _attn_len(self, max_pos: int) -> int:
         # Attend over a bucketed prefix of the cache rather than all of it: the work follows the longest

@@ -270,12 +270,8 @@ class AdaptiveSelector:
             return None
         others = [k for k in cands if k != self.k]
         k = max(others, key=lambda k: (scores[k], -k))
-        return k if self._stale(batch_size, k, self.stale_load) else None
-
-    def _stale(self, batch_size: int, k: int, share: float) -> bool:
-        """Has the load level moved by more than `share` since k last ran at this batch size's bucket?"""
         seen = self._seen_load.get((self.cost.bucket(batch_size), k), self._load0)
-        return abs(math.log(self.cost.load / seen)) > math.log1p(share)
+        return k if abs(math.log(self.cost.load / seen)) > math.log1p(self.stale_load) else None
 
     def _continue_exploration(self, cands: list[int]) -> int | None:
         """The next step of the exploration run in progress, while its strategy is a candidate here."""
