@@ -10,9 +10,11 @@ points at a pruned one. Optimizer tensors go to safetensors and the rest to JSON
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -76,26 +78,51 @@ def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> d
 
 
 def write_checkpoint_dir(path: str | Path, drafter: Eagle3Module, optimizer_state: dict | None, trainer_state: dict,
-                         tensors: dict[str, torch.Tensor] | None = None) -> Path:
+                         tensors: dict[str, torch.Tensor] | None = None, optimizer_from: Path | None = None) -> Path:
     """Write one checkpoint directory atomically (the lineage's heads use the same format). `tensors`
-    replaces the drafter's own state_dict (a merged head's weights), same names."""
+    replaces the drafter's own state_dict (a merged head's weights), same names. `optimizer_from`: a checkpoint
+    directory whose optimizer state this one carries instead of `optimizer_state`, hard-linked (a file is never
+    changed once its directory is in place, so the link shares it; copied where links are not supported); its
+    trainer state must record the same backend. Raises OSError or DrafterFileError when it cannot be carried."""
     if tensors is None:
         tensors = drafter.state_dict()
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    opt_tensors, opt_meta = flatten_optimizer_state(optimizer_state) if optimizer_state else ({}, None)
+    carried = _carried_optimizer(optimizer_from, trainer_state) if optimizer_from is not None else None
+    opt_tensors, opt_meta = flatten_optimizer_state(optimizer_state) if optimizer_state and carried is None else ({}, carried)
     meta = {"format_version": 1, "config": drafter.config.to_dict(), "extra": {}}
 
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / WEIGHTS_NAME))
         meta["weights_crc32"] = file_crc32(tmp / WEIGHTS_NAME)
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2))
-        if opt_meta is not None:
+        if carried is not None:
+            try:
+                os.link(optimizer_from / OPTIMIZER_NAME, tmp / OPTIMIZER_NAME)
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP):
+                    raise
+                shutil.copyfile(optimizer_from / OPTIMIZER_NAME, tmp / OPTIMIZER_NAME)
+        elif opt_meta is not None:
             save_file(opt_tensors, str(tmp / OPTIMIZER_NAME))
             opt_meta["crc32"] = file_crc32(tmp / OPTIMIZER_NAME)
         (tmp / TRAINER_STATE_NAME).write_text(json.dumps({**trainer_state, "optimizer": opt_meta}, indent=2,
                                                          allow_nan=False))
 
     return write_dir_atomic(Path(path), write)
+
+
+def _carried_optimizer(src: Path, trainer_state: dict) -> dict:
+    """The optimizer metadata (with its file's CRC-32) of checkpoint `src`, for a directory that links its file."""
+    ts = read_json_object(src / TRAINER_STATE_NAME)
+    opt_meta = ts.get("optimizer")
+    if not isinstance(opt_meta, dict) or not isinstance(opt_meta.get("crc32"), int):
+        raise DrafterFileError(f"{src / TRAINER_STATE_NAME}: no optimizer state with a CRC-32 to carry")
+    if file_crc32(src / OPTIMIZER_NAME) != opt_meta["crc32"]:  # never pass a damaged file on to every later head
+        raise DrafterFileError(f"{src / OPTIMIZER_NAME}: CRC-32 does not match its trainer state")
+    if ts.get("backend", "torch") != trainer_state.get("backend", "torch"):
+        raise DrafterFileError(f"{src}: optimizer state of backend {ts.get('backend')!r}, this checkpoint's is "
+                               f"{trainer_state.get('backend')!r}")
+    return opt_meta
 
 
 def save_checkpoint(root: str | Path, drafter: Eagle3Module, optimizer_state: dict | None, trainer_state: dict,

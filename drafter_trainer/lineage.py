@@ -27,7 +27,10 @@ carries the moments of the session that merged last, and a new session starts fr
 running estimates of the gradient's mean and scale for the same loss at nearby weights, so they are
 valid starting estimates for any contributor (β1 = 0.9 and β2 = 0.95 forget a foreign trajectory in
 tens of steps), and starting from them avoids Adam's first steps of full-size sign updates that a reset
-would cause at every session start.
+would cause at every session start. For the same reason moments a few merges old serve as well, and a
+session writes its own only every `trainer.merge_moments_every`-th merge and at its last: the merges
+between link the head's file (`carry_moments`), which takes the moments (two of a merge's three tensor sets)
+off most merges' writes; the merges lie on the lent GPU's time between training steps.
 
 The outer step is delay-aware and has no state of its own. A merge that finds other merges since its base
 applies a *delayed* delta: one computed on weights that miss the others' latest work (asynchronous local
@@ -296,9 +299,11 @@ class Lineage:
     def merge(self, base: LineageHead | None, base_weights: dict[str, torch.Tensor], drafter: Eagle3Module,
               optimizer_state: dict | None, trainer_state: dict, session_id: str, seq: int, steps: int,
               tokens: int = 0, policy_version: int = 0, fenced: bool = True,
-              note_session: str | None = None) -> MergeResult:
+              note_session: str | None = None, carry_moments: bool = False) -> MergeResult:
         """Merge the work done since `base` (steps optimizer steps) into the head. `seq` numbers the
-        session's merges from 1; a (session, seq) is applied at most once."""
+        session's merges from 1; a (session, seq) is applied at most once. `carry_moments`: the new head links
+        the head's optimizer state instead of writing `optimizer_state` (the module doc: Optimizer state);
+        where the head's cannot be carried, `optimizer_state` is written."""
         local = {n: p.detach() for n, p in drafter.named_parameters() if p.requires_grad}
         full = {k: v.detach() for k, v in drafter.state_dict().items()}
         for attempt in range(1, self.max_attempts + 1):
@@ -326,8 +331,9 @@ class Lineage:
                     policy_version=max(policy_version, h.policy_version if h else 0),
                     session_id=note_session or session_id,
                     updated_at=time.time())
-                write_checkpoint_dir(path, drafter, optimizer_state,
-                                     {"step": record.steps, **trainer_state, "lineage": record.model_dump(mode="json")}, tensors=weights)
+                intact = h is not None and (head_w is None or src == h.number)  # not an earlier head's stand-in
+                self._write_head(path, drafter, optimizer_state, weights, Path(h.path) if carry_moments and intact else None,
+                                 {"step": record.steps, **trainer_state, "lineage": record.model_dump(mode="json")})
             except Exception as e:  # OSError, or safetensors' own error for a vanished temp dir
                 # Another merge landed and collected the head we read (or our temp dir, now stale): re-read.
                 if self.head() != h:
@@ -344,6 +350,18 @@ class Lineage:
             if code != MOVED:
                 return MergeResult(code, h, attempt, steps)
         raise LineageError(f"merge of {session_id}#{seq} lost the compare-and-swap {self.max_attempts} times in a row")
+
+    @staticmethod
+    def _write_head(path: Path, drafter: Eagle3Module, optimizer_state: dict | None, weights: dict[str, torch.Tensor],
+                    carry_from: Path | None, trainer_state: dict) -> None:
+        if carry_from is not None:
+            try:
+                write_checkpoint_dir(path, drafter, None, trainer_state, tensors=weights, optimizer_from=carry_from)
+                return
+            except (DrafterFileError, OSError) as e:  # collected meanwhile, damaged, or another backend's
+                log.debug("head %s: optimizer state not carried from %s (%s); writing this session's", path,
+                          carry_from, str(e)[:200])
+        write_checkpoint_dir(path, drafter, optimizer_state, trainer_state, tensors=weights)
 
     def _cas(self, expected: int, record: LineageHead, session_id: str, seq: int, steps: int, fenced: bool) -> int:
         if self.redis is not None:

@@ -291,9 +291,11 @@ class TrainingSession:
     def unmerged_steps(self) -> int:
         return self._steps_since_merge
 
-    def merge(self) -> MergeResult | None:
+    def merge(self, final: bool = False) -> MergeResult | None:
         """Merge the steps since the last merge into the lineage head (one compare-and-swap), then
-        continue from the merged head. None when there is nothing to merge."""
+        continue from the merged head. None when there is nothing to merge. The merge writes this session's
+        AdamW moments when `final` (the next session starts from them) and every `merge_moments_every`-th time;
+        the others carry the head's (lineage.py: Optimizer state)."""
         if self.lineage is None or self._steps_since_merge == 0 or self.fenced_out:
             return None
         self._seq += 1
@@ -303,7 +305,8 @@ class TrainingSession:
         opt = self._host_optimizer if self._host_optimizer is not None else self.backend.state_dict()
         res = self.lineage.merge(self.base, self.base_weights, self.drafter, opt, state,
                                  self.session_id, self._seq, self._steps_since_merge, self._tokens_since_merge,
-                                 policy_version=self.teacher.policy_version)
+                                 policy_version=self.teacher.policy_version,
+                                 carry_moments=not final and self._seq % self.cfg.merge_moments_every != 0)
         if res.code == DUPLICATE:
             # This (session, seq) is in the head already: an earlier attempt's answer was lost on the way.
             # Continue from the head that holds it, or the next delta would carry these steps again.
@@ -348,7 +351,7 @@ class TrainingSession:
 
     def save(self) -> Path:
         if self.lineage is not None:
-            self.merge()
+            self.merge(final=True)
             return Path(self.base.path)
         state = {"step": self.step, "tokens": self.tokens_total, "backend": self.backend.name,
                  "session_id": self.session_id, "policy_version": self.teacher.policy_version,

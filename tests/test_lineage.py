@@ -4,6 +4,7 @@ without its GPU, the head always loads, collection leaves no stale directory."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,3 +165,58 @@ def test_concurrent_seeders_agree_on_one_head(lineage_root):
     head, ck = lin.pull()
     assert head.number == 1 and {h.path for h in heads} == {head.path}
     assert lin.contributions() == {"seed": 0}
+
+
+def _adam_state(d: Eagle3Module, fill: float) -> dict:
+    """An AdamW state over the drafter's trainable parameters whose moments all hold `fill`."""
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-3)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for st in opt.state.values():
+        st["exp_avg"].fill_(fill)
+        st["exp_avg_sq"].fill_(fill)
+    return opt.state_dict()
+
+
+def _moments(ck) -> float:
+    vals = {float(t.flatten()[0]) for st in ck.optimizer_state["state"].values() for t in (st["exp_avg"], st["exp_avg_sq"])}
+    assert len(vals) == 1, vals
+    return vals.pop()
+
+
+def test_merges_carry_the_heads_moments_and_write_their_own_where_it_cannot_be_carried(tmp_path):
+    """A merge with carry_moments links the head's optimizer file (the same file, not a copy) and the new head
+    loads whole, also once the head it came from is collected; without carry_moments, or where the head's file is
+    damaged, the merge writes the session's own moments."""
+    import os  # deferred: only this test looks at inodes
+
+    d = tiny_drafter()
+    lin = Lineage(tmp_path, None, "c")
+    lin.seed(d, optimizer_state=_adam_state(d, 1.0))
+    first = Path(lin.head().path)
+
+    def merge(seq: int, fill: float, carry: bool):
+        head, ck = lin.pull()
+        with torch.no_grad():
+            next(ck.drafter.parameters()).add_(1.0)
+        res = lin.merge(head, snapshot(d), ck.drafter, _adam_state(ck.drafter, fill), {"step": seq}, "s", seq, steps=1,
+                        carry_moments=carry)
+        assert res.code == MERGED
+        return Path(res.head.path), load_checkpoint(res.head.path)
+
+    path, ck = merge(1, 2.0, carry=True)
+    assert _moments(ck) == 1.0  # the seed's moments, carried
+    assert os.stat(path / "optimizer.safetensors").st_ino == os.stat(first / "optimizer.safetensors").st_ino
+    for seq in (2, 3):  # the first head is collected; the link keeps its file
+        path, ck = merge(seq, float(seq + 1), carry=True)
+    assert not first.exists() and _moments(ck) == 1.0
+    path, ck = merge(4, 5.0, carry=False)
+    assert _moments(ck) == 5.0
+    raw = bytearray((path / "optimizer.safetensors").read_bytes())
+    raw[-1] ^= 0xFF  # damaged on disk: never passed on
+    os.chmod(path / "optimizer.safetensors", 0o644)
+    (path / "optimizer.safetensors").unlink()
+    (path / "optimizer.safetensors").write_bytes(bytes(raw))
+    path, ck = merge(5, 6.0, carry=True)
+    assert _moments(ck) == 6.0
