@@ -172,7 +172,6 @@ class AdaptiveSelector:
     _exploring: Exploration | None = field(init=False, repr=False, default=None)
     _decision: Decision = field(init=False, repr=False, default_factory=Decision)
     _seen_load: dict[tuple[int, int], float] = field(init=False, repr=False, default_factory=dict)  # (bucket, k) -> load
-    _load0: float = field(init=False, repr=False, default=1.0)  # the load level this selector started from
 
     def __post_init__(self) -> None:
         if (not 0 <= self.epsilon <= 1 or self.hysteresis < 0 or self.margin < 0 or self.explore_margin < 0
@@ -193,7 +192,6 @@ class AdaptiveSelector:
         if self.stale_load < 0:
             raise ValueError(f"stale_load must be >= 0, got {self.stale_load}")
         self._rng = random.Random(self.seed)
-        self._load0 = self.cost.load
 
     # -- estimates -------------------------------------------------------------------------------------------
     def candidates(self, batch_size: int) -> list[int]:
@@ -261,8 +259,10 @@ class AdaptiveSelector:
         `observe`) and is passed on to every other estimate: a warm-up entry timed low holds its strategy
         committed, whatever the others would do, until an exploration of them says otherwise, and epsilon-rate
         explorations come too rarely for that (BENCHMARKS.md, Adaptive selection). An estimate is stale once the
-        load has moved by more than `stale_load` since its strategy last ran here; one exploration run refreshes
-        it, so a stale runner-up costs one run per such move of the load.
+        load has moved by more than `stale_load` since its strategy last ran here, or since the selector first
+        looked at it here: at a bucket not visited before, the load's move so far shifts every estimate alike and
+        ranks none wrong, and exploring each runner-up on arrival slowed every new batch size's first steps. One
+        exploration run refreshes it, so a stale runner-up costs one run per such move of the load.
         What it does not fix: once the runner-up is committed and its accurate entry brings the load back, the
         mis-measured strategy's factor, learnt relative to the higher load, makes it look better again, and the
         selector can return to it for a while (tests/test_adaptive_selector.py)."""
@@ -270,7 +270,7 @@ class AdaptiveSelector:
             return None
         others = [k for k in cands if k != self.k]
         k = max(others, key=lambda k: (scores[k], -k))
-        seen = self._seen_load.get((self.cost.bucket(batch_size), k), self._load0)
+        seen = self._seen_load.setdefault((self.cost.bucket(batch_size), k), self.cost.load)
         return k if abs(math.log(self.cost.load / seen)) > math.log1p(self.stale_load) else None
 
     def _continue_exploration(self, cands: list[int]) -> int | None:

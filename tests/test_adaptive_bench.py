@@ -25,12 +25,14 @@ def test_bench_adaptive_json_contract():
         assert set(row) >= {"batch", "oracle_k", "oracle_tps", "adaptive_tps", "beg_tps", "threshold_tps", "nospec_tps"}
         assert row["oracle_tps"] == max(row["fixed_tps"].values()) and row["oracle_k"] in (0, 2)
         assert all(v > 0 for v in row["fixed_tps"].values())
+        assert row["twin_ratio"] == pytest.approx(row["repeats_tps"]["twin"][0] / row["repeats_tps"]["k2"][0], abs=1e-3)
     for row in r["per_batch"]:  # one repeat: nothing to hold out, so the held-out oracle is the in-sample one
         assert row["oracle_held_out_tps"] == row["oracle_tps"] and row["oracle_held_out_ks"] == [row["oracle_k"]]
         assert row["adaptive_vs_oracle"] == pytest.approx(row["adaptive_tps"] / row["oracle_tps"], abs=1e-3)
     assert r["adaptive_vs_oracle_min_ratio"] == pytest.approx(min(x["adaptive_vs_oracle"] for x in r["per_batch"]), abs=1e-3)
     assert r["adaptive_vs_oracle_in_sample_min_ratio"] == pytest.approx(
         min(x["adaptive_tps"] / x["oracle_tps"] for x in r["per_batch"]), abs=1e-3)
+    assert r["twin_ratio_range"] == [min(x["twin_ratio"] for x in r["per_batch"]), max(x["twin_ratio"] for x in r["per_batch"])]
     assert set(r["longtail_speedup_vs_nospec"]) == {"adaptive", "beg", "threshold"}
     sched = r["adaptive_schedule"]
     assert sched[0][0] == 1 and sched[-1][1] == 3

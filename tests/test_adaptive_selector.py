@@ -7,6 +7,7 @@ acceptance model and the synthetic step times, by brute force over k.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections import Counter
 
@@ -590,3 +591,28 @@ def test_warm_up_rounds_reverse_so_no_k_is_always_timed_last():
     means = {k: sum(v) / len(v) for k, v in times.items()}
     assert all(len(v) == 6 for v in times.values())
     assert max(means.values()) - min(means.values()) < 0.1 * min(means.values()), means
+
+
+def test_a_new_batch_size_does_not_explore_because_the_load_moved_elsewhere():
+    """The machine slows down by half while the selector runs at batch 1, so the cost model's load level moves
+    well past stale_load. At batch 4, a bucket it has not visited, that move shifts every estimate alike: with
+    exploration off (epsilon 0) it runs the best strategy at every one of its first 60 steps there. A strategy
+    it has run at a bucket still counts as stale once the load moves on (the lock-in test above)."""
+    acc = AcceptanceTracker(k_max=8)
+    rng = random.Random(2)
+    for k in (1, 2, 3, 4):
+        run_chain(acc, rng, k, [0.7] * 8, 12, 4)
+    sel = AdaptiveSelector(synthetic_cost(), acc, epsilon=0.0, seed=0)
+    last, chosen = None, []
+    for i in range(260):
+        batch = 1 if i < 200 else 4
+        if i == 200:
+            last = None  # a new engine at batch 4
+        k = sel(batch, last)
+        if batch == 4:
+            chosen.append(k)
+        slow = 1.0 + 0.5 * min(i, 150) / 150
+        reach = sample_reach(rng, k, batch, [0.7] * k)
+        last = StepRecord.following(last, batch, k, sum(reach), reach, synthetic_time(batch, k) * slow)
+    assert abs(math.log(sel.cost.load)) > math.log1p(sel.stale_load)  # the load moved past the threshold
+    assert chosen == [true_best(4, 0.7)] * len(chosen), Counter(chosen)

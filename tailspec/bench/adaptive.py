@@ -7,7 +7,9 @@ engine per batch size is reconfigured, and the policies run one after another.) 
 best fixed k, and which k that is gets decided on other repeats than the one it is scored on
 (`held_out_oracle`): the best of several near-tied fixed ks on the same repeats is their noise's maximum, above
 what any of them delivers (the winner's curse). `adaptive_vs_oracle` is the median over repeats of adaptive ÷
-the held-out oracle in the same repeat (the same requests); the in-sample figures stay beside it. A run at
+the held-out oracle in the same repeat (the same requests); the in-sample figures stay beside it. A second engine
+running the smallest speculative k (`twin`) is paired with the first the same way: what two identical engines
+measure of each other is the resolution of every ratio in the run. A run at
 batch b keeps b requests running (a queue refills finished slots between steps; their prefill is not timed) and
 times max(`steps`, `rows` / b) decode steps after `warmup` untimed ones, enough at small batch to cover several
 whole responses. Its requests start at their prompts;
@@ -292,6 +294,9 @@ def run(args: argparse.Namespace) -> dict:
     adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=cfg.rollout.epsilon, seed=0)
     policies = {f"k{k}": fixed_selector(k) for k in ks}
     policies |= {"adaptive": adaptive, "beg": beg_selector(k_max), "threshold": threshold_selector(min(4, k_max))}
+    # a second engine running the smallest speculative k: two identical engines differ only by the machine's noise,
+    # which is how finely the ratios of this run can be read
+    policies["twin"] = fixed_selector(min([k for k in ks if k > 0] or [0]))
     per_batch = [_batch_row(make_engine, policies, adaptive, starts, b, ks, args, out, lockstep=not graphs)
                  for b in batches]
     longtail = _longtail(make_engine, policies, tok, max_seq, cfg, args, out) if args.longtail_n > 0 else {}
@@ -303,6 +308,7 @@ def run(args: argparse.Namespace) -> dict:
         "adaptive_vs_oracle_in_sample_min_ratio": round(min(r["adaptive_tps"] / r["oracle_tps"] for r in per_batch), 3),
         "adaptive_vs_nospec_min_ratio": round(min(r["adaptive_tps"] / r["nospec_tps"] for r in per_batch), 3),
         "adaptive_vs_nospec_at_largest": round(per_batch[-1]["adaptive_tps"] / per_batch[-1]["nospec_tps"], 3),
+        "twin_ratio_range": [min(r["twin_ratio"] for r in per_batch), max(r["twin_ratio"] for r in per_batch)],
         "longtail_speedup_vs_nospec": longtail,
         "adaptive_schedule": adaptive.schedule(max(batches)),
         "acceptance": adaptive.acceptance.summary()["expected_tokens"],
@@ -314,6 +320,9 @@ def run(args: argparse.Namespace) -> dict:
     print(f"adaptive ÷ per-batch oracle, lowest over batch sizes: {result['adaptive_vs_oracle_min_ratio']:.3f} "
           f"(oracle's k held out; in sample {result['adaptive_vs_oracle_in_sample_min_ratio']:.3f}); adaptive ÷ no SD, "
           f"lowest: {result['adaptive_vs_nospec_min_ratio']:.3f}", file=out)
+    lo, hi = result["twin_ratio_range"]
+    print(f"two identical engines (fixed k{policies['twin'](1)}) measured {lo:.3f}-{hi:.3f} of each other over the batch "
+          "sizes: the noise these ratios carry on this machine", file=out)
     print(f"adaptive schedule: {result['adaptive_schedule']}; total {result['seconds']}s on {machine()}", file=out)
     return result
 
@@ -383,6 +392,8 @@ def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list[i
         "batch": b, "oracle_k": oracle_k, "oracle_tps": round(med[f"k{oracle_k}"], 1),
         "oracle_held_out_ks": held_ks, "oracle_held_out_tps": round(statistics.median(held_tps), 1),
         "adaptive_vs_oracle": round(statistics.median(a / o for a, o in zip(runs["adaptive"], held_tps)), 4),
+        # the same fixed k on a second engine, paired per repeat like adaptive ÷ oracle: the ratios' noise
+        "twin_ratio": round(statistics.median(t / f for t, f in zip(runs["twin"], runs[f"k{policies['twin'](b)}"])), 4),
         "repeats_tps": {name: [round(x, 1) for x in v] for name, v in runs.items()},
         "adaptive_tps": round(med["adaptive"], 1), "beg_tps": round(med["beg"], 1),
         "threshold_tps": round(med["threshold"], 1), "nospec_tps": round(med["k0"], 1),
