@@ -28,9 +28,10 @@ running estimates of the gradient's mean and scale for the same loss at nearby w
 valid starting estimates for any contributor (β1 = 0.9 and β2 = 0.95 forget a foreign trajectory in
 tens of steps), and starting from them avoids Adam's first steps of full-size sign updates that a reset
 would cause at every session start. For the same reason moments a few merges old serve as well, and a
-session writes its own only every `trainer.merge_moments_every`-th merge and at its last: the merges
-between link the head's file (`carry_moments`), which takes the moments (two of a merge's three tensor sets)
-off most merges' writes, and a merge's write is lent GPU time between training steps.
+session writes its own only every `trainer.merge_moments_every`-th merge and in the merge its stop makes
+(a stop that finds no unmerged step leaves the head's, at most that many merges old); the merges between
+link the head's file (`carry_moments`), which takes the moments (two of a merge's three tensor sets) off
+most merges' writes, and a merge's write is lent GPU time between training steps.
 
 The outer step is delay-aware and has no state of its own. A merge that finds other merges since its base
 applies a *delayed* delta: one computed on weights that miss the others' latest work (asynchronous local

@@ -160,7 +160,7 @@ class TrainerConfig(_Section):
     merge_every_steps: int = Field(10, ge=0, le=1_000_000_000, description="a session merges its work into the lineage head this "
                                    "often (and when it stops); 0 = only when it stops")
     merge_moments_every: int = Field(4, ge=1, le=1_000_000_000, description="a merge writes the session's AdamW "
-                                     "moments this often (and at the session's last merge); the merges between "
+                                     "moments this often (and in the merge a stop makes); the merges between "
                                      "carry the head's, a few merges old (1: every merge writes its own)")
     merge_outer_lr: float = Field(1.0, gt=0, le=2, description="outer step: head += merge_outer_lr * (local - base)")
     merge_delayed_beta1: float | None = Field(
