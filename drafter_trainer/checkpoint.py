@@ -10,11 +10,9 @@ points at a pruned one. Optimizer tensors go to safetensors and the rest to JSON
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -32,7 +30,7 @@ from tailspec.drafter_trainer.files import (
 )
 from tailspec.drafter_trainer.model import CONFIG_NAME, WEIGHTS_NAME, Eagle3Module
 
-from tailspec.core.atomic import write_dir_atomic, write_text_atomic
+from tailspec.core.atomic import link_or_copy, write_dir_atomic, write_text_atomic
 
 LATEST = "LATEST"
 OPTIMIZER_NAME = "optimizer.safetensors"
@@ -96,12 +94,7 @@ def write_checkpoint_dir(path: str | Path, drafter: Eagle3Module, optimizer_stat
         meta["weights_crc32"] = file_crc32(tmp / WEIGHTS_NAME)
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2))
         if carried is not None:
-            try:
-                os.link(optimizer_from / OPTIMIZER_NAME, tmp / OPTIMIZER_NAME)
-            except OSError as e:
-                if e.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP):
-                    raise
-                shutil.copyfile(optimizer_from / OPTIMIZER_NAME, tmp / OPTIMIZER_NAME)
+            link_or_copy(optimizer_from / OPTIMIZER_NAME, tmp / OPTIMIZER_NAME)
         elif opt_meta is not None:
             save_file(opt_tensors, str(tmp / OPTIMIZER_NAME))
             opt_meta["crc32"] = file_crc32(tmp / OPTIMIZER_NAME)

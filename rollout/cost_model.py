@@ -202,8 +202,8 @@ def measure(
     round after round, each round's order the reverse of the last, until every k has its steps (admissions'
     prefill is not timed). With `passes` > 1 the sweep repeats and each entry keeps the median over passes. The
     result is projected onto monotone costs (`CostModel.monotone`). `on_step(record)` sees every timed step's
-    `StepRecord` (e.g. `AcceptanceTracker.observe`: real drafts on real responses). The engine must be idle and is left idle (the
-    requests still running at the end are aborted), with its strategy hook restored.
+    `StepRecord` (e.g. `AcceptanceTracker.observe`: real drafts on real responses). The engine must be idle and
+    is left idle (the requests still running at the end are aborted), with its strategy hook restored.
     """
     buckets, ks, room = _warmup_shapes(engine, prompts, buckets, ks, (steps, passes, block, max_tokens, settle, rows))
     feed = _Feed(engine, prompts, min(max_tokens, room), temperature)

@@ -26,6 +26,15 @@ def fsync_path(p: Path) -> None:
         os.close(fd)
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """dst as a hard link to src (a file never changed once written can be shared), copied where links are
+    refused (another filesystem, or none supported)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def write_dir_atomic(path: Path, write: Callable[[Path], None]) -> Path:
     """Let `write` fill a temporary sibling directory, fsync its files, then swap it in by rename (the old
     directory, if any, is renamed aside first and removed after). Readers see the old directory or the new

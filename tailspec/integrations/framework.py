@@ -7,8 +7,6 @@ read from its batch."""
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -16,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tailspec.core import state
+from tailspec.core.atomic import link_or_copy
 from tailspec.core.state import DrafterVersion
 from tailspec.integrations.policy import PolicyPublisher
 from tailspec.rollout.health_guard import GuardPolicy
@@ -187,13 +186,6 @@ class AttachStats:
     verdicts: list[dict] = field(default_factory=list)  # the health guard's, per engine, in order
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:  # another filesystem, or links refused
-        shutil.copy2(src, dst)
-
-
 def copy_tree(src: Path) -> Callable[[Path], None]:
     """A `PolicyPublisher` writer: `src`'s files hard-linked (copied where links are refused), so the
     framework's checkpoint rotation cannot pull them from under a session."""
@@ -204,7 +196,7 @@ def copy_tree(src: Path) -> Callable[[Path], None]:
                 target.mkdir(parents=True, exist_ok=True)
             else:
                 target.parent.mkdir(parents=True, exist_ok=True)
-                _link_or_copy(f, target)
+                link_or_copy(f, target)
     return write
 
 
