@@ -47,31 +47,15 @@ from tailspec.drafter_trainer.checkpoint import load_latest, save_checkpoint
 from tailspec.drafter_trainer.backends import make_backend
 from tailspec.drafter_trainer.lineage import DUPLICATE, FENCED, Lineage, MergeResult, snapshot
 from tailspec.drafter_trainer.loss import StopRequested, step_token_counts, ttt_loss
-from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module, vocab_maps_from_counts
+from tailspec.drafter_trainer.fresh import new_drafter
 from tailspec.drafter_trainer.rollout_targets import load_targets
+from tailspec.drafter_trainer.rounds import Rounds, copy_trainable
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
 from tailspec.drafter_trainer.teacher import Teacher, collate
 
 from tailspec.core.config import TrainerConfig
 
 log = logging.getLogger(__name__)
-
-
-def token_counts(buffer: SampleBuffer, vocab_size: int) -> torch.Tensor:
-    counts = torch.zeros(vocab_size, dtype=torch.float64)
-    for s in buffer.train:
-        counts += torch.bincount(torch.tensor(s.response_ids), minlength=vocab_size).double()
-    return counts
-
-
-def new_drafter(teacher: Teacher, cfg: TrainerConfig, buffer: SampleBuffer) -> Eagle3Module:
-    dcfg = Eagle3Config.from_target(teacher.config, draft_vocab_size=cfg.draft_vocab_size,
-                                    aux_layer_ids=teacher.aux_layer_ids)
-    torch.manual_seed(cfg.seed)
-    drafter = Eagle3Module(dcfg, teacher.embedding())
-    if dcfg.draft_vocab_size < dcfg.vocab_size:
-        drafter.set_vocab_maps(*vocab_maps_from_counts(token_counts(buffer, dcfg.vocab_size), dcfg.draft_vocab_size))
-    return drafter.to(teacher.device)
 
 
 @dataclass
@@ -125,6 +109,9 @@ class TrainingSession:
         self._stop_at: float | None = None
         self._asked_at = 0.0
         self.lineage = lineage
+        # Synchronous rounds (rounds.py) where the lineage has Redis and the config asks; else merges of deltas.
+        use_rounds = lineage is not None and lineage.redis is not None and cfg.merge_rule == "rounds"
+        self.rounds = Rounds(lineage, self.session_id, cfg) if use_rounds else None
         self.merge_every_steps = merge_every_steps
         self.merged_steps = self.merges = self._seq = 0
         self.partial_steps = 0  # steps cut short by a stop and taken on the micro-batches done
@@ -241,8 +228,14 @@ class TrainingSession:
         res = ttt_loss(self.drafter, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
                        batch.weights, self.cfg.ttt_length, self.cfg.step_decay, check=self._check)
         self._check()
-        self.backend.step(res.loss, self._check)
-        self._count_step(batch.tokens)
+        if self.rounds is None:
+            self.backend.step(res.loss, self._check)
+            self._count_step(batch.tokens)
+        else:
+            self.backend.zero_grad()
+            self.backend.accumulate(res.loss)
+            self._check()
+            self.rounds.step(self, 1.0, 1.0, batch.tokens)
         return float(res.loss.detach()), batch.tokens, res.step_accuracy
 
     def _micro_step(self, samples: list, weights: list[float], micro: int,
@@ -277,8 +270,11 @@ class TrainingSession:
             agree = [a + acc * c for a, acc, c in zip(agree, res.step_accuracy, counts)]
             done = [d + c for d, c in zip(done, counts)]
         scale = denominators[0] / max(1.0, done[0])  # 1 for a whole step
-        self.backend.apply(scale, lr_scale=1.0 / scale)
-        self._count_step(tokens)
+        if self.rounds is None:
+            self.backend.apply(scale, lr_scale=1.0 / scale)
+            self._count_step(tokens)
+        else:  # the round's step: lr x the sum of its entries' shares
+            self.rounds.step(self, scale, 1.0 / scale, tokens)
         return loss * scale, tokens, [a / max(1.0, d) for a, d in zip(agree, done)]
 
     def _count_step(self, tokens: int) -> None:
@@ -296,6 +292,12 @@ class TrainingSession:
         continue from the merged head. None when there is nothing to merge. The merge writes this session's
         AdamW moments when `final` (the next session starts from them) and every `merge_moments_every`-th time;
         the others carry the head's (lineage.py: Optimizer state)."""
+        if self.rounds is not None:  # rounds publish as they close; a stop leaves them and publishes the rest
+            if final and not self.fenced_out:
+                self.rounds.leave(self)
+                self.rounds.publish(self)
+                self.merged_steps = self.rounds.merged
+            return None
         if self.lineage is None or self._steps_since_merge == 0 or self.fenced_out:
             return None
         self._seq += 1
@@ -314,10 +316,7 @@ class TrainingSession:
             self.merged_steps += res.steps
             self.merges += 1
             head, ck = self.lineage.pull(self.teacher.embedding(), map_location=str(self.drafter.fc.weight.device))
-            with torch.no_grad():
-                for n, p in self.drafter.named_parameters():
-                    if p.requires_grad:
-                        p.copy_(ck.drafter.state_dict()[n])
+            copy_trainable(ck.drafter, self.drafter)
             self.base, self.base_weights, self.step = head, snapshot(self.drafter), head.steps
             self._steps_since_merge = self._tokens_since_merge = 0
         elif res.merged:
@@ -334,10 +333,7 @@ class TrainingSession:
                     # DeepSpeed keeps its own fp32 master weights: restart from the head instead of
                     # copying into the module under it.
                     self.request_stop("lineage head moved (deepspeed backend restarts from the head)")
-                with torch.no_grad():
-                    for n, p in self.drafter.named_parameters():
-                        if p.requires_grad:
-                            p.copy_(res.weights[n])
+                copy_trainable(res.weights, self.drafter)
             self.base = res.head
             self.base_weights = snapshot(self.drafter)
             self.step = res.head.steps  # the lineage's step count: what a resumed session would see
@@ -367,6 +363,8 @@ class TrainingSession:
         last_report = 0.0
         reason = "max_steps"
         try:
+            if self.rounds is not None and not self.fenced_out:
+                self.rounds.join(self)
             while True:
                 if max_steps is not None and steps >= max_steps:
                     break
@@ -393,7 +391,7 @@ class TrainingSession:
                     last_report = time.monotonic()
                     self.on_step(self.step, loss, self.tokens_total)
                 if self.lineage is not None:
-                    if self.merge_every_steps and self._steps_since_merge >= self.merge_every_steps:
+                    if self.rounds is None and self.merge_every_steps and self._steps_since_merge >= self.merge_every_steps:
                         self.merge()
                 elif self.checkpoint_every_steps and self.step % self.checkpoint_every_steps == 0:
                     self.save()
@@ -401,6 +399,8 @@ class TrainingSession:
             reason = self._stop_reason or "requested"
         # Whatever ended the loop, the last whole step is saved before returning (the GPU given back first).
         self.drafter.zero_grad(set_to_none=True)
+        if self.rounds is not None:  # the round holding our last entry applied before the device goes
+            self.rounds.leave(self)
         if self.on_release is not None and reason != "max_seconds":
             self.release_device()
         path = self.save()

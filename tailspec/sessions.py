@@ -388,6 +388,8 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
               f"({trainer.session.partial_steps} cut short; {res.shipped_batches} batches on shipped targets) in "
               f"{res.train_seconds:.2f} s, {res.merges} merges, "
               f"validating {trainer.validate_s:.2f} s, {time.monotonic() - t_start:.2f} s in all; stop: {res.stop_reason}"
+              + (f", rounds: {rounds.rounds} applied, {rounds.late} entries late, {rounds.waited_s:.2f} s waiting"
+                 if (rounds := trainer.session.rounds) is not None else "")
               + (f", GPU released {trainer.session.released_after_s:.3f} s after"
                  if trainer.session.released_after_s is not None else "")
               + (f", saved {res.stop_latency_s:.3f} s after" if res.stop_latency_s is not None else ""),

@@ -30,6 +30,17 @@ TTL_S = 15.0  # covers a session's start-up (imports, teacher load) on a busy 2-
 
 @pytest.mark.slow
 def test_three_sessions_one_lineage_with_revocations_and_a_kill(redis_client, redis_url, tmp_path):
+    chaos(redis_client, redis_url, tmp_path, "async")
+
+
+@pytest.mark.slow
+def test_three_sessions_in_synchronous_rounds_with_revocations_and_a_kill(redis_client, redis_url, tmp_path):
+    """The same with trainer.merge_rule = rounds: a2 is SIGKILLed while it trains (in a round); its entries in
+    closed rounds are applied by the others and counted under its id, nothing else of it is."""
+    chaos(redis_client, redis_url, tmp_path, "rounds")
+
+
+def chaos(redis_client, redis_url, tmp_path: Path, rule: str) -> None:
     from tests.trainer_data import policy_samples
 
     path, samples = policy_samples("micro", n=96, seed=3)
@@ -37,7 +48,8 @@ def test_three_sessions_one_lineage_with_revocations_and_a_kill(redis_client, re
     cfg = TailspecConfig.model_validate({
         "cluster": {"name": cluster, "redis_url": redis_url},
         "trainer": {"checkpoint_dir": str(tmp_path / "drafter"), "batch_size": 4, "lr": 3e-3,
-                    "merge_every_steps": 2, "validate_every_s": 1000.0, "holdout_fraction": 0.1},
+                    "merge_every_steps": 2, "validate_every_s": 1000.0, "holdout_fraction": 0.1,
+                    "merge_rule": rule},
     })
     state.put(redis_client, state.key(cluster, "phase"),
               PhaseInfo(phase="rollout", step=1, started_at=time.time(), policy_version=1, policy_path=str(path)))
@@ -86,9 +98,12 @@ def test_three_sessions_one_lineage_with_revocations_and_a_kill(redis_client, re
 
     start("a0", 0)
     start("a1", 1)
-    start("a2", 2, pause_at_merge=2)  # its second merge pauses at the commit point
-    wait_until(marker.is_file, "a2 to pause inside a merge")
-    killed_dir = Path(marker.read_text())  # written whole; its compare-and-swap has not run
+    start("a2", 2, pause_at_merge=2 if rule == "async" else 0)  # its second merge pauses at the commit point
+    if rule == "async":
+        wait_until(marker.is_file, "a2 to pause inside a merge")
+        killed_dir = Path(marker.read_text())  # written whole; its compare-and-swap has not run
+    else:
+        wait_until(lambda: step_of("a2") >= 4, "a2 to train")
     killed.add("a2")
     procs["a2"][0].send_signal(signal.SIGKILL)
     procs["a2"][0].wait(timeout=30)
@@ -113,15 +128,19 @@ def test_three_sessions_one_lineage_with_revocations_and_a_kill(redis_client, re
     for sid, out in finished.items():
         assert out["merged_steps"] == merged.get(sid, 0) > 0, (sid, out, merged)
         assert out["merged_steps"] == out["steps"], (sid, out)  # a revoked session's last merge went in
-    # the killed session's first merge is in; the one it was killed in is not
-    assert int(redis_client.hget(state.key(cluster, "lineage_contributions"), "a2:seq")) == 1
     assert merged["a2"] > 0
+    if rule == "async":  # the killed session's first merge is in; the one it was killed in is not
+        assert int(redis_client.hget(state.key(cluster, "lineage_contributions"), "a2:seq")) == 1
+    else:  # the head holds rounds, and the killed member is no longer a member
+        assert head.round > 0
+        assert not redis_client.hexists(state.key(cluster, "lineage_members"), "a2")
     # the head loads, and nothing but the head and the head it replaced (kept as the fallback if the head's
     # files are damaged) is left: no temp dir, the killed merge's dir collected
     ck = load_checkpoint(head.path)
     assert ck.drafter is not None
-    left = sorted(p.name for p in lin.root.iterdir() if p.name != ".lock")
+    left = sorted(p.name for p in lin.root.iterdir() if p.name not in (".lock", "rounds"))
     assert Path(head.path).name in left and len(left) == 2, left
     assert min(left).startswith(f"head-{head.number - 1:08d}-"), left
-    assert not killed_dir.exists()
+    if rule == "async":
+        assert not killed_dir.exists()
     assert not list((tmp_path / "drafter").rglob("*.tmp*"))

@@ -140,6 +140,10 @@ def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_d
             tail = (root / f"session-{n_sessions}-{bad[0]}.log").read_text()[-3000:]
             raise RuntimeError(f"session(s) {bad} of run ({'a' if n_sessions == 1 else 'b'}) failed; the first's log "
                                f"ends:\n{tail}")
+        for g in range(n_sessions):  # each session's summary line: steps, merges, validating, rounds
+            for line in (root / f"session-{n_sessions}-{g}.log").read_text().splitlines():
+                if line.startswith("tailspec session "):
+                    print("     ", line[len("tailspec "):], file=sys.stderr)
         head = Lineage(Path(c.trainer.checkpoint_dir) / "lineage", r, c.cluster.name).head()
         history = [state.decode(DrafterVersion, x) for x in r.lrange(state.key(c.cluster.name, "drafter_versions"), 0, -1)]
         return {"head": head, "seconds": seconds, "first_promotion_s": first_promotion,

@@ -162,6 +162,14 @@ class TrainerConfig(_Section):
     merge_moments_every: int = Field(4, ge=1, le=1_000_000_000, description="a merge writes the session's AdamW "
                                      "moments this often (and in the merge a stop makes); the merges between "
                                      "carry the head's, a few merges old (1: every merge writes its own)")
+    merge_rule: Literal["async", "rounds"] = Field(
+        "async", description="how contributors combine their work: `async` merges each session's local steps into "
+        "the head (lineage.py); `rounds` takes one optimizer step per round over every contributor's gradient "
+        "(rounds.py; needs Redis and the torch backend)")
+    round_wait: float = Field(2.0, ge=0, le=100, description="rounds: a round closes when every member is in, or "
+                              "this many times its first entry's compute time after that entry")
+    round_max_lr_scale: float = Field(2.0, ge=1, le=64, description="rounds: a round steps at lr x the sum of its "
+                                      "entries' batch shares, at most this (linear scaling, capped)")
     merge_outer_lr: float = Field(1.0, gt=0, le=2, description="outer step: head += merge_outer_lr * (local - base)")
     merge_delayed_beta1: float | None = Field(
         None, ge=0, lt=1, description="AdamW's beta1 for the chunk after a merge that found other sessions' merges "

@@ -207,6 +207,7 @@ class LineageHead(_Payload):
     merges: int = Field(0, ge=0)
     policy_version: int = Field(0, ge=0, description="teacher policy version of the last merged work")
     session_id: str | None = Field(None, description="the session whose merge made this head")
+    round: int = Field(0, ge=0, description="last synchronous round it holds (drafter_trainer/rounds.py), else 0")
     updated_at: float
 
 
@@ -299,8 +300,7 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("gpus", "gpus", "set", "telemetry monitor", None, "'{node}:{gpu}' of every known GPU"),
         KeySpec("telemetry_history", "history:gpu", "stream", "telemetry monitor", GpuTelemetry,
                 "capped stream (MAXLEN ~) of telemetry samples, field 'data'"),
-        KeySpec("gpu_status", "gpu_status:{node}:{gpu}", "string", "scheduler", GpuStatus,
-                "state machine of one GPU"),
+        KeySpec("gpu_status", "gpu_status:{node}:{gpu}", "string", "scheduler", GpuStatus, "state machine of one GPU"),
         KeySpec("status_history", "history:status", "stream", "scheduler", GpuStatus,
                 "capped stream of GPU state transitions (timeline), field 'data'"),
         KeySpec("lease", "lease:{node}:{gpu}", "string", "scheduler", Lease,
@@ -309,8 +309,7 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("session", "session:{session_id}", "string", "trainer session", SessionInfo,
                 "a training session's status, step and loss"),
         KeySpec("sessions", "sessions", "set", "scheduler", None, "ids of all sessions"),
-        KeySpec("revoke", "revoke:{node}:{gpu}", "string", "scheduler", None,
-                "revocation flag (fencing token as text) a session polls besides its lease"),
+        KeySpec("revoke", "revoke:{node}:{gpu}", "string", "scheduler", None, "revocation flag (fencing token)"),
         KeySpec("samples", "samples", "stream", "RL framework (client)", Sample,
                 "capped stream of rollout samples, field 'data'"),
         KeySpec("dropped", "dropped", "hash", "drafter trainer / client", None,
@@ -338,7 +337,11 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("lineage_head", "lineage:head", "string", "drafter trainer (lineage)", LineageHead,
                 "head of the drafter lineage; replaced only by a fenced compare-and-swap merge"),
         KeySpec("lineage_contributions", "lineage:contributions", "hash", "drafter trainer (lineage)", None,
-                "'{session}:steps' → optimizer steps merged, '{session}:seq' → last merge applied"),
+                "'{session}:steps' → optimizer steps (rounds: entries) merged, '{session}:seq' → last merge"),
+        KeySpec("lineage_rounds", "lineage:rounds", "hash", "drafter trainer (rounds)", None, "'open' → round "
+                "taking gradients; '{r}:in' → its entries [{s, n, t, w, f}], '{r}:dl' → deadline, '{r}:closed'"),
+        KeySpec("lineage_members", "lineage:members", "hash", "drafter trainer (rounds)", None,
+                "session → JSON {hb: last seen (Redis TIME), joined: first round it is waited for in}"),
         KeySpec("rollout_stats", "history:rollout", "stream", "rollout worker", RolloutStats,
                 "per-phase rollout figures, field 'data'"),
         KeySpec("counters", "counters", "hash", "scheduler, sessions", None,

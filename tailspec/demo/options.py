@@ -74,9 +74,13 @@ class DemoOptions:
 #   end to end); two contributors at 2e-4 lose 0.06 of acceptance against one (cotrain);
 # - hold out a quarter of the samples: a session validates on its buffer's held-out share of ~2 policy
 #   versions' 64 samples each, and at 0.1 that was 12-18 samples, below the paired test's 16; training is
-#   short of seconds, not of samples.
+#   short of seconds, not of samples;
+# - synchronous rounds (drafter_trainer/rounds.py): the contributors' gradients make one step a round, which two
+#   asynchronous contributors' merged deltas fell 0.12-0.18 short of (bench cotrain). Their exchange is files on
+#   the lineage's filesystem, sized for the miniature's drafters, so the library default stays `async`.
 DEMO_TRAINER = {"batch_size": 8, "micro_batch_size": 2, "validate_every_s": 5.0, "merge_every_steps": 2,
-                "holdout_fraction": 0.25, "propose_min_steps": 12, "lr": 2e-4, "bootstrap_lr": 6e-4}
+                "holdout_fraction": 0.25, "propose_min_steps": 12, "lr": 2e-4, "bootstrap_lr": 6e-4,
+                "merge_rule": "rounds"}
 # Lend when the expected tail exceeds this (scheduler.session_startup_s; see Demo.config).
 DEMO_SESSION_STARTUP_S = 0.3
 
