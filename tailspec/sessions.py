@@ -306,16 +306,19 @@ def fits(ctx: Any, cfg: TailspecConfig, policy_path: str, dtype: torch.dtype) ->
 # The cluster's counters a finished session adds its seconds to: lent GPU-seconds say only that a GPU was lent;
 # these say how much of a lend trained (whole optimizer steps: teacher, drafter, optimizer), validated
 # candidates, or went to start-up (the teacher's load, the stream's read, the lineage's pull).
+# In synchronous rounds a step's time includes waiting for the round's other members (as a data-parallel step's
+# includes its all-reduce): "wait" is that part of "train".
 SESSION_SECONDS = {"ready": "session_ready_seconds", "train": "session_train_seconds",
-                   "validate": "session_validate_seconds", "all": "session_seconds"}
+                   "validate": "session_validate_seconds", "all": "session_seconds", "wait": "session_round_wait_seconds"}
 
 
-def record_seconds(redis: Any, cluster: str, *, ready: float, train: float, validate: float, total: float) -> None:
+def record_seconds(redis: Any, cluster: str, *, ready: float, train: float, validate: float, total: float,
+                   wait: float = 0.0) -> None:
     """Add a finished session's seconds to the cluster's counters (SESSION_SECONDS). Best effort: a lost count
     must not fail a session that trained."""
     try:
         p = redis.pipeline(transaction=False)
-        for short, v in (("ready", ready), ("train", train), ("validate", validate), ("all", total)):
+        for short, v in (("ready", ready), ("train", train), ("validate", validate), ("all", total), ("wait", wait)):
             p.hincrbyfloat(state.key(cluster, "counters"), SESSION_SECONDS[short], max(0.0, float(v)))
         p.execute()
     except Exception as e:  # noqa: BLE001
@@ -394,8 +397,10 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
                  if trainer.session.released_after_s is not None else "")
               + (f", saved {res.stop_latency_s:.3f} s after" if res.stop_latency_s is not None else ""),
               file=sys.stderr, flush=True)
+        rounds = trainer.session.rounds
         record_seconds(r, cfg.cluster.name, ready=t_ready - t_start, train=res.train_seconds,
-                       validate=trainer.validate_s, total=time.monotonic() - t_start)
+                       validate=trainer.validate_s, total=time.monotonic() - t_start,
+                       wait=rounds.waited_s if rounds is not None else 0.0)
     finally:
         trainer.close()
         keep_teacher(teacher)

@@ -5,16 +5,18 @@ Set-up (the main job's: the demo's policy preset and its bootstrap drafter, cach
 - policy v1 = v0 after `--grpo-steps` GRPO steps on its own graded rollouts (real RL: the reward moves it);
 - the sample stream holds v0's rollouts, then v1's; the phase record names v1 as the teacher;
 - (a) one real session process trains `--steps` optimizer steps; (b) `--sessions` session processes (two by
-  default) train `--steps` / n each, at the same time, merging into the lineage head as they go. Each runs against its own
+  default) train `--steps` / n each, at the same time, into the lineage (the demo's trainer.merge_rule: synchronous
+  rounds, drafter_trainer/rounds.py; `--set trainer.merge_rule=async` for merged deltas). Each runs against its own
   fresh redis-server and lineage seeded with the starting drafter, and proposes candidates every
   `--validate-every-s` (paired test, trainer.promotion_level).
   With `--alternate` the sessions run in this process instead, taking turns one merge chunk each (each delta
-  delayed by the other sessions' chunks, as when they train at once; no validations, no Redis): the merge rule's
-  cost without the timing, deterministic to the last digit (`run_alternating`).
+  delayed by the other sessions' chunks, as when they train at once; no validations, no Redis): the asynchronous
+  merge rule's cost without the timing, deterministic to the last digit (`run_alternating`).
 
 Printed (JSON keys): `acceptance_before` (starting drafter), `acceptance_after_one` / `acceptance_after_two`
 (the lineage head after (a) / (b)): expected acceptance length at k (default 4) on held-out rollouts of v1
-that were never in the stream, with v1 as teacher; `merges` (merges into the head in (b)), `merges_one`;
+that were never in the stream, with v1 as teacher; `merges` (merges into the head in (b); rounds: heads published),
+`merges_one`;
 `first_promotion_s` / `first_promotion_s_one`: from the sessions' start to the first promoted candidate
 (null: none promoted). Targets: after_two ≥ after_one − 0.05; both ≥ before + 0.5.
 """
@@ -56,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=2, help="sessions in configuration (b) (default 2)")
     p.add_argument("--alternate", action="store_true",
                    help="run the sessions in one process, taking turns one merge chunk each, instead of as concurrent "
-                        "processes: the same delay per merge, none of the timing (deterministic; no validations)")
+                        "processes: the same delay per merge, none of the timing (deterministic; no validations). "
+                        "It measures the asynchronous merge (trainer.merge_rule async): rounds need concurrent members")
 
 
 def rollouts(model, tok, cfg, n: int, seed: int, version: int, max_seq_len: int = 640) -> tuple[list, list[Sample]]:

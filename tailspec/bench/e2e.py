@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> dict:
               f"{runs['frozen'][0].accuracy:.2f} -> {runs['frozen'][-1].accuracy:.2f}", file=out)
     split = result["lent_split_gpu_seconds"]
     print(f"idle GPU-s that became training steps: {result['training_share']:.2f} (lent {result['lent_gpu_seconds']:.1f}"
-          f": training {split['train']:.1f}, validating {split['validate']:.1f}, start-up {split['ready']:.1f}, "
+          f": training {split['train']:.1f} (waiting in rounds {split.get('wait', 0.0):.1f}), validating "
+          f"{split['validate']:.1f}, start-up {split['ready']:.1f}, "
           f"merges and stops {split['other']:.1f})", file=out)
     same = result["responses_identical_to_nospec"]
     print(f"verify rule {result['verify_rule']}; steps whose responses are no SD's, token for token: frozen "

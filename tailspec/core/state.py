@@ -345,9 +345,9 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("rollout_stats", "history:rollout", "stream", "rollout worker", RolloutStats,
                 "per-phase rollout figures, field 'data'"),
         KeySpec("counters", "counters", "hash", "scheduler, sessions", None,
-                "float counters: idle_gpu_seconds, lent_gpu_seconds, sessions_started, sessions_stopped, "
-                "sessions_preempted, sessions_declined, drafter_guard_trips; each finished session adds "
-                "session_ready_seconds, session_train_seconds, session_validate_seconds, session_seconds"),
+                "float counters: idle_gpu_seconds, lent_gpu_seconds, sessions_started/stopped/preempted/declined, "
+                "drafter_guard_trips; each finished session adds session_ready_seconds, session_train_seconds (of "
+                "it session_round_wait_seconds), session_validate_seconds, session_seconds"),
         KeySpec("events", "history:events", "stream", "any", Event, "capped event log, field 'data'"),
         KeySpec("scheduler_heartbeat", "scheduler:heartbeat", "string", "scheduler (leader)", None,
                 "time.time() of the leading scheduler's last loop, PX-expiring; written with the leader key's "

@@ -154,10 +154,10 @@ def num(v: Any, spec: str = ".2f") -> str:
 
 
 def session_split(rows: list[dict]) -> dict[str, float]:
-    """The sessions' seconds over the run (ready, train, validate, all), and what none of those covers (merges,
-    the stop, the process's own start and end) as "other"."""
+    """The sessions' seconds over the run (ready, train — of it "wait" in synchronous rounds —, validate, all), and
+    what none of those covers (merges, the stop, the process's own start and end) as "other"."""
     total = {k: sum((r.get("session_seconds") or {}).get(k, 0.0) for r in rows) for k in ("ready", "train",
-                                                                                           "validate", "all")}
+                                                                                           "validate", "all", "wait")}
     total["other"] = max(0.0, total["all"] - total["ready"] - total["train"] - total["validate"])
     return total
 
@@ -165,8 +165,9 @@ def session_split(rows: list[dict]) -> dict[str, float]:
 def lent_split(rows: list[dict], idle: float) -> str:
     s = session_split(rows)
     share = s["train"] / idle if idle else 0.0
+    wait = f", {s['wait']:.1f} of them waiting for their round's other members" if s["wait"] else ""
     return (f"- of that, sessions spent {s['train']:.1f} GPU-s in training steps (**{share:.2f}** of the idle "
-            f"GPU-seconds), {s['validate']:.1f} validating candidates, {s['ready']:.1f} starting up and "
+            f"GPU-seconds{wait}), {s['validate']:.1f} validating candidates, {s['ready']:.1f} starting up and "
             f"{s['other']:.1f} merging and stopping")
 
 
