@@ -17,11 +17,16 @@ from tailspec.sessions import run_session
 
 def run(ctx) -> dict:
     pause_at = int(os.environ.get("LINEAGE_PAUSE_AT_MERGE", "0"))
+    published = [0]
 
     def hook(point: str, path: Path) -> None:
-        # head-<number>-<session>-<seq>: a merge that lost a race retries under the same seq
+        # head-<number>-<session>-<seq>: a merge that lost a race retries under the same seq;
+        # head-<number>-<session>-r<round>: a synchronous round's publish, counted here
         if pause_at and point == "written" and "-seed." not in path.name:
-            if int(path.name.rsplit("-", 1)[1]) == pause_at:
+            tail = path.name.rsplit("-", 1)[1]
+            if tail.startswith("r"):
+                published[0] += 1
+            if (published[0] if tail.startswith("r") else int(tail)) == pause_at:
                 Path(os.environ["LINEAGE_MARKER"]).write_text(str(path))
                 time.sleep(600)
 

@@ -35,8 +35,9 @@ def test_three_sessions_one_lineage_with_revocations_and_a_kill(redis_client, re
 
 @pytest.mark.slow
 def test_three_sessions_in_synchronous_rounds_with_revocations_and_a_kill(redis_client, redis_url, tmp_path):
-    """The same with trainer.merge_rule = rounds: a2 is SIGKILLed while it trains (in a round); its entries in
-    closed rounds are applied by the others and counted under its id, nothing else of it is."""
+    """The same with trainer.merge_rule = rounds: a2 is SIGKILLed inside its second publish of the head (directory
+    written, compare-and-swap not done); its entries in closed rounds are applied and published by the others and
+    counted under its id, the head it was writing is collected."""
     chaos(redis_client, redis_url, tmp_path, "rounds")
 
 
@@ -98,12 +99,9 @@ def chaos(redis_client, redis_url, tmp_path: Path, rule: str) -> None:
 
     start("a0", 0)
     start("a1", 1)
-    start("a2", 2, pause_at_merge=2 if rule == "async" else 0)  # its second merge pauses at the commit point
-    if rule == "async":
-        wait_until(marker.is_file, "a2 to pause inside a merge")
-        killed_dir = Path(marker.read_text())  # written whole; its compare-and-swap has not run
-    else:
-        wait_until(lambda: step_of("a2") >= 4, "a2 to train")
+    start("a2", 2, pause_at_merge=2)  # its second merge (rounds: publish) pauses at the commit point
+    wait_until(marker.is_file, "a2 to pause inside a merge")
+    killed_dir = Path(marker.read_text())  # written whole; its compare-and-swap has not run
     killed.add("a2")
     procs["a2"][0].send_signal(signal.SIGKILL)
     procs["a2"][0].wait(timeout=30)
@@ -141,6 +139,5 @@ def chaos(redis_client, redis_url, tmp_path: Path, rule: str) -> None:
     left = sorted(p.name for p in lin.root.iterdir() if p.name not in (".lock", "rounds"))
     assert Path(head.path).name in left and len(left) == 2, left
     assert min(left).startswith(f"head-{head.number - 1:08d}-"), left
-    if rule == "async":
-        assert not killed_dir.exists()
+    assert not killed_dir.exists()
     assert not list((tmp_path / "drafter").rglob("*.tmp*"))
