@@ -8,9 +8,9 @@ take that step: every member computes a gradient at the same weights, the round 
 applies the same AdamW step, so members hold the same weights and moments at all times.
 
 - **Round log.** Redis hash `lineage:rounds`: `open` is the round taking gradients; `{r}:in` lists its entries
-  (session, entry number, tokens, batch share, fresh). An entry's gradient is a safetensors file
-  `ROOT/rounds/<session>-<n>.safetensors`, in place (temp file, rename) before its entry is added, so an entry is
-  whole or absent. Round r's step: the entries' per-token-mean gradients averaged by tokens (in session, entry
+  (session, entry name, tokens, batch share, fresh). An entry's gradient is a safetensors file
+  `ROOT/rounds/<session>-<entry name>.safetensors`, in place (temp file, rename) before its entry is added, so
+  an entry is whole or absent. Round r's step: the entries' per-token-mean gradients averaged by tokens (in session, entry
   order: the same sum in every member), clipped, one AdamW step at lr × min(Σ shares, trainer.round_max_lr_scale)
   (linear scaling; a step cut short by a stop has share < 1).
 - **Closing.** A round closes (one Lua script, atomically) when every member waited for has a fresh entry in it,
@@ -40,6 +40,7 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,7 @@ class Rounds:
         self.next: int | None = None  # the round this member's weights are before (it contributes to it)
         self.joined = False
         self._n = 0  # gradient files written
+        self._tag = uuid.uuid4().hex[:8]  # in the files' names: a session id reused by a new process never collides
         self._applied: dict[int, list[str]] = {}  # round → its entries' sessions, since the head the member knows
         self._head_round = 0
         self._since = time.monotonic()  # when the member last applied a round: its gradient's compute time from here
@@ -227,11 +229,12 @@ class Rounds:
         s.backend.zero_grad()
         compute_s = time.monotonic() - self._since
         self._n += 1
-        path = self._file(self.sid, self._n)
+        n = f"{self._tag}-{self._n:08d}"
+        path = self._file(self.sid, n)
         tmp = path.with_name("." + path.name + ".tmp")
         save_file(grads, str(tmp))
         os.replace(tmp, path)
-        entry = json.dumps({"s": self.sid, "n": self._n, "t": int(tokens), "w": float(share)})
+        entry = json.dumps({"s": self.sid, "n": n, "t": int(tokens), "w": float(share)})
         fence = self.lin.fence
         code, r, closed = self._contribute(keys=self.keys + self._fence_keys(), args=[
             self.next, entry, self.sid, self._head_round + 1, max(0.01, self.cfg.round_wait * compute_s),
@@ -404,7 +407,7 @@ class Rounds:
         cutoff = time.time() - ORPHAN_AGE_S
         for f in self.dir.iterdir():
             try:
-                killed_tmp = f.name.startswith(".") and f.name[1:].rsplit("-", 1)[0] in gone
+                killed_tmp = f.name.startswith(".") and f.name[1:].rsplit("-", 2)[0] in gone
                 orphan = f.name not in named and f.stat().st_mtime < cutoff and not f.name.startswith(f"{self.sid}-")
                 if killed_tmp or orphan:
                     f.unlink(missing_ok=True)
@@ -416,8 +419,8 @@ class Rounds:
         raw = self.redis.hget(self.keys[0], f"{r}:in")
         return raw is not None and any(e["s"] == self.sid for e in json.loads(raw))
 
-    def _file(self, sid: str, n: int) -> Path:
-        return self.dir / f"{sid}-{n:08d}.safetensors"
+    def _file(self, sid: str, n: str) -> Path:
+        return self.dir / f"{sid}-{n}.safetensors"
 
     def _fence_keys(self) -> list[str]:
         f, c = self.lin.fence, self.lin.cluster

@@ -66,7 +66,7 @@ def test_a_round_of_two_is_one_adamw_step_on_their_token_weighted_gradient(tmp_p
     total = sum(e["t"] for e in entries)
     grads = {}
     for e in entries:
-        g = load_file(str(tmp_path / "lineage" / "rounds" / f"{e['s']}-{e['n']:08d}.safetensors"))
+        g = load_file(str(tmp_path / "lineage" / "rounds" / f"{e['s']}-{e['n']}.safetensors"))
         for n, t in g.items():
             grads[n] = grads.get(n, 0) + t.double() * e["t"] / total
     c = a.cfg
