@@ -15,8 +15,8 @@ applies the same AdamW step, so members hold the same weights and moments at all
   (linear scaling; a step cut short by a stop has share < 1).
 - **Closing.** A round closes (one Lua script, atomically) when every member waited for has a fresh entry in it,
   or when its deadline passes: trainer.round_wait × the first entry's compute time after that entry. Members are
-  `lineage:members` (heartbeat, the round they joined at); one not seen for MEMBER_TTL_S is not waited for (it was
-  killed: a stop leaves explicitly). An entry that finds its round closed goes into the open round, one round
+  `lineage:members` (heartbeat, the round of their first entry: a joiner is not waited for before it has one);
+  one not seen for MEMBER_TTL_S is not waited for (it was killed: a stop leaves explicitly). An entry that finds its round closed goes into the open round, one round
   stale, and its member computes a fresh one there too: no gradient is lost, none is applied twice.
 - **Heads are snapshots of the log.** The member whose entry closed a round publishes the head (weights and
   moments as of that round, `LineageHead.round`) when trainer.merge_every_steps rounds have closed since the head,
@@ -139,11 +139,9 @@ if (dl and t >= tonumber(dl)) or complete(r, t, tonumber(ARGV[3])) then close(r)
 return 0
 """
 
-# KEYS rounds, members. ARGV session, init round. → the open round (the member is waited for from it on).
+# KEYS rounds, members. ARGV session, init round. → the open round. The member registers with its first entry.
 _JOIN = _LIB + """
-local open = open_round(ARGV[2])
-redis.call('HSET', KEYS[2], ARGV[1], cjson.encode({hb = now(), joined = open}))
-return open
+return open_round(ARGV[2])
 """
 
 # KEYS rounds, members. ARGV session, ttl. → 1 when the open round closed because the rest are in.
@@ -200,7 +198,8 @@ class Rounds:
 
     # -- membership ------------------------------------------------------------------------------------
     def join(self, s: Any) -> None:
-        """Become a member: waited for from the open round on, with weights caught up to it."""
+        """Catch the weights up to the open round. The member is waited for from its first entry on: a joiner's
+        first step (its first batch, a teacher's forward) is not held against the others."""
         if self.next is None:
             self.next = s.base.round + 1
             self._head_round = s.base.round

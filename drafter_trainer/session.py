@@ -3,7 +3,8 @@ buffer until told to stop, merge (or save) atomically, free memory.
 
 With a `Lineage` (lineage.py, the cluster path) the session pulls the head, merges its work into it
 every `merge_every_steps` and when it stops, and continues from the merged head; its durable state is
-the lineage, not a checkpoint of its own. Without one it resumes from and saves to `checkpoint_dir`
+the lineage, not a checkpoint of its own. With `trainer.merge_rule = rounds` (and Redis) each optimizer step
+is instead a synchronous round over every member's gradient (rounds.py), joined at each run and left at each stop. Without one it resumes from and saves to `checkpoint_dir`
 (standalone use).
 
 Stopping. `should_continue()` (the scheduler's lease renewal) is called once per step; `request_stop()`

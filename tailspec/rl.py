@@ -149,7 +149,7 @@ def grpo_step(
             loss = -obj_sum / n + (kl_coef * kl_part / n if kl_coef > 0 else 0.0)
             loss.backward()  # gradients accumulate: the parts' losses sum to the minibatch's loss
             loss_sum += loss.item()
-            kl_sum += float(kl_part)
+            kl_sum += float(kl_part.detach()) if torch.is_tensor(kl_part) else float(kl_part)
             clipped += clipped_part
             ntok += resp_tokens
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)

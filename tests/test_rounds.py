@@ -56,9 +56,17 @@ def test_one_member_is_plain_sequential_training(tmp_path, redis_client):
     assert (head.round, head.steps, res.merged_steps) == (5, 5, 5)
 
 
+def register(redis_client, *sids: str) -> None:
+    """Members as their first entries would register them (waited for from round 1 on)."""
+    now = float(redis_client.time()[0])
+    for sid in sids:
+        redis_client.hset(state.key(CLUSTER, "lineage_members"), sid, json.dumps({"hb": now + 60, "joined": 1}))
+
+
 def test_a_round_of_two_is_one_adamw_step_on_their_token_weighted_gradient(tmp_path, redis_client):
     a = session(tmp_path, redis_client, "a", round_wait=50.0)
     b = session(tmp_path, redis_client, "b", round_wait=50.0)
+    register(redis_client, "a", "b")
     w0 = trainable(a)
     run_together(a, b, steps=1)
     entries = json.loads(redis_client.hget(state.key(CLUSTER, "lineage_rounds"), "1:in"))
@@ -116,21 +124,40 @@ def test_a_joiner_replays_the_rounds_after_the_head_bit_for_bit(tmp_path, redis_
     assert all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
 
 
-def test_a_member_that_never_answers_does_not_hold_the_round_and_its_late_entry_counts_once(tmp_path, redis_client):
-    a = session(tmp_path, redis_client, "a", round_wait=0.5, merge_every_steps=100)
-    b = session(tmp_path, redis_client, "b", round_wait=0.5, merge_every_steps=100)
+def test_a_member_gone_silent_holds_a_round_only_to_its_deadline_and_its_late_entry_counts_once(tmp_path, redis_client):
+    a = session(tmp_path, redis_client, "a", round_wait=5.0, merge_every_steps=100)
+    b = session(tmp_path, redis_client, "b", round_wait=5.0, merge_every_steps=100)
     a.rounds.join(a)
-    b.rounds.join(b)  # b is waited for, and computes nothing for a while
-    for _ in range(3):
+    b.rounds.join(b)
+    register(redis_client, "a", "b")
+    first = [threading.Thread(target=x.train_step) for x in (a, b)]  # round 1 together
+    for t in first:
+        t.start()
+    for t in first:
+        t.join(timeout=60)
+    waited = a.rounds.waited_s
+    redis_client.hset(state.key(CLUSTER, "lineage_members"), "b",  # b's heartbeat as its entry left it
+                      json.dumps({"hb": float(redis_client.time()[0]), "joined": 1}))
+    for _ in range(3):  # b is waited for and computes nothing: each round closes at its deadline
         a.train_step()
-    assert a.rounds.next == 4 and a.rounds.waited_s < 5.0
-    b.train_step()  # b's gradient was for round 1, long closed: it goes into the open round, one round stale
-    assert b.rounds.late == 1 and b.rounds.next == 4
+    assert a.rounds.next == 5 and 0 < a.rounds.waited_s - waited < 5.0
+    b.train_step()  # b's gradient was for round 2, long closed: it goes into the open round, one round stale
+    assert b.rounds.late == 1 and b.rounds.next == 5
     assert all(torch.equal(trainable(a)[n], trainable(b)[n]) for n in trainable(a))
     run_together(a, b, steps=2)
     lin = Lineage(tmp_path / "lineage", redis_client, CLUSTER)
-    assert lin.head().steps == 3 + 1 + 4 == a.merged_steps + b.merged_steps
+    assert lin.head().steps == 2 + 3 + 1 + 4 == a.merged_steps + b.merged_steps
     assert {k: v for k, v in lin.contributions().items() if v} == {"a": a.merged_steps, "b": b.merged_steps}
+
+
+def test_a_joiner_is_not_waited_for_before_its_first_entry(tmp_path, redis_client):
+    a = session(tmp_path, redis_client, "a", round_wait=50.0, merge_every_steps=100)
+    b = session(tmp_path, redis_client, "b", round_wait=50.0, merge_every_steps=100)
+    a.rounds.join(a)
+    b.rounds.join(b)  # caught up, computing nothing yet: a's rounds close at a's own entries
+    for _ in range(2):
+        a.train_step()
+    assert a.rounds.next == 3 and a.rounds.waited_s < 1.0
 
 
 def test_an_entry_without_the_lease_is_refused(tmp_path, redis_client):
