@@ -161,6 +161,15 @@ def snapshot(drafter: Eagle3Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in drafter.named_parameters() if p.requires_grad}
 
 
+def copy_trainable(src: Any, drafter: Eagle3Module) -> None:
+    """Copy the trainable weights of `src` (a module, or a name → tensor dict) into `drafter`, in place."""
+    own = src.state_dict() if hasattr(src, "state_dict") else src
+    with torch.no_grad():
+        for n, p in drafter.named_parameters():
+            if p.requires_grad:
+                p.copy_(own[n])
+
+
 class Lineage:
     def __init__(self, root: str | Path, redis: Any = None, cluster: str = "default", fence: Fence | None = None,
                  outer_lr: float = 1.0, max_attempts: int = 50):

@@ -45,10 +45,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tailspec.drafter_trainer import lineage as lineage_module
 from tailspec.drafter_trainer.checkpoint import write_checkpoint_dir
-from tailspec.drafter_trainer.lineage import FENCED, MERGED, MOVED, LineageError, snapshot
+from tailspec.drafter_trainer.lineage import FENCED, MERGED, MOVED, LineageError, copy_trainable, snapshot
 
 from tailspec.core import state
 from tailspec.core.config import TrainerConfig
@@ -128,9 +129,11 @@ if complete(r, t, tonumber(ARGV[6])) then close(r) return {1, r, 1} end
 return {1, r, 0}
 """
 
-# KEYS rounds, members. ARGV round, session, ttl. → 1 closed before, 2 closed now by this call, 0 open.
+# KEYS rounds, members. ARGV round, session, ttl. → 1 closed before, 2 closed now by this call, 0 open, 3 the
+# round is not in the log (Redis lost it).
 _POLL = _LIB + """
 if redis.call('HGET', KEYS[1], ARGV[1] .. ':closed') then return 1 end
+if redis.call('HEXISTS', KEYS[1], ARGV[1] .. ':in') == 0 then return 3 end
 local t = now()
 local r = tonumber(ARGV[1])
 if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then seen(ARGV[2], t, r) end
@@ -261,9 +264,12 @@ class Rounds:
 
     def _await(self, s: Any, r: int) -> None:
         t0 = time.monotonic()
-        while not int(self._poll(keys=self.keys, args=[r, self.sid, MEMBER_TTL_S])):
+        while not (code := int(self._poll(keys=self.keys, args=[r, self.sid, MEMBER_TTL_S]))):
             time.sleep(POLL_S)
         self.waited_s += time.monotonic() - t0
+        if code == 3:  # the round log was lost with Redis: what the head holds is what survives
+            log.warning("round %d of lineage %s is gone from the log; continuing from the head", r, self.lin.root)
+            self._load_head(s)
 
     # -- applying the log ------------------------------------------------------------------------------
     def _replay(self, s: Any, upto: int) -> None:
@@ -273,7 +279,7 @@ class Rounds:
         while self.next < upto:
             try:
                 self._apply(s, self.next)
-            except (OSError, KeyError, RuntimeError) as e:
+            except (OSError, KeyError, RuntimeError, SafetensorError) as e:
                 attempts += 1
                 h = self.lin.head()
                 if attempts > 50 or h is None or h.round < self.next:
@@ -438,11 +444,3 @@ class Rounds:
         except Exception as e:  # noqa: BLE001 — the event log is a view; the publish is done
             log.debug("lineage event not written: %s", e)
 
-
-def copy_trainable(src: Any, drafter: Any) -> None:
-    """Copy the trainable weights of `src` (a module, or a name → tensor dict) into `drafter`, in place."""
-    own = src.state_dict() if hasattr(src, "state_dict") else src
-    with torch.no_grad():
-        for n, p in drafter.named_parameters():
-            if p.requires_grad:
-                p.copy_(own[n])

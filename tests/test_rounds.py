@@ -174,3 +174,16 @@ def test_rounds_need_redis_and_the_torch_backend(tmp_path):
 
     with pytest.raises(ValueError, match="needs Redis"):
         Rounds(Lineage(tmp_path / "l"), "a", rounds_cfg(tmp_path))
+
+
+def test_a_round_log_lost_with_redis_continues_from_the_head(tmp_path, redis_client):
+    a = session(tmp_path, redis_client, "a", merge_every_steps=100)
+    head0 = {n: w.clone() for n, w in trainable(a).items()}
+    a.rounds.join(a)
+    a.train_step()  # round 1, applied, not published (merge_every 100)
+    assert not all(torch.equal(head0[n], w) for n, w in trainable(a).items())
+    redis_client.delete(state.key(CLUSTER, "lineage_rounds"))  # Redis restarted without the log
+    a.train_step()  # its entry is for round 2, the log restarts at 1: continue from the head (round 0)
+    assert a.rounds.next == 1 and all(torch.equal(head0[n], w) for n, w in trainable(a).items())
+    a.rounds._await(a, 7)  # a round that is not in the log is not waited for
+    assert a.rounds.next == 1
