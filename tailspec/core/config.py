@@ -158,14 +158,15 @@ class TrainerConfig(_Section):
     validation_samples: int = Field(64, ge=1, le=1_000_000, description="held-out samples a candidate is validated on")
     validate_every_s: float = Field(30.0, gt=0, le=1e7, description="a long session proposes a candidate this often")
     merge_every_steps: int = Field(10, ge=0, le=1_000_000_000, description="a session merges its work into the lineage head this "
-                                   "often (and when it stops); 0 = only when it stops")
+                                   "often (and when it stops); 0 = only when it stops. Rounds: a head is published "
+                                   "every this many rounds (at least 1)")
     merge_moments_every: int = Field(4, ge=1, le=1_000_000_000, description="a merge writes the session's AdamW "
                                      "moments this often (and in the merge a stop makes); the merges between "
                                      "carry the head's, a few merges old (1: every merge writes its own)")
     merge_rule: Literal["async", "rounds"] = Field(
         "async", description="how contributors combine their work: `async` merges each session's local steps into "
         "the head (lineage.py); `rounds` takes one optimizer step per round over every contributor's gradient "
-        "(rounds.py; needs Redis and the torch backend)")
+        "(rounds.py; needs Redis and the torch backend; the demo's setting)")
     round_wait: float = Field(2.0, ge=0, le=100, description="rounds: a round closes when every member is in, or "
                               "this many times its first entry's compute time after that entry")
     round_max_lr_scale: float = Field(2.0, ge=1, le=64, description="rounds: a round steps at lr x the sum of its "
