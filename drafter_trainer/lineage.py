@@ -88,23 +88,28 @@ MOVED = -1  # another merge landed since the head the delta was applied to: re-a
 FENCED = -2  # the session no longer holds its GPU (lease expired, another token): refused
 DUPLICATE = -3  # this (session, seq) was applied already (a retry of a merge whose answer was lost)
 
+# Lua, shared with rounds.py: does fencing token `token` ('0' = unfenced) still hold the GPU? Its lease (KEYS[3])
+# carries it, or the scheduler revoked exactly it (KEYS[4]) and the session is within its stop.
+FENCE_LUA = """
+local function lease_ok(token)
+  if token == '0' then return true end
+  local v = redis.call('GET', KEYS[3])
+  if v then
+    local good, lease = pcall(cjson.decode, v)
+    if good and tonumber(lease['token']) == tonumber(token) then return true end
+  end
+  return redis.call('GET', KEYS[4]) == token
+end
+"""
+
 # KEYS: head, contributions, lease (or ''), revoke flag (or ''). ARGV: expected head number (0 = none), new head
 # JSON, session id, seq, steps, fencing token (0 = unfenced). → {code, head number now}
-_MERGE = """
+_MERGE = FENCE_LUA + """
 local cur = redis.call('GET', KEYS[1])
 local num = 0
 if cur then num = tonumber(cjson.decode(cur)['number']) end
 if num ~= tonumber(ARGV[1]) then return {-1, num} end
-if ARGV[6] ~= '0' then
-  local ok = false
-  local v = redis.call('GET', KEYS[3])
-  if v then
-    local good, lease = pcall(cjson.decode, v)
-    if good and tonumber(lease['token']) == tonumber(ARGV[6]) then ok = true end
-  end
-  if (not ok) and redis.call('GET', KEYS[4]) == ARGV[6] then ok = true end
-  if not ok then return {-2, num} end
-end
+if not lease_ok(ARGV[6]) then return {-2, num} end
 local last = tonumber(redis.call('HGET', KEYS[2], ARGV[3] .. ':seq') or '0')
 if tonumber(ARGV[4]) <= last then return {-3, num} end
 redis.call('SET', KEYS[1], ARGV[2])
@@ -354,7 +359,7 @@ class Lineage:
                 FAULT_HOOK("written", path)
             code = self._cas(h.number if h else 0, record, session_id, seq, steps, fenced)
             if code == MERGED:
-                self._after_merge(record, steps, Path(h.path) if h is not None else None)
+                self.after_merge(record, steps, Path(h.path) if h is not None else None)
                 return MergeResult(MERGED, record, attempt, steps, {n: weights[n] for n in local})
             shutil.rmtree(path, ignore_errors=True)
             if code != MOVED:
@@ -373,12 +378,21 @@ class Lineage:
                           carry_from, str(e)[:200])
         write_checkpoint_dir(path, drafter, optimizer_state, trainer_state, tensors=weights)
 
+    def fence_keys(self) -> list[str]:
+        """KEYS[3] and KEYS[4] of the scripts that check FENCE_LUA: the fence's lease and revoke flag ('' unfenced)."""
+        f, c = self.fence, self.cluster
+        return [state.key(c, "lease", node=f.node, gpu=f.gpu), state.key(c, "revoke", node=f.node, gpu=f.gpu)] \
+            if f else ["", ""]
+
+    def head_keys(self, fenced: bool = True) -> list[str]:
+        """KEYS of a head's compare-and-swap: the head, the contributions, then the fence's (fence_keys)."""
+        return [state.key(self.cluster, "lineage_head"), state.key(self.cluster, "lineage_contributions"),
+                *(self.fence_keys() if fenced else ["", ""])]
+
     def _cas(self, expected: int, record: LineageHead, session_id: str, seq: int, steps: int, fenced: bool) -> int:
         if self.redis is not None:
             f = self.fence if fenced else None
-            keys = [state.key(self.cluster, "lineage_head"), state.key(self.cluster, "lineage_contributions"),
-                    state.key(self.cluster, "lease", node=f.node, gpu=f.gpu) if f else "",
-                    state.key(self.cluster, "revoke", node=f.node, gpu=f.gpu) if f else ""]
+            keys = self.head_keys(fenced)
             code, _ = self._merge_script(keys=keys, args=[expected, state.encode(record), session_id, seq, steps,
                                                           f.token if f else 0])
             return int(code)
@@ -398,11 +412,13 @@ class Lineage:
             write_text_atomic(self.root / "HEAD", record.model_dump_json())
             return MERGED
 
-    def _after_merge(self, record: LineageHead, steps: int, replaced: Path | None) -> None:
+    def after_merge(self, record: LineageHead, steps: int, replaced: Path | None) -> None:
+        """A new head is in: its event (when it holds new steps), and the directories it replaced collected."""
         if self.redis is not None and steps:
             try:
                 state.append(self.redis, state.key(self.cluster, "events"), Event(kind="lineage_merged", detail={
-                    "head": record.number, "steps": record.steps, "session_id": record.session_id, "merged": steps}))
+                    "head": record.number, "steps": record.steps, "session_id": record.session_id, "merged": steps,
+                    **({"round": record.round} if record.round else {})}))
             except Exception as e:  # the event log is a view; the merge itself is done
                 log.debug("lineage event not written: %s", e)
         self.collect(record.number, keep=replaced)

@@ -49,11 +49,19 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tailspec.drafter_trainer import lineage as lineage_module
 from tailspec.drafter_trainer.checkpoint import write_checkpoint_dir
-from tailspec.drafter_trainer.lineage import FENCED, MERGED, MOVED, LineageError, copy_trainable, snapshot
+from tailspec.drafter_trainer.lineage import (
+    FENCE_LUA,
+    FENCED,
+    MERGED,
+    MOVED,
+    LineageError,
+    copy_trainable,
+    snapshot,
+)
 
 from tailspec.core import state
 from tailspec.core.config import TrainerConfig
-from tailspec.core.state import Event, LineageHead
+from tailspec.core.state import LineageHead
 
 log = logging.getLogger(__name__)
 
@@ -97,22 +105,10 @@ local function seen(sid, t, joined)
 end
 """
 
-_FENCE = """
-if ARGV[7] ~= '0' then
-  local ok = false
-  local v = redis.call('GET', KEYS[3])
-  if v then
-    local good, lease = pcall(cjson.decode, v)
-    if good and tonumber(lease['token']) == tonumber(ARGV[7]) then ok = true end
-  end
-  if (not ok) and redis.call('GET', KEYS[4]) == ARGV[7] then ok = true end
-  if not ok then return {-2, 0, 0} end
-end
-"""
-
 # KEYS rounds, members, lease|'', revoke|''. ARGV round, entry JSON, session, init round, wait s, ttl s, token.
 # → {1, round the entry went into, closed by it (1/0)}; {-2, ..} fenced; {-4, open, 0} the log is behind the member.
-_CONTRIBUTE = _LIB + _FENCE + """
+_CONTRIBUTE = _LIB + FENCE_LUA + """
+if not lease_ok(ARGV[7]) then return {-2, 0, 0} end
 local t = now()
 local open = open_round(ARGV[4])
 local r = tonumber(ARGV[1])
@@ -157,12 +153,12 @@ return 0
 
 # KEYS head, contributions, lease|'', revoke|''. ARGV expected head number, new head JSON, -, -, -, -, token,
 # counts JSON {session: entries}. → {code, head number now}
-_PUBLISH = """
+_PUBLISH = FENCE_LUA + """
 local cur = redis.call('GET', KEYS[1])
 local num = 0
 if cur then num = tonumber(cjson.decode(cur)['number']) end
 if num ~= tonumber(ARGV[1]) then return {-1, num} end
-""" + _FENCE.replace("{-2, 0, 0}", "{-2, num}") + """
+if not lease_ok(ARGV[7]) then return {-2, num} end
 redis.call('SET', KEYS[1], ARGV[2])
 for sid, n in pairs(cjson.decode(ARGV[8])) do redis.call('HINCRBY', KEYS[2], sid .. ':steps', n) end
 return {1, num + 1}
@@ -238,7 +234,7 @@ class Rounds:
         os.replace(tmp, path)
         entry = json.dumps({"s": self.sid, "n": n, "t": int(tokens), "w": float(share)})
         fence = self.lin.fence
-        code, r, closed = self._contribute(keys=self.keys + self._fence_keys(), args=[
+        code, r, closed = self._contribute(keys=self.keys + self.lin.fence_keys(), args=[
             self.next, entry, self.sid, self._head_round + 1, max(0.01, self.cfg.round_wait * compute_s),
             MEMBER_TTL_S, fence.token if fence else 0])
         code, r = int(code), int(r)
@@ -296,9 +292,12 @@ class Rounds:
         combined: dict[str, torch.Tensor] = {}
         for e in entries:
             g = load_file(str(self._file(e["s"], e["n"])))
+            if len(entries) == 1:  # one entry: its gradient as it is (one member is plain training, bit for bit)
+                combined = g
+                break
             w = e["t"] / total if total > 0 else 1.0 / len(entries)
             for n, t in g.items():
-                combined[n] = t if len(entries) == 1 else combined[n] + w * t if n in combined else w * t
+                combined[n] = combined[n] + w * t if n in combined else w * t
         for n, p in s.drafter.named_parameters():
             if p.requires_grad:
                 p.grad = combined[n].to(p.device, p.dtype) if n in combined else None
@@ -362,14 +361,13 @@ class Rounds:
             if lineage_module.FAULT_HOOK is not None:  # the tests' seam, as in a merge
                 lineage_module.FAULT_HOOK("written", path)
             fence = self.lin.fence
-            code, _ = self._publish(keys=self._head_keys(), args=[
+            code, _ = self._publish(keys=self.lin.head_keys(), args=[
                 h.number, state.encode(record), 0, 0, 0, 0, fence.token if fence else 0, json.dumps(counts)])
             if int(code) == MERGED:
                 s.merges += 1
                 s.base, s.base_weights, s._steps_since_merge = record, snapshot(s.drafter), 0
                 self._learn(record)
-                self._event(record, sum(counts.values()))
-                self.lin.collect(record.number, keep=Path(h.path))
+                self.lin.after_merge(record, sum(counts.values()), Path(h.path))
                 self._collect(h.round)
                 return
             shutil.rmtree(path, ignore_errors=True)
@@ -426,21 +424,3 @@ class Rounds:
 
     def _file(self, sid: str, n: str) -> Path:
         return self.dir / f"{sid}-{n}.safetensors"
-
-    def _fence_keys(self) -> list[str]:
-        f, c = self.lin.fence, self.lin.cluster
-        return [state.key(c, "lease", node=f.node, gpu=f.gpu) if f else "",
-                state.key(c, "revoke", node=f.node, gpu=f.gpu) if f else ""]
-
-    def _head_keys(self) -> list[str]:
-        c = self.lin.cluster
-        return [state.key(c, "lineage_head"), state.key(c, "lineage_contributions")] + self._fence_keys()
-
-    def _event(self, record: LineageHead, steps: int) -> None:
-        try:
-            state.append(self.redis, state.key(self.lin.cluster, "events"), Event(kind="lineage_merged", detail={
-                "head": record.number, "steps": record.steps, "session_id": self.sid, "merged": steps,
-                "round": record.round}))
-        except Exception as e:  # noqa: BLE001 — the event log is a view; the publish is done
-            log.debug("lineage event not written: %s", e)
-
