@@ -139,8 +139,14 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 
 def load_checkpoint(path: str | Path, target_embedding: Any = None, map_location: str = "cpu") -> Checkpoint:
     """One checkpoint directory. Missing: FileNotFoundError; damaged (any file missing, truncated, altered, or
-    not what the format says): DrafterFileError naming the file."""
+    not what the format says): DrafterFileError naming the file. A directory staged ahead (`stage_checkpoint`)
+    is served from host memory, once."""
     path = Path(path)
+    staged = _STAGED.pop(str(path), None) if map_location == "cpu" else None
+    if staged is not None and staged[0] == _files_id(path):
+        if target_embedding is not None:
+            staged[1].drafter.set_target_embedding(target_embedding)
+        return staged[1]
     drafter = Eagle3Module.load(path, target_embedding, map_location)
     ts = read_json_object(path / TRAINER_STATE_NAME)
     check_trainer_state(path / TRAINER_STATE_NAME, ts)
@@ -153,6 +159,28 @@ def load_checkpoint(path: str | Path, target_embedding: Any = None, map_location
         params = [p for p in drafter.parameters() if p.requires_grad] if ts.get("backend", "torch") == "torch" else None
         opt = check_optimizer_state(f, tensors, opt_meta, params)
     return Checkpoint(path, drafter, opt, ts)
+
+
+def stage_checkpoint(path: str | Path, target_embedding: Any = None) -> None:
+    """Read a checkpoint directory into host memory ahead of a `load_checkpoint` of it (a warm session process
+    between lends: tailspec/warm.py), replacing whatever was staged before. What is served later is checked
+    against the files' sizes and times then, so a directory rewritten since is read afresh."""
+    key = str(Path(path))
+    if key in _STAGED and _STAGED[key][0] == _files_id(Path(path)):
+        return
+    ck = load_checkpoint(path, target_embedding, "cpu")
+    _STAGED.clear()
+    _STAGED[key] = (_files_id(Path(path)), ck)
+
+
+_STAGED: dict[str, tuple[tuple, Checkpoint]] = {}  # path → (its files' identity, the checkpoint read)
+
+
+def _files_id(path: Path) -> tuple:
+    try:
+        return tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(path.iterdir()))
+    except OSError:
+        return ()
 
 
 def check_trainer_state(f: Path, ts: dict) -> None:

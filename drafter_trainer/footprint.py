@@ -85,7 +85,30 @@ def drafter_trainable_params(target_config, cfg: TrainerConfig) -> int:
 
 def session_footprint(policy_dir: str | Path, cfg: TrainerConfig, dtype: torch.dtype = torch.float32,
                       margin: float = 0.2) -> Footprint:
-    """The GPU memory a session distilling from `policy_dir` with trainer config `cfg` needs (see module doc)."""
+    """The GPU memory a session distilling from `policy_dir` with trainer config `cfg` needs (see module doc).
+    Remembered per (config.json, weight files' names and sizes, the config fields it reads): every RL step
+    publishes a policy directory of the same shapes, and the computation (reading the config, building the
+    drafter on the meta device, the headers) was a fifth of a lend's start-up on the deep preset."""
+    d = Path(policy_dir)
+    try:
+        files = tuple((f.name, f.stat().st_size) for f in sorted(d.glob("*.safetensors")))
+        key = ((d / "config.json").read_text(), files, cfg.draft_vocab_size, cfg.batch_size, cfg.max_seq_len,
+               cfg.ttt_length, str(dtype), margin)
+    except OSError:
+        key = None  # no config.json: computed below, which names what is missing
+    if key is not None and key in _FOOTPRINTS:
+        return _FOOTPRINTS[key]
+    fp = _footprint(d, cfg, dtype, margin)
+    if key is not None:
+        _FOOTPRINTS.clear()  # one policy at a time
+        _FOOTPRINTS[key] = fp
+    return fp
+
+
+_FOOTPRINTS: dict[tuple, Footprint] = {}
+
+
+def _footprint(policy_dir: Path, cfg: TrainerConfig, dtype: torch.dtype, margin: float) -> Footprint:
     # deferred: transformers (seconds to import); the drafter_trainer modules load without it, and only
     # reading the policy's config needs it
     from transformers import AutoConfig

@@ -30,6 +30,7 @@ from tailspec.scheduler import cpu_quota
 from tailspec.scheduler import leases as L
 from tailspec.scheduler.cpu_quota import CGROUP_ENV
 from tailspec.scheduler.placement import CPUS_ENV, pin_from_env
+from tailspec.scheduler.warm_wait import WarmWait
 
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
@@ -281,14 +282,16 @@ def warm_main(entry: str) -> int:
     session at once and write its exit code to the file `$TAILSPEC_SESSION_DONE` names, then wait for the
     next line. The GPU is chosen per session: CUDA initialises lazily, so CUDA_VISIBLE_DEVICES set at the
     first assignment applies (on simulated GPUs only the cores change, and they are re-pinned per session).
-    EOF on stdin (the dispatcher went away) ends the process; so does a session ended by SIGTERM.
+    EOF on stdin (the dispatcher went away) ends the process; so does a session ended by SIGTERM. While no line
+    comes, the entry module's optional `prestage()` reads ahead for the next lend (scheduler/warm_wait.py).
 
     Serving many sessions matters because lends are short and frequent: a process per lend pays its imports
     per lend, seconds of CPU that a short tail does not have and that spill into the RL update."""
     if not _warm_up(entry):
         return 2
+    wait = WarmWait(entry, leave=_unpin)  # between lends: the entry's optional read-ahead, on the host's share
     while True:
-        line = sys.stdin.readline()
+        line = wait.next_line()
         if not line.strip():
             return 0
         code = _serve(line, entry)

@@ -37,12 +37,12 @@ from tailspec.drafter_trainer.lineage import Fence, Lineage
 from tailspec.drafter_trainer.loss import StopRequested
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
 from tailspec.drafter_trainer.session import SessionResult, TrainingSession
-from tailspec.drafter_trainer.model import default_aux_layer_ids
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.drafter_trainer.versions import VersionStore
 from tailspec.scheduler.session import WARM_POLICY_ENV
 from tailspec.scheduler.telemetry import free_memory
-from tailspec.tasks.policy_sync import load_weights_in_place
+from tailspec.warm import device_and_dtype, keep_teacher, load_teacher, remember
+from tailspec import warm
 
 log = logging.getLogger(__name__)
 PROPOSED = "PROPOSED_HEAD"
@@ -55,12 +55,6 @@ local v = redis.call('GET', KEYS[1])
 if v and string.sub(v, -string.len(ARGV[1]) - 1) == ' ' .. ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-
-
-def device_and_dtype() -> tuple[str, torch.dtype]:
-    if torch.cuda.is_available():
-        return "cuda", torch.bfloat16
-    return "cpu", torch.float32
 
 
 class Contributor:
@@ -325,35 +319,8 @@ def record_seconds(redis: Any, cluster: str, *, ready: float, train: float, vali
         log.warning("session seconds not counted: %s", e)
 
 
-# The teacher module a warm session process keeps between sessions (on the host), by (config.json, dtype).
-_KEPT: dict[str, tuple[tuple[str, str], torch.nn.Module]] = {}
-
-
-def load_teacher(path: str | Path, device: str, dtype: torch.dtype, policy_version: int) -> Teacher:
-    """The policy at `path` as this session's teacher. A warm session process serves one lend after another,
-    each with the newest policy: when the previous session's teacher module has the same config.json, only the
-    new weights are loaded into it (in place, so tied weights stay tied). Building the modules is most of a
-    small policy's `from_pretrained` (the deep preset on one core: 87 ms of it, the weights 12 ms), and that came
-    out of every lend; a large policy's load is its weights either way (and on a GPU nothing is kept:
-    `keep_teacher`). A checkpoint in several files, or one whose tensors do not match the module, is loaded by
-    `from_pretrained`."""
-    path = Path(path)
-    key = ((path / "config.json").read_text(), str(dtype))
-    kept = _KEPT.pop("teacher", None)
-    if kept is not None and kept[0] == key and load_weights_in_place(kept[1], path):
-        model = kept[1] if next(kept[1].parameters()).device == torch.device(device) else kept[1].to(device)
-        return Teacher(model, default_aux_layer_ids(model.config.num_hidden_layers), policy_version, str(path))
-    return Teacher.from_dir(path, device=device, dtype=dtype, policy_version=policy_version)
-
-
-def keep_teacher(teacher: Teacher) -> None:
-    """Keep this session's teacher module for the next session of this process, where it ran on the host. A
-    teacher on a GPU is not kept: copying it to the host would lengthen the stop, and the GPU's memory is all
-    given back."""
-    if teacher.path is None or teacher.device.type != "cpu":
-        return
-    dtype = next(teacher.model.parameters()).dtype
-    _KEPT["teacher"] = (((Path(teacher.path) / "config.json").read_text(), str(dtype)), teacher.model)
+# The warm loop's hook between lends (tailspec/scheduler/session.py: an entry module's optional `prestage`).
+prestage = warm.prestage
 
 
 def run_session(ctx: Any, max_steps: int | None = None) -> dict:
@@ -368,6 +335,7 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
     # and leave early if the GPU was taken back meanwhile.
     if not ctx.should_continue():
         return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": "should_continue", "stop_latency_s": 0.0}
+    remember(ctx)
     t_start = time.monotonic()
     device, dtype = device_and_dtype()
     if not fits(ctx, cfg, phase.policy_path, dtype):

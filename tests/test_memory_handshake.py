@@ -4,6 +4,8 @@ gives its lease back, and the GPU is free again at the scheduler's next tick."""
 
 from __future__ import annotations
 
+import json
+
 import time
 from types import SimpleNamespace
 
@@ -90,6 +92,36 @@ def test_footprint_reads_headers_and_counts_what_training_holds():
     bigger = session_footprint(path, TrainerConfig(batch_size=8, max_seq_len=128), torch.float32)
     assert bigger.activations == 2 * fp.activations
     assert session_footprint(path, cfg, torch.bfloat16).teacher == fp.teacher // 2
+
+
+def test_footprint_is_remembered_per_policy_shape_and_recomputed_when_it_changes(tmp_path):
+    import shutil
+
+    from tailspec.drafter_trainer import footprint
+
+    from tailspec.tasks.policy import get_policy
+
+    src = get_policy("micro", progress=False)
+    cfg = TrainerConfig(batch_size=4, max_seq_len=128)
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    shutil.copytree(src, v1)
+    shutil.copytree(src, v2)
+    first = footprint.session_footprint(v1, cfg)
+    assert footprint.session_footprint(v2, cfg) is first  # the next version's directory: the same shapes
+    assert footprint._footprint(v2, cfg, torch.float32, 0.2) == first  # what computing it gives
+    # another shape: a wider model's config and weights are not served the remembered figure
+    conf = json.loads((v2 / "config.json").read_text())
+    conf["intermediate_size"] *= 2
+    (v2 / "config.json").write_text(json.dumps(conf))
+    from tailspec.tasks.policy import load_policy
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    wider = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(v2)))
+    wider.save_pretrained(v2)
+    assert load_policy(v2)[0].config.intermediate_size == conf["intermediate_size"]
+    again = footprint.session_footprint(v2, cfg)
+    assert again is not first and again.teacher > first.teacher
+    assert again == footprint._footprint(v2, cfg, torch.float32, 0.2)
 
 
 def test_footprint_rejects_a_directory_without_weights(tmp_path):

@@ -139,7 +139,7 @@ def test_a_warm_process_reuses_its_teacher_module_with_the_new_weights(tmp_path)
     it: the same outputs as that policy loaded afresh (the independent reference), bit for bit."""
     from tailspec.bench.vllm import perturbed_policy
     from tailspec.drafter_trainer.teacher import Teacher, collate
-    from tailspec.sessions import _KEPT, keep_teacher, load_teacher
+    from tailspec.warm import _KEPT, keep_teacher, load_teacher
     from tailspec.tasks.policy import get_policy
 
     _KEPT.clear()
@@ -184,7 +184,8 @@ def test_a_warm_process_builds_the_warm_policy_for_its_first_session(tmp_path, m
     relative path is refused by the config; a missing directory costs nothing but the build."""
     from tailspec.bench.vllm import perturbed_policy
     from tailspec.scheduler.session import WARM_POLICY_ENV
-    from tailspec.sessions import _KEPT, load_teacher, warm_up
+    from tailspec.sessions import warm_up
+    from tailspec.warm import _KEPT, load_teacher
     from tailspec.tasks.policy import get_policy
 
     from tailspec.core.config import SchedulerConfig
