@@ -54,7 +54,7 @@ class WarmWait:
                 return out
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
-        if self.cpu_s:  # the host work reading ahead cost since the last lend, in the session log
+        if self.cpu_s >= 1e-3:  # the host work reading ahead cost since the last lend, in the session log
             print(f"tailspec warm session: read ahead in {self.cpu_s * 1e3:.0f} ms of CPU since the last lend",
                   file=sys.stderr, flush=True)
         self.served, self.left, self.cpu_s = True, False, 0.0

@@ -92,12 +92,15 @@ def prestage() -> None:
     """Between lends (the warm loop's hook): read the newest policy into the kept teacher, stage the lineage
     head's checkpoint, remember the footprint. Each is skipped when what it would read is held already, so an
     idle process polling this costs a few Redis reads and file stats. Nothing before this process's first
-    lend (it knows no cluster yet), nothing outside a rollout, and nothing where the teacher lives on a GPU."""
+    lend (it knows no cluster yet), nothing outside a rollout, nothing where the teacher lives on a GPU, and
+    nothing with `scheduler.warm_read_ahead` off."""
     ctx = _LAST.get("ctx")
     device, dtype = device_and_dtype()
     if ctx is None or device != "cpu":
         return
     cfg = ctx.tailspec_config()
+    if not cfg.scheduler.warm_read_ahead:
+        return
     phase = state.get(ctx.redis, state.key(cfg.cluster.name, "phase"), PhaseInfo)
     if phase is None or phase.phase != "rollout" or not phase.policy_path:
         return  # during the update the cores are the trainer's; the next rollout's start publishes the policy

@@ -85,6 +85,8 @@ class SchedulerConfig(_Section):
     warm_policy: str | None = Field(None, description="a policy directory (absolute) whose model the warm session "
                                     "processes build while they wait: each session then loads its own policy "
                                     "version's weights into it (same config.json), not the modules anew")
+    warm_read_ahead: bool = Field(True, description="warm session processes read the newest policy and lineage "
+                                  "head into host memory between lends, on the host's CPU share (tailspec/warm.py)")
     lend: bool = Field(True, description="false: watch and count idle GPU time but never lend (baselines)")
     session_nice: int = Field(0, ge=0, le=19, description="niceness of single-node session processes; >0 where "
                               "simulated GPUs share the host's CPU cores with rollout workers, so a session takes "
