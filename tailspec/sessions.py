@@ -319,7 +319,7 @@ def record_seconds(redis: Any, cluster: str, *, ready: float, train: float, vali
         log.warning("session seconds not counted: %s", e)
 
 
-# The warm loop's hook between lends (tailspec/scheduler/session.py: an entry module's optional `prestage`).
+# The warm loop's hook between lends (scheduler/warm_wait.py: an entry module's optional `prestage`).
 prestage = warm.prestage
 
 

@@ -9,7 +9,7 @@ lend's start-up on the deep preset: the teacher's weights about 30 ms and the he
 at a simulated GPU's 0.45 of a core (BENCHMARKS.md, end to end).
 
 Reading ahead is host work, as it is on a GPU node, where a process reads checkpoints on the node's own CPUs
-while the GPU rolls out: the warm loop (tailspec/scheduler/session.py) calls `prestage` only after leaving the
+while the GPU rolls out: the warm loop (scheduler/session.py, scheduler/warm_wait.py) calls `prestage` only after leaving the
 last GPU's cores and quota, and only where the placement leaves the host a share of its own (a CPU quota, or no
 placement), never on a simulated GPU's whole cores. Only a teacher on the host is kept or read ahead: a GPU's
 teacher is never kept (`keep_teacher`).
@@ -17,7 +17,6 @@ teacher is never kept (`keep_teacher`).
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,6 @@ from tailspec.drafter_trainer.footprint import session_footprint
 from tailspec.drafter_trainer.model import default_aux_layer_ids
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.tasks.policy_sync import load_weights_in_place
-
-log = logging.getLogger(__name__)
 
 # The teacher module a warm session process keeps between sessions (on the host), by (config.json, dtype), and
 # "weights": which policy file's weights it holds (path, time, size), so reading the same version again is free.
@@ -84,8 +81,10 @@ def keep_teacher(teacher: Teacher) -> None:
 
 
 def remember(ctx: Any) -> None:
-    """The session context `prestage` reads the cluster through (the last lend's: same cluster, same Redis)."""
+    """The session context `prestage` reads the cluster through (the last lend's: same cluster, same Redis). A
+    lend takes what was staged, so the next `prestage` looks again."""
     _LAST["ctx"] = ctx
+    _LAST.pop("seen", None)
 
 
 def prestage() -> None:
