@@ -82,7 +82,8 @@ class SessionResult:
         return self.tokens / self.train_seconds if self.train_seconds > 0 else 0.0
 
 
-ASK_EVERY_S = 0.02  # should_continue() is a lease renewal: one Redis round trip (~0.1 ms), <1% of a step at this rate
+# should_continue() is a lease renewal: a Redis round trip, ~0.1 ms on an idle host, ~3 ms at the demo's 0.45 of a
+ASK_EVERY_S = 0.02  # core (8% of its step time; BENCHMARKS.md, end to end); how late a revocation is noticed
 
 
 class TrainingSession:
