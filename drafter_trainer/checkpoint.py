@@ -165,12 +165,12 @@ def stage_checkpoint(path: str | Path, target_embedding: Any = None) -> None:
     """Read a checkpoint directory into host memory ahead of a `load_checkpoint` of it (a warm session process
     between lends: tailspec/warm.py), replacing whatever was staged before. What is served later is checked
     against the files' sizes and times then, so a directory rewritten since is read afresh."""
-    key = str(Path(path))
-    if key in _STAGED and _STAGED[key][0] == _files_id(Path(path)):
+    key, files = str(Path(path)), _files_id(Path(path))
+    if key in _STAGED and _STAGED[key][0] == files:
         return
     ck = load_checkpoint(path, target_embedding, "cpu")
     _STAGED.clear()
-    _STAGED[key] = (_files_id(Path(path)), ck)
+    _STAGED[key] = (files, ck)
 
 
 _STAGED: dict[str, tuple[tuple, Checkpoint]] = {}  # path → (its files' identity, the checkpoint read)
@@ -178,7 +178,7 @@ _STAGED: dict[str, tuple[tuple, Checkpoint]] = {}  # path → (its files' identi
 
 def _files_id(path: Path) -> tuple:
     try:
-        return tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(path.iterdir()))
+        return tuple((f.name, st.st_mtime_ns, st.st_size) for f in sorted(path.iterdir()) for st in [f.stat()])
     except OSError:
         return ()
 

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from tailspec.core import state
-from tailspec.core.state import LineageHead, PhaseInfo
+from tailspec.core.state import PhaseInfo
 from tailspec.drafter_trainer.checkpoint import stage_checkpoint
 from tailspec.drafter_trainer.footprint import session_footprint
+from tailspec.drafter_trainer.lineage import Lineage
 from tailspec.drafter_trainer.model import default_aux_layer_ids
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.tasks.policy_sync import load_weights_in_place
@@ -103,7 +104,7 @@ def prestage() -> None:
     phase = state.get(ctx.redis, state.key(cfg.cluster.name, "phase"), PhaseInfo)
     if phase is None or phase.phase != "rollout" or not phase.policy_path:
         return  # during the update the cores are the trainer's; the next rollout's start publishes the policy
-    head = state.get(ctx.redis, state.key(cfg.cluster.name, "lineage_head"), LineageHead)
+    head = Lineage(Path(cfg.trainer.checkpoint_dir) / "lineage", ctx.redis, cfg.cluster.name).head()  # as a lend's pull
     seen = (phase.policy_path, phase.policy_version, head.path if head is not None else None)
     if _LAST.get("seen") == seen and "teacher" in _KEPT:
         return  # read ahead already: a poll that finds nothing new costs two Redis reads
