@@ -31,10 +31,13 @@ from tailspec.rollout.model_runner import (
     qkv_rope_tables,
     rope,
     signed_sin,
+    tree_allowed,
     unit_rms_norm,
 )
 from tailspec.rollout.sampling import DRAFT, process, race, sample, uniforms
 from tailspec.rollout.slots import Batch
+from tailspec.rollout.strategy import Strategy
+from tailspec.rollout.tree import TreeDraft, select_dynamic, static_topology
 
 
 class Proposer:
@@ -42,6 +45,7 @@ class Proposer:
 
     name = "none"
     needs_aux = False
+    drafts_trees = False  # implements propose_tree (tree and dynamic strategies)
     aux_layer_ids: tuple[int, ...] | None = None
 
     def check_fits(self, target_config: Any) -> None:
@@ -55,6 +59,10 @@ class Proposer:
 
     def propose(self, batch: Batch, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
+
+    def propose_tree(self, batch: Batch, strategy: Strategy) -> TreeDraft:
+        """A token tree per row for a tree or dynamic strategy (rollout/tree.py); only where `drafts_trees`."""
+        raise NotImplementedError(f"the {self.name} drafter drafts chains only")
 
     def observe(self, batch: Batch, k: int, tokens: torch.Tensor, n_acc: torch.Tensor, aux: torch.Tensor | None) -> None:
         """After a verify of width k+1 at positions L-1..L-1+k (lengths are still the old ones); tokens
@@ -188,6 +196,7 @@ class Eagle3Proposer(Proposer):
 
     name = "eagle3"
     needs_aux = True
+    drafts_trees = True
 
     def __init__(self, drafter: torch.nn.Module, target: torch.nn.Module | None = None):
         self.drafter = drafter.eval()
@@ -236,9 +245,12 @@ class Eagle3Proposer(Proposer):
         self._arange = torch.arange(cache_len, device=w.device)
 
     @torch.inference_mode()
-    def step(self, hidden, input_ids, pos, slot0: int = 0, max_pos: int | None = None) -> torch.Tensor:
+    def step(self, hidden, input_ids, pos, slot0: int = 0, max_pos: int | None = None, slots=None,
+             tree_start=None, anc=None) -> torch.Tensor:
         """Our forward of the drafter up to its hidden output [B,T,H] (the pre-norm residual); `head` turns
-        the rows that are needed into logits."""
+        the rows that are needed into logits. Token t is at position pos[:, t] and cached there, or, for tree
+        nodes, cached in `slots` [B,T] and attending to the context before slot `tree_start` [B] and to the tree
+        slots its `anc` [B,T,N] row marks (rollout.model_runner.tree_allowed)."""
         d = self.drafter
         ml = d.midlayer
         B, T = input_ids.shape
@@ -251,11 +263,13 @@ class Eagle3Proposer(Proposer):
         qkv = rope(qkv, self.cos[pos], self.sin[pos])
         kv = self.kv_cache[slot0 : slot0 + B]
         rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
-        kv[rows, :, pos] = qkv[:, :, Hq:]
-        max_pos = int(pos.max()) if max_pos is None else max_pos
+        write = pos if slots is None else slots
+        kv[rows, :, write] = qkv[:, :, Hq:]
+        max_pos = int(write.max()) if max_pos is None else max_pos
         Lk = min(self.cache_len, (max_pos // 64 + 1) * 64)
-        mask = attention_mask((torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, :, None])[:, None],
-                              Hq // Hk, self.dtype)
+        key_pos = torch.arange(Lk, device=pos.device)
+        allowed = key_pos[None, None, :] <= pos[:, :, None] if anc is None else tree_allowed(key_pos, tree_start, anc)
+        mask = attention_mask(allowed[:, None], Hq // Hk, self.dtype)
         with attention_backends(pos.device):  # no per-shape cuDNN plan builds (model_runner)
             o = gqa_attention(qkv[:, :, :Hq].transpose(1, 2), kv[:, :Hk, :Lk], kv[:, Hk:, :Lk], mask)
         out = hidden + F.linear(o.transpose(1, 2).reshape(B, T, self.Hq * D), ml.self_attn.o_proj.weight)
@@ -315,6 +329,111 @@ class Eagle3Proposer(Proposer):
         if k == 1:  # views, not copies
             return d[:, None], q[:, None]
         return torch.stack(drafts, 1), torch.stack(qs, 1)
+
+    # -- trees -------------------------------------------------------------------------------------------------
+    def _children(self, logits: torch.Tensor, batch: Batch, d: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `width` likeliest children of each node whose draft logits (draft vocabulary) are `logits` [n, T, Vd],
+        at tree depth d + 1 (position L + d): (tokens [n, T, width], their log-probabilities [n, T, width]).
+        Likeliest means by the draft distribution q the row samples with (temperature, top-k, top-p), or, under
+        the coupled rule, by q / e with the target's race noise e of that position, so the first child is the one
+        a chain would draft (a greedy row: by the raw logits). Deterministic given the context and the noise, so
+        the verify rules stay exact (rollout/sampling.py)."""
+        z = self._to_target(logits)
+        lq = torch.log_softmax(z, -1)
+        if batch.any_sampled:
+            q = process(z, batch.temperature, batch.top_k, batch.top_p, True, batch.any_greedy,
+                        batch.any_truncated, batch.any_scaled)
+            lq_s = q.log()
+            if batch.race is not None:
+                rank_by = lq_s - batch.race[:, d, None].log()
+            else:
+                rank_by = lq_s
+            greedy = (batch.temperature == 0)[:, None, None]
+            rank_by = torch.where(greedy, z, rank_by)
+            lq = torch.where(greedy, lq, lq_s)
+        else:
+            rank_by = z
+        top = rank_by.topk(width, dim=-1).indices
+        return top, lq.gather(-1, top)
+
+    @torch.inference_mode()
+    def propose_tree(self, batch: Batch, strategy: Strategy) -> TreeDraft:
+        """Draft a token tree per row, level by level: the root's children from the logits kept at the last verify,
+        then one drafter forward per level over the nodes that get children, each node cached in drafter slot
+        L - 2 + its index and attending to its ancestors (a chain's layout when the tree is a chain). Static trees
+        expand the nodes their topology names; dynamic trees the `topk` likeliest frontier nodes by cumulative
+        log-probability, and verify the `nodes` likeliest of all they drafted (EAGLE-2)."""
+        n, L = batch.n, batch.lengths
+        dev = L.device
+        if strategy.kind == "dynamic":
+            return self._dynamic_tree(batch, strategy)
+        topo = static_topology(strategy, dev)
+        m = topo.parent.shape[0]
+        tokens = torch.zeros(n, m, dtype=torch.long, device=dev)
+        tokens[:, 0] = batch.tokens.gather(1, (L - 1)[:, None])[:, 0]
+        hidden_of = torch.zeros(n, m, self.H, dtype=self.dtype, device=dev)
+        hidden_of[:, 0] = self.next_hidden[:n]
+        anc = topo.anc[None].expand(n, m, m)
+        for d, expand in enumerate(topo.levels):
+            idx = torch.tensor(expand, device=dev)
+            if d == 0:
+                logits = self.next_logits[:n, None]
+            else:
+                par = topo.parent[idx]
+                out = self.step(hidden_of[:, par], tokens[:, idx], (L[:, None] + d - 2).expand(n, len(expand)),
+                                slots=(L[:, None] - 2) + idx[None], tree_start=L - 2, anc=anc[:, idx],
+                                max_pos=batch.max_length - 2 + m)
+                hidden_of[:, idx] = out
+                logits = self.head(out)
+            top, _ = self._children(logits, batch, d, strategy.branching[d])
+            kids = [c for c, _ in topo.child_slots[d]]
+            where = [e for _, e in topo.child_slots[d]]
+            tokens[:, kids] = top[:, where, topo.rank[kids]]
+        return TreeDraft(tokens=tokens, parent=topo.parent[None].expand(n, m), depth=topo.depth[None].expand(n, m),
+                         rank=topo.rank[None].expand(n, m), anc=anc, children=topo.children[None].expand(n, -1, -1))
+
+    def _dynamic_tree(self, batch: Batch, strategy: Strategy) -> TreeDraft:
+        n, L = batch.n, batch.lengths
+        dev, K, D = L.device, strategy.topk, strategy.depth
+        m = 1 + K + (D - 1) * K * K  # every node drafted: the root, K children, then K x K per level
+        tokens = torch.zeros(n, m, dtype=torch.long, device=dev)
+        parent = torch.zeros(n, m, dtype=torch.long, device=dev)
+        rank = torch.zeros(n, m, dtype=torch.long, device=dev)
+        score = torch.full((n, m), float("-inf"), device=dev)
+        score[:, 0] = 0.0
+        depth = torch.zeros(m, dtype=torch.long, device=dev)
+        tokens[:, 0] = batch.tokens.gather(1, (L - 1)[:, None])[:, 0]
+        top, lq = self._children(self.next_logits[:n, None], batch, 0, K)
+        tokens[:, 1 : 1 + K], score[:, 1 : 1 + K] = top[:, 0], lq[:, 0]
+        rank[:, 1 : 1 + K] = torch.arange(K, device=dev)
+        depth[1 : 1 + K] = 1
+        hidden_of = torch.zeros(n, m, self.H, dtype=self.dtype, device=dev)
+        hidden_of[:, 0] = self.next_hidden[:n]
+        frontier = torch.arange(1, 1 + K, device=dev)[None].expand(n, K)  # the last level's node indices
+        anc_all = torch.zeros(n, m, m, dtype=torch.bool, device=dev)
+        anc_all[:, :, 0] = True
+        anc_all[:, torch.arange(m), torch.arange(m)] = True
+        rows = torch.arange(n, device=dev)[:, None]
+        for d in range(1, D):
+            # expand the K likeliest nodes of the last level
+            pick = score.gather(1, frontier).topk(K, dim=-1).indices
+            nodes = frontier.gather(1, pick)  # [n, K]
+            out = self.step(hidden_of[rows, parent[rows, nodes]], tokens[rows, nodes], (L[:, None] + d - 2).expand(n, K),
+                            slots=(L[:, None] - 2) + nodes, tree_start=L - 2, anc=anc_all[rows, nodes],
+                            max_pos=batch.max_length - 2 + m)
+            hidden_of[rows, nodes] = out
+            top, lq = self._children(self.head(out), batch, d, K)  # [n, K, K]
+            first = 1 + K + (d - 1) * K * K
+            new = torch.arange(first, first + K * K, device=dev)
+            tokens[:, new] = top.reshape(n, K * K)
+            score[:, new] = (score.gather(1, nodes)[:, :, None] + lq).reshape(n, K * K)
+            parent[:, new] = nodes.repeat_interleave(K, dim=1)
+            rank[:, new] = torch.arange(K, device=dev).repeat(K)[None]
+            depth[new] = d + 1
+            anc_all[:, new] = anc_all[rows, parent[:, new]]
+            anc_all[:, new, new] = True
+            frontier = new[None].expand(n, -1)
+        return select_dynamic(tokens, parent, depth[None].expand(n, m), rank, score, strategy.nodes, K)
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor, upto: int | None = None) -> None:
         self.kv_cache[dst, :, :upto] = self.kv_cache[src, :, :upto]  # upto None: every position

@@ -51,7 +51,9 @@ from tailspec.rollout.slots import (
     SlotTable,
 )
 from tailspec.rollout.states import StateRecorder
-from tailspec.rollout.strategy import ChooseK, StepRecord
+from tailspec.rollout.strategy import ChooseK, StepRecord, Strategy
+
+NONE = Strategy.none()
 
 # the verify forward's seam: ModelRunner.forward's contract, (ids, start, slot0, max_pos, want_aux) -> (logits, aux)
 VerifyForward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -70,6 +72,7 @@ class Engine:
         max_batch: int = 64,
         max_seq_len: int = 1024,
         k_max: int = 8,
+        max_tree_nodes: int = 128,
         max_stop_ids: int = 8,
         seed: int = 0,
         eos_token_id: int | Sequence[int] | None = None,
@@ -79,8 +82,9 @@ class Engine:
     ):
         cfg = model.config
         check_supported(cfg)
-        if max_batch < 1 or max_seq_len < 2 or k_max < 0:
-            raise ValueError(f"need max_batch >= 1, max_seq_len >= 2, k_max >= 0; got {max_batch}, {max_seq_len}, {k_max}")
+        if max_batch < 1 or max_seq_len < 2 or k_max < 0 or max_tree_nodes < 0:
+            raise ValueError(f"need max_batch >= 1, max_seq_len >= 2, k_max >= 0, max_tree_nodes >= 0; got {max_batch}, "
+                             f"{max_seq_len}, {k_max}, {max_tree_nodes}")
         if verify_rule not in VERIFY_RULES:
             raise ValueError(f"verify_rule must be one of {VERIFY_RULES}, got {verify_rule!r}")
         if drafter is not None:
@@ -89,13 +93,15 @@ class Engine:
         self.model = model.eval()
         self.vocab_size = int(cfg.vocab_size)
         self.max_batch, self.max_seq_len, self.k_max = max_batch, max_seq_len, k_max
+        # a tree strategy's depth is at most k_max; every node it drafts takes a cache slot during the step
+        self.max_tree_nodes = max_tree_nodes if (drafter is not None and drafter.drafts_trees) else 0
         self.max_stop_ids = max_stop_ids
         eos = eos_token_id if eos_token_id is not None else getattr(cfg, "eos_token_id", None)
         self.eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         self.drafter = drafter
         self._choose_k = self._hook(choose_k)
 
-        cache_len = max_seq_len + k_max + 1
+        cache_len = max_seq_len + max(k_max, self.max_tree_nodes) + 1
         aux_ids = drafter.aux_layer_ids if (drafter is not None and drafter.needs_aux) else None
         self.runner = ModelRunner(model, max_batch, cache_len, aux_layer_ids=aux_ids)
         self._verify_forward: VerifyForward = self.runner.forward  # a graph pool's replays, through configure
@@ -117,7 +123,7 @@ class Engine:
         self._batch: Batch | None = None
         self._max_length = 0
         self._arange = torch.arange(k_max + 2, device=self.device)
-        self._fwd_drafted = torch.tensor([[1, k] for k in range(k_max + 1)], device=self.device)
+        self._fwd_drafted: dict[int, torch.Tensor] = {}  # drafted tokens per row -> [1, drafted]
 
     # -- configuration ---------------------------------------------------------------------------------------
     def configure(self, *, choose_k: ChooseK | int | None = None, verify_forward: VerifyForward | None = None) -> Engine:
@@ -334,23 +340,65 @@ class Engine:
             self._batch = self.slots.batch(self._max_length)
         batch = self._batch
         batch.max_length = self._max_length
-        k = 0 if self.drafter is None else max(0, min(int(self._choose_k(n, self.last)), self.k_max))
-        out, n_acc, logits, p = self._draft_and_verify(batch, n, k)
-        done, stopped, accepted = self._emit(batch, n, k, out, n_acc, logits, p)
+        strategy = self._strategy(n)
+        k = strategy.depth
+        out, n_acc, logits, p, ranks = self._draft_and_verify(batch, n, strategy)
+        done, stopped, accepted = self._emit(batch, n, k, strategy.nodes, out, n_acc, logits, p)
         head = torch.stack([done.sum(), accepted.sum(), batch.lengths.max()])
-        if k > 0:  # rows whose draft j was accepted, j < k: the selector's per-position acceptance
+        if k > 0:  # rows whose path reached depth j + 1, j < k: the selector's per-depth acceptance
             head = torch.cat([head, (n_acc[:, None] > self._arange[None, :k]).sum(0)])
-        any_done, acc_sum, max_len, *reach = head.tolist()
+        if ranks is not None:  # per (depth, sibling rank): rows that had the child, rows that accepted it
+            head = torch.cat([head, ranks[0].flatten(), ranks[1].flatten()])
+        any_done, acc_sum, max_len, *rest = head.tolist()
+        reach, rank_trials, rank_accepted = rest[:k], (), ()
+        if ranks is not None:
+            width = ranks[0].shape[1]
+            flat_t, flat_a = rest[k : k + k * width], rest[k + k * width :]
+            rank_trials = [flat_t[d * width : (d + 1) * width] for d in range(k)]
+            rank_accepted = [flat_a[d * width : (d + 1) * width] for d in range(k)]
         self._max_length = max_len
         outs = self._finish(done, stopped) if any_done else []
-        self.last = StepRecord.following(self.last, n, k, acc_sum, reach, time.perf_counter() - t_step)
+        self.last = StepRecord.following(self.last, n, strategy, acc_sum, reach, time.perf_counter() - t_step,
+                                         rank_trials, rank_accepted)
         self.history.append(self.last)
         return outs
 
-    def _draft_and_verify(self, batch: Batch, n: int, k: int):
-        """Draft k tokens per row and verify them in one target forward of width k+1. Returns the step's
-        tokens [n, k+1] (accepted drafts, then the target's token at n_acc), n_acc [n], the target's logits
-        and its processed distribution p."""
+    def _strategy(self, n: int) -> Strategy:
+        """The hook's strategy for this step: an int is a chain's k (clipped to k_max, as ever); a tree needs a
+        drafter that drafts trees and must fit the engine's k_max and max_tree_nodes (a clear error otherwise)."""
+        if self.drafter is None:
+            return NONE
+        s = self._choose_k(n, self.last)
+        if isinstance(s, Strategy) and s.is_tree:
+            self.check_strategy(s)
+            return s
+        k = s.depth if isinstance(s, Strategy) else int(s)
+        return Strategy.chain(max(0, min(k, self.k_max)))
+
+    def check_strategy(self, strategy: Strategy) -> None:
+        """Raise ValueError naming why this engine cannot run `strategy` (nothing is computed before)."""
+        if not strategy.is_tree:
+            if strategy.speculates and self.drafter is None:
+                raise ValueError(f"{strategy.label} needs a drafter")
+            return
+        if self.drafter is None or not self.drafter.drafts_trees:
+            name = "no drafter" if self.drafter is None else f"the {self.drafter.name} drafter"
+            raise ValueError(f"{strategy.label} is a tree strategy; {name} drafts chains only (EAGLE-3 drafts trees)")
+        if strategy.depth > self.k_max:
+            raise ValueError(f"{strategy.label} is {strategy.depth} deep; this engine's k_max is {self.k_max}")
+        drafted = strategy.full_nodes if strategy.kind == "dynamic" else strategy.nodes
+        if drafted > self.max_tree_nodes:
+            raise ValueError(f"{strategy.label} drafts {drafted} nodes; this engine's max_tree_nodes is "
+                             f"{self.max_tree_nodes}")
+        if strategy.topk > sampling.TREE_RANKS:
+            raise ValueError(f"{strategy.label} has {strategy.topk} children per node; at most {sampling.TREE_RANKS}")
+
+    def _draft_and_verify(self, batch: Batch, n: int, strategy: Strategy):
+        """Draft and verify in one target forward: a chain of k tokens (width k + 1) or a token tree (its nodes + 1).
+        Returns the step's tokens [n, depth + 1] (accepted drafts, then the target's token at n_acc), n_acc [n], the
+        target's logits and processed distribution p at the accepted path's positions [n, depth + 1, V], and for a
+        tree its (rank_trials, rank_accepted) [depth, R] tensors (None for a chain)."""
+        k = strategy.depth
         L = batch.lengths
         last = batch.tokens.gather(1, (L - 1)[:, None])
         coupled = batch.any_sampled and self.verify_rule == "coupled"
@@ -362,28 +410,61 @@ class Engine:
         else:
             u_acc = torch.zeros(n, k, dtype=torch.float64, device=self.device)
             u_smp = torch.zeros(n, k + 1, dtype=torch.float64, device=self.device)
+        need_aux = self.drafter is not None and self.drafter.needs_aux
+        if strategy.is_tree:
+            return self._tree_step(batch, strategy, coupled, None if coupled else u_smp, need_aux)
         if k > 0:
             drafts, q = self.drafter.propose(batch, k)
             inp = torch.cat([last, drafts], 1)
         else:
             drafts, q, inp = last[:, :0], None, last
-        need_aux = self.drafter is not None and self.drafter.needs_aux
         logits, aux = self._verify_forward(inp, L - 1, max_pos=self._max_length - 1 + k, want_aux=need_aux)
-        p = sampling.process(
-            logits, batch.temperature, batch.top_k, batch.top_p, batch.any_sampled, batch.any_greedy, batch.any_truncated,
-            batch.any_scaled,
-        )
+        p = self._process(logits, batch)
         if coupled:
             out, n_acc = sampling.verify_coupled(p, drafts, batch.race)
         else:
             out, n_acc = sampling.verify(p, q, drafts, u_acc, u_smp)
+        self._observe(batch, k, out, n_acc, aux, logits)
+        return out, n_acc, logits, p, None
+
+    def _tree_step(self, batch: Batch, strategy: Strategy, coupled: bool, u_smp, need_aux: bool):
+        """A tree strategy's draft, verify (one forward over every node, each attending to its ancestors), accept
+        (rollout/sampling.py: verify_tree, verify_tree_coupled) and the accepted path moved into the KV cache's
+        positions; then the drafter and the recorder see the path as they would a chain's drafts."""
+        L, n = batch.lengths, batch.n
+        tree = self.drafter.propose_tree(batch, strategy)
+        logits, aux = self._verify_forward(tree.tokens, L - 1, max_pos=self._max_length - 1 + strategy.nodes,
+                                           want_aux=need_aux, tree=(tree.depth, tree.anc))
+        p = self._process(logits, batch)
+        if coupled:
+            out, n_acc, path, trials, acc = sampling.verify_tree_coupled(p, tree, batch.race)
+        else:
+            width = tree.children.shape[-1]
+            u_acc = (sampling.tree_accept_uniforms(batch.key, L, strategy.depth, width) if batch.any_sampled
+                     else torch.zeros(n, strategy.depth, width, dtype=torch.float64, device=self.device))
+            out, n_acc, path, trials, acc = sampling.verify_tree(p, tree, u_acc, u_smp)
+        self.runner.move_path(L - 1, path)
+        V = logits.shape[-1]
+        at = path[..., None]
+        logits, p = logits.gather(1, at.expand(-1, -1, V)), p.gather(1, at.expand(-1, -1, V))
+        if aux is not None:
+            aux = aux.gather(1, at.expand(-1, -1, aux.shape[-1]))
+        self._observe(batch, strategy.depth, out, n_acc, aux, logits)
+        return out, n_acc, logits, p, (trials, acc)
+
+    def _process(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return sampling.process(
+            logits, batch.temperature, batch.top_k, batch.top_p, batch.any_sampled, batch.any_greedy, batch.any_truncated,
+            batch.any_scaled,
+        )
+
+    def _observe(self, batch: Batch, k: int, out, n_acc, aux, logits) -> None:
         if self.drafter is not None:
             self.drafter.observe(batch, k, out, n_acc, aux)
         if self.recorder is not None:
-            self.recorder.step(L, self.slots.ints[:n, GEN], aux, logits)
-        return out, n_acc, logits, p
+            self.recorder.step(batch.lengths, self.slots.ints[:batch.n, GEN], aux, logits)
 
-    def _emit(self, batch: Batch, n: int, k: int, out, n_acc, logits, p):
+    def _emit(self, batch: Batch, n: int, k: int, drafted: int, out, n_acc, logits, p):
         """Write the step's tokens and logprobs into the slots, cut after the first stop id and at max_tokens,
         and count them. Returns per row: done, stopped (by a stop id), drafts accepted and emitted."""
         s, L = self.slots, batch.lengths
@@ -409,7 +490,10 @@ class Engine:
         accepted = torch.minimum(n_acc, n_emit)
         # the int columns in three ops: LEN|GEN side by side, FWD|DRAFTED by a constant, ACCEPTED
         s.ints[:n, LEN : GEN + 1] += n_emit[:, None]
-        s.ints[:n, FWD : DRAFTED + 1] += self._fwd_drafted[k]
+        per_row = self._fwd_drafted.get(drafted)
+        if per_row is None:
+            per_row = self._fwd_drafted[drafted] = torch.tensor([1, drafted], device=self.device)
+        s.ints[:n, FWD : DRAFTED + 1] += per_row
         s.ints[:n, ACCEPTED] += accepted
         return done, stopped, accepted
 

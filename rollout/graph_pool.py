@@ -244,9 +244,12 @@ class GraphPool:
     # -- the seam ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: torch.Tensor, slot0: int = 0, max_pos: int | None = None,
-                want_aux: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                want_aux: bool = False, tree=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Same contract as ModelRunner.forward; replays the plan's graph when this shape is captured."""
         n, width = input_ids.shape
+        if tree is not None:
+            self.eager += 1
+            return self.runner.forward(input_ids, start, slot0, max_pos=max_pos, want_aux=want_aux, tree=tree)
         bucket = self.plan.lookup(n, width - 1) if (slot0 == 0 and want_aux == self.want_aux) else None
         g = self.graphs.get((bucket, width - 1)) if bucket is not None else None
         if g is None or (max_pos is not None and max_pos > self._max_pos):

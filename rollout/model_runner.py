@@ -69,6 +69,17 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return o.reshape(B, Hq, T, D)  # the memory-efficient kernel may return [B,T,H,D] strides
 
 
+def tree_allowed(key_pos: torch.Tensor, start: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+    """Which cache positions each token of a token tree may attend to, [B, T, Lk] bool: every position before the
+    tree's first slot `start` [B] (the row's committed context), and within the tree's slots start .. start + N - 1
+    the nodes `anc` [B, T, N] marks (a node's ancestors and itself). Tree node i sits in slot start + i whatever
+    its depth, so siblings, which share a position, never share a slot."""
+    rel = key_pos[None, :] - start[:, None]  # [B, Lk]
+    n_nodes = anc.shape[-1]
+    inside = anc.gather(2, rel.clamp(0, n_nodes - 1)[:, None, :].expand(-1, anc.shape[1], -1))
+    return (rel < 0)[:, None, :] | (inside & (rel < n_nodes)[:, None, :])
+
+
 @dataclass
 class _Layer:
     qkv_w: torch.Tensor
@@ -215,6 +226,16 @@ class ModelRunner:
         0..upto-1 (a repeated prompt's prefill: the rest of the slot is never read before it is written)."""
         self._kv_all[:, dst, :, :upto] = self._kv_all[:, src, :, :upto]  # upto None: every position
 
+    def move_path(self, start: torch.Tensor, path: torch.Tensor) -> None:
+        """After a tree verify of rows 0..n-1 whose node i was cached in slot start + i: move the accepted path's
+        entries into place, node path[:, j] (at depth j) to position start + j. Entries past a row's accepted
+        length are moved too and are garbage, as a rejected chain draft's are: overwritten before anything
+        attends to them."""
+        n, w = path.shape
+        rows = torch.arange(n, device=path.device)[:, None]
+        dst = start[:, None] + torch.arange(w, device=path.device)
+        self._kv_all[:, rows, :, dst] = self._kv_all[:, rows, :, start[:, None] + path]
+
     def _attn_len(self, max_pos: int) -> int:
         # Attend over a bucketed prefix of the cache rather than all of it: the work follows the longest
         # running row, and the few distinct widths keep shapes friendly to graph capture later.
@@ -230,18 +251,24 @@ class ModelRunner:
         slot0: int = 0,
         max_pos: int | None = None,
         want_aux: bool = False,
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`tree` = (depth [B,T], anc [B,T,T]): the T tokens of each row are a token tree (token 0 its root), token
+        t at position start + depth[t] but cached in slot start + t, attending to the context and to the tokens
+        anc[t] marks (`tree_allowed`); `move_path` then moves the accepted path into place."""
         B, T = input_ids.shape
-        pos = start[:, None] + torch.arange(T, device=start.device)  # [B,T]
+        slots = start[:, None] + torch.arange(T, device=start.device)  # [B,T]: where each token's k/v is written
+        pos = slots if tree is None else start[:, None] + tree[0]  # its position (RoPE)
         if max_pos is None:
-            max_pos = int(pos.max())
+            max_pos = int(slots.max())
         L = self._attn_len(max_pos)
         if L > self._zeroed:  # before this forward's writes: they may land past the old frontier
             self._kv_all[:, :, :, self._zeroed : L].zero_()
             self._zeroed = L
         key_pos = torch.arange(L, device=start.device)
         Hq, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
-        mask = attention_mask((key_pos[None, None, :] <= pos[:, :, None])[:, None], Hq // Hk, self.embed.dtype)
+        allowed = key_pos[None, None, :] <= pos[:, :, None] if tree is None else tree_allowed(key_pos, start, tree[1])
+        mask = attention_mask(allowed[:, None], Hq // Hk, self.embed.dtype)
         # RoPE tables for every qkv head at these positions: built once per forward, not per layer
         cos, sin = qkv_rope_tables(self.cos[pos], self.sin_signed[pos], Hq + Hk, Hk)  # [B,T,Hq+2Hk,D]
         rows = torch.arange(B, device=start.device)[:, None].expand(B, T)
@@ -263,7 +290,7 @@ class ModelRunner:
                     ], 2)
                 qkv = rope(qkv, cos, sin)
                 kv = self.kv_cache[i][slot0 : slot0 + B]
-                kv[rows, :, pos] = qkv[:, :, Hq:]
+                kv[rows, :, slots] = qkv[:, :, Hq:]
                 q = qkv[:, :, :Hq].transpose(1, 2)
                 k, v = kv[:, :Hk, :L], kv[:, Hk:, :L]
                 o = gqa_attention(q, k, v, mask)

@@ -245,3 +245,111 @@ def verify_coupled(p: torch.Tensor, drafts: torch.Tensor, e: torch.Tensor) -> tu
     match = drafts == tokens[:, :k]
     n_acc = match[:, 0].long() if k == 1 else match.long().cumprod(-1).sum(-1)
     return tokens, n_acc
+
+
+# -- token trees (rollout/tree.py) ----------------------------------------------------------------------------
+# A tree's siblings are the drafter's top choices, a function of the context alone (no random number), so under
+# the residual rule each child is a point-mass draft: recursive rejection over the siblings accepts child x with
+# probability p_res(x) / |p_res| and, when it rejects it, takes x out of p_res (the residual max(0, p_res - onehot(x))),
+# then samples the last residual when every child is rejected. That is exact for any set of candidates, and uses
+# the numbers of the tree's own positions only up to the emitted token, so reusing the later ones next step is
+# sound (the module docstring). TREE_RANKS bounds the sibling ranks the accept stream has numbers for.
+TREE_RANKS = 16
+_TREE_SALT = 0x5EED7EE5
+
+
+def tree_accept_uniforms(key: torch.Tensor, lengths: torch.Tensor, depth: int, ranks: int) -> torch.Tensor:
+    """[B, depth, ranks] ACCEPT-stream uniforms of a tree step: one per (position lengths + d, sibling rank r), from
+    a salted key so they never coincide with a chain's numbers of the same position."""
+    if ranks > TREE_RANKS:
+        raise ValueError(f"a tree node may have at most {TREE_RANKS} children, got {ranks}")
+    d = torch.arange(depth, device=lengths.device)[:, None]
+    r = torch.arange(ranks, device=lengths.device)[None, :]
+    codes = ((((lengths[:, None, None] + d) * TREE_RANKS + r) << 2) | ACCEPT).reshape(lengths.shape[0], depth * ranks)
+    salted = key ^ _TREE_SALT
+    return uniforms_at(salted, codes).reshape(-1, depth, ranks)
+
+
+def _walk_outputs(n: int, depth: int, ranks: int, device) -> tuple[torch.Tensor, ...]:
+    return (torch.zeros(n, depth + 1, dtype=torch.long, device=device),  # tokens
+            torch.zeros(n, depth + 1, dtype=torch.long, device=device),  # path
+            torch.zeros(depth, ranks, dtype=torch.long, device=device),  # rank trials
+            torch.zeros(depth, ranks, dtype=torch.long, device=device))  # rank accepted
+
+
+def verify_tree(p: torch.Tensor, tree, u_accept: torch.Tensor, u_sample: torch.Tensor):
+    """Exact speculative sampling over token trees (residual rule; see above), ragged across rows.
+
+    p [B, N+1, V] the target's processed distributions at every node (node i's: of the token after it); `tree` a
+    `rollout.tree.TreeDraft`; u_accept [B, D, R] (`tree_accept_uniforms`), u_sample [B, D+1] the SAMPLE stream at
+    positions L.. L+D. Walks from the root: at a node of depth d its children are tried in rank order, and an
+    accepted child is the next node; a node with no child accepted (or none at all) emits a draw of its residual.
+    Returns (tokens [B, D+1]: the accepted children's tokens then the drawn one at index n_acc; n_acc [B];
+    path [B, D+1]: the node at each depth of the accepted path, the last accepted repeated past n_acc;
+    rank_trials [D, R] and rank_accepted [D, R]: rows whose node at depth d had a rank-r child, and accepted it)."""
+    B, M, V = p.shape
+    D, R = u_accept.shape[1], tree.children.shape[-1]
+    rows = torch.arange(B, device=p.device)
+    tokens, path, trials, accepted = _walk_outputs(B, D, R, p.device)
+    cur = torch.zeros(B, dtype=torch.long, device=p.device)
+    active = torch.ones(B, dtype=torch.bool, device=p.device)
+    n_acc = torch.zeros(B, dtype=torch.long, device=p.device)
+    for d in range(D + 1):
+        resid = p[rows, cur].double()  # [B, V]
+        nxt = cur
+        took = torch.zeros(B, dtype=torch.bool, device=p.device)
+        if d < D:
+            kids = tree.children[rows, cur]  # [B, R]
+            for r in range(R):
+                c = kids[:, r]
+                tried = active & ~took & (c >= 0)
+                x = tree.tokens[rows, c.clamp(min=0)]
+                px = resid.gather(1, x[:, None])[:, 0]
+                ok = tried & (u_accept[:, d, r] * resid.sum(-1) < px)
+                # a rejected child leaves the residual: max(0, p_res - onehot(x)) is p_res without x
+                resid = torch.where((tried & ~ok)[:, None], resid.scatter(1, x[:, None], 0.0), resid)
+                nxt = torch.where(ok, c, nxt)
+                took |= ok
+                trials[d, r] = (active & (c >= 0)).sum()  # as the coupled walk counts: the child existed
+                accepted[d, r] = ok.sum()
+        drawn = sample(resid, u_sample[:, d])
+        stop = active & ~took  # rows whose walk ends here: their token is the residual's draw
+        tokens[:, d] = torch.where(took, tree.tokens[rows, nxt], torch.where(stop, drawn, tokens[:, d]))
+        n_acc += took.long()
+        active &= took
+        cur = nxt
+        if d < D:
+            path[:, d + 1] = cur
+    return tokens, n_acc, path, trials, accepted
+
+
+def verify_tree_coupled(p: torch.Tensor, tree, e: torch.Tensor):
+    """Drafter-invariant exact sampling over token trees: the token at depth d is the target's race winner
+    race(p[node], e[:, d]) of the position L + d, and the walk follows the child equal to it while there is one.
+    The emitted tokens are the race winners along the way whatever the tree (plain Gumbel-max sampling of the
+    target), so a rollout is the same tokens with any drafter, chain, tree or none. e [B, D+1, V] is the race
+    noise of positions L.. L+D (`race_noise`). Returns what `verify_tree` does."""
+    B, M, V = p.shape
+    D, R = e.shape[1] - 1, tree.children.shape[-1]
+    rows = torch.arange(B, device=p.device)
+    tokens, path, trials, accepted = _walk_outputs(B, D, R, p.device)
+    cur = torch.zeros(B, dtype=torch.long, device=p.device)
+    active = torch.ones(B, dtype=torch.bool, device=p.device)
+    n_acc = torch.zeros(B, dtype=torch.long, device=p.device)
+    for d in range(D + 1):
+        win = race(p[rows, cur], e[:, d])
+        tokens[:, d] = torch.where(active, win, tokens[:, d])
+        if d == D:
+            break
+        kids = tree.children[rows, cur]  # [B, R]
+        has = (kids >= 0) & active[:, None]
+        match = has & (tree.tokens.gather(1, kids.clamp(min=0)) == win[:, None])
+        took = match.any(-1)
+        nxt = kids.gather(1, match.long().argmax(-1, keepdim=True))[:, 0]
+        trials[d] = has.sum(0)
+        accepted[d] = match.sum(0)
+        cur = torch.where(took, nxt, cur)
+        n_acc += took.long()
+        active &= took
+        path[:, d + 1] = cur
+    return tokens, n_acc, path, trials, accepted

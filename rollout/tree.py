@@ -1,0 +1,127 @@
+"""Token trees as tensors: what a drafter proposes for a tree strategy and what verification walks.
+
+A step's tree for row b has N + 1 nodes; node 0 is the root, the row's last known token (the first verify
+input, as in a chain), nodes 1..N are drafted tokens. Nodes are ordered by depth, so a parent always comes
+before its children, and node i is cached in slot L - 1 + i of the target's KV cache during the verify
+(rollout/model_runner.py: `tree_allowed`, `move_path`). A chain of k is the tree whose node j has parent j - 1.
+
+Static trees have one topology for every row (`static_topology`, from the strategy's parents and ranks);
+dynamic trees choose theirs per row (`select_dynamic`). Either way the shapes depend only on the strategy, so
+a graph can be captured per (batch bucket, strategy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tailspec.rollout.strategy import Strategy
+
+
+@dataclass
+class TreeDraft:
+    """One step's token trees, [n, N + 1] per node unless noted."""
+
+    tokens: torch.Tensor  # long: the node's token (node 0: the row's last known token)
+    parent: torch.Tensor  # long: the parent's node index (node 0: 0)
+    depth: torch.Tensor  # long: 0 for the root, a child one more than its parent
+    rank: torch.Tensor  # long: sibling rank, the drafter's r-th choice among its parent's children (root: 0)
+    anc: torch.Tensor  # [n, N + 1, N + 1] bool: anc[b, i, j] iff node j is node i or one of its ancestors
+    children: torch.Tensor  # [n, N + 1, R] long: node i's child of rank r, -1 where it has none
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A static tree's parent, depth, rank, ancestor and child tables on a device (row-independent)."""
+
+    parent: torch.Tensor  # [N + 1]
+    depth: torch.Tensor  # [N + 1]
+    rank: torch.Tensor  # [N + 1]
+    anc: torch.Tensor  # [N + 1, N + 1]
+    children: torch.Tensor  # [N + 1, R]
+    levels: tuple[tuple[int, ...], ...]  # per depth d < depth: the nodes at depth d that have children
+    child_slots: tuple[tuple[tuple[int, int], ...], ...]  # per depth d: (child node, index into the expanded list)
+
+
+_TOPOLOGIES: dict[tuple[Strategy, torch.device], Topology] = {}
+
+
+def static_topology(strategy: Strategy, device: torch.device) -> Topology:
+    """The tables of a static tree (or a chain), built once per (strategy, device)."""
+    key = (strategy, torch.device(device))
+    if key in _TOPOLOGIES:
+        return _TOPOLOGIES[key]
+    parents = (0,) + strategy.parents
+    ranks = (0,) + strategy.ranks
+    n = len(parents)
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    anc = [[False] * n for _ in range(n)]
+    for i in range(n):
+        j = i
+        while True:
+            anc[i][j] = True
+            if j == 0:
+                break
+            j = parents[j]
+    width = max(strategy.topk, 1)
+    children = [[-1] * width for _ in range(n)]
+    for i in range(1, n):
+        children[parents[i]][ranks[i]] = i
+    levels, slots = [], []
+    for d in range(strategy.depth):
+        expand = tuple(i for i in range(n) if depth[i] == d and any(c >= 0 for c in children[i]))
+        levels.append(expand)
+        where = {p: e for e, p in enumerate(expand)}
+        slots.append(tuple((i, where[parents[i]]) for i in range(1, n) if depth[i] == d + 1))
+    t = Topology(
+        parent=torch.tensor(parents, device=device), depth=torch.tensor(depth, device=device),
+        rank=torch.tensor(ranks, device=device), anc=torch.tensor(anc, device=device),
+        children=torch.tensor(children, device=device), levels=tuple(levels), child_slots=tuple(slots),
+    )
+    _TOPOLOGIES[key] = t
+    return t
+
+
+def ancestors(parent: torch.Tensor) -> torch.Tensor:
+    """anc [n, M, M] from parent [n, M] (node 0 the root, parents before children): by pointer doubling, so
+    log2(depth) + 1 gathers of [n, M, M] instead of one pass per node."""
+    n, m = parent.shape
+    eye = torch.eye(m, dtype=torch.bool, device=parent.device)[None].expand(n, m, m)
+    anc = eye | torch.nn.functional.one_hot(parent, m).bool()
+    hop = parent
+    for _ in range(max(1, (m - 1).bit_length())):
+        # anc[i] |= anc[hop[i]]: what hop's ancestors are, i's are too; then hop jumps twice as far
+        anc = anc | anc.gather(1, hop[:, :, None].expand(n, m, m))
+        hop = hop.gather(1, hop)
+    return anc
+
+
+def children_table(parent: torch.Tensor, rank: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, M, width] long: node i's child of rank r, -1 where none (node 0 is nobody's child)."""
+    n, m = parent.shape
+    out = torch.full((n, m, width), -1, dtype=torch.long, device=parent.device)
+    idx = torch.arange(m, device=parent.device)[None].expand(n, m)
+    flat = (parent * width + rank)[:, 1:]
+    out.view(n, m * width).scatter_(1, flat, idx[:, 1:])
+    return out
+
+
+def select_dynamic(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor,
+                   score: torch.Tensor, nodes: int, width: int) -> TreeDraft:
+    """The verified tree of a dynamic strategy: from every drafted node ([n, M] tables in depth order, node 0 the
+    root), the `nodes` with the highest cumulative draft log-probability `score` (ties to the earlier node, so a
+    parent, never less likely than its child, is kept before it), in their drafted order. Returns its tables."""
+    n, m = tokens.shape
+    key = score[:, 1:].clone()
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :nodes] + 1
+    keep = torch.sort(order, dim=1).values  # depth order: parents before children
+    keep = torch.cat([torch.zeros(n, 1, dtype=torch.long, device=tokens.device), keep], 1)  # [n, nodes + 1]
+    new_index = torch.full((n, m), 0, dtype=torch.long, device=tokens.device)
+    new_index.scatter_(1, keep, torch.arange(nodes + 1, device=tokens.device)[None].expand(n, -1))
+    vparent = new_index.gather(1, parent.gather(1, keep))
+    vrank = rank.gather(1, keep)
+    return TreeDraft(tokens=tokens.gather(1, keep), parent=vparent, depth=depth.gather(1, keep), rank=vrank,
+                     anc=ancestors(vparent), children=children_table(vparent, vrank, width))
