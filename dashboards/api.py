@@ -68,7 +68,7 @@ class RolloutPoint(_View):
     tokens_per_s: float | None = None
     baseline_tokens_per_s: float | None = None
     speedup: float | None = Field(None, description="tokens_per_s / baseline_tokens_per_s; None without a baseline")
-    strategy_mix: dict[str, int] = Field(default_factory=dict, description="draft length k → decode steps")
+    strategy_mix: dict[str, int] = Field(default_factory=dict, description="strategy (a chain by its k, a tree by its label) → decode steps")
     drafter_version: int | None = None
 
 

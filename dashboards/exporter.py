@@ -83,7 +83,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "tailspec_rollout_acceptance_length": ("gauge", "mean acceptance length (tokens per target forward) of the latest phase"),
     "tailspec_rollout_tokens_per_second": ("gauge", "generated tokens per second of the latest phase"),
     "tailspec_rollout_speedup_ratio": ("gauge", "tokens/s over plain decoding's tokens/s (when the worker measured it)"),
-    "tailspec_rollout_strategy_share_ratio": ("gauge", "share of decode steps that used draft length k, latest phase"),
+    "tailspec_rollout_strategy_share_ratio": ("gauge", "share of decode steps that used strategy k (a chain by its draft length, a tree by its label), latest phase"),
     "tailspec_dropped_samples": ("counter", "dropped samples and client messages by reason"),
 }
 

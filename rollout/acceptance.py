@@ -33,6 +33,14 @@ position model, against 1.96 measured; with the ratio, 1.94-1.97. The regime's o
 (the counts are its own regime's). The ratio multiplies a model that follows the drafter within `memory_rows`,
 so a drop in acceptance still reaches every estimate at once.
 
+Trees (rollout.strategy): a tree's first choice at every node is the chain's draft, so a tree step's rank-0
+trials and acceptances per depth go into the position counts; its later sibling ranks into their own counts per
+(depth, rank): P(the rank-r child is accepted | it was drafted), shrunk toward the rate one depth up (at the root
+toward `rank_prior`, halved per rank). A tree's expected accepted length is the sum over its nodes of their
+path's probability under these rates (`rollout.strategy.expected_accepted`), shrunk toward the tree's own settled
+mean like a chain's. A dynamic tree is valued as the static tree of its budget and shape: what it drafts per row is
+at least as likely, and its own mean corrects the rest.
+
 Position counts decay by exp(-rows / memory_rows) per informative step (k > 0): the estimate remembers about
 `memory_rows` drafted rows whatever the batch size (a batch-1 tail needs more steps than a batch-64 start for
 the same confidence), and follows the drafter and the policy within that many rows; steps at k = 0 carry no
@@ -47,7 +55,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tailspec.rollout.strategy import StepRecord
+from tailspec.rollout.strategy import StepRecord, Strategy, expected_accepted
 
 
 @dataclass
@@ -71,9 +79,15 @@ class AcceptanceTracker:
     regime_w: dict[int, float] = field(default_factory=dict)  # k -> decayed trials it put in the position counts
     regime_acc: dict[tuple[int, int], float] = field(default_factory=dict)  # (k, regime) -> settled accepted drafts
     regime_pred: dict[tuple[int, int], float] = field(default_factory=dict)  # (k, regime) -> position model's drafts
+    # trees: per (depth d, sibling rank r >= 1) the decayed rows whose node at depth d had a rank-r child and those
+    # that accepted it (rank 0 is the position model's: a tree's first choice is the chain's draft)
+    rank_acc: dict[tuple[int, int], float] = field(default_factory=dict)
+    rank_trials: dict[tuple[int, int], float] = field(default_factory=dict)
+    rank_prior: float = 0.15  # P(the rank-1 child is accepted | it was drafted) before any observation; halved per rank
     updates: int = 0
     dropped: int = 0  # inconsistent records refused
     _tokens: list[float] | None = field(default=None, init=False, repr=False)  # expected_tokens by k, until the next change
+    _trees: dict = field(default_factory=dict, init=False, repr=False)  # a tree's expected tokens, until the next change
 
     def __post_init__(self) -> None:
         if self.k_max < 0 or self.settle_steps < 0:
@@ -93,6 +107,9 @@ class AcceptanceTracker:
         k, rows, accepted = record.k, record.rows, record.accepted
         if k <= 0:
             return  # plain decoding: nothing to learn
+        if record.strategy.is_tree:
+            self._observe_tree(record)
+            return
         if rows <= 0 or k > self.k_max or not 0 <= accepted <= k * rows:
             self.dropped += 1
             return
@@ -117,8 +134,32 @@ class AcceptanceTracker:
                 self.regime_pred[key] = self.regime_pred.get(key, 0.0) * f + predicted
         self.updates += 1
 
-    def _decay(self, k: int, rows: int) -> None:
-        """Forget before an informative step at k with `rows` rows."""
+    def _observe_tree(self, record: StepRecord) -> None:
+        """A tree step: rank 0 at each depth into the position counts (a tree's first choice is the chain's draft),
+        the later ranks into the rank counts, the step into the tree's own mean once settled."""
+        s, rows, accepted, depth = record.strategy, record.rows, record.accepted, record.k
+        trials, acc = record.rank_trials, record.rank_accepted
+        ok = rows > 0 and depth <= self.k_max and 0 <= accepted <= depth * rows and len(trials) == len(acc) == depth
+        ok = ok and all(len(t) == len(a) and all(0 <= x <= y <= rows for x, y in zip(a, t)) for t, a in zip(trials, acc))
+        if not ok:
+            self.dropped += 1
+            return
+        self._decay(s, rows)
+        self.regime_w[s] = self.regime_w.get(s, 0.0) + rows
+        for d, (t, a) in enumerate(zip(trials, acc)):
+            self.pos_trials[d] += t[0]
+            self.pos_acc[d] += a[0]
+            for r in range(1, len(t)):
+                if t[r]:
+                    self.rank_trials[(d, r)] = self.rank_trials.get((d, r), 0.0) + t[r]
+                    self.rank_acc[(d, r)] = self.rank_acc.get((d, r), 0.0) + a[r]
+        if record.run > self.settle_steps:
+            self.k_acc[s] = self.k_acc.get(s, 0.0) + accepted
+            self.k_rows[s] = self.k_rows.get(s, 0.0) + rows
+        self.updates += 1
+
+    def _decay(self, k, rows: int) -> None:
+        """Forget before an informative step of strategy k (a chain's k, or a tree) with `rows` rows."""
         d = math.exp(-rows / self.memory_rows)
         # every position forgets at each informative step, also those the step did not reach: after a drop in
         # acceptance the later positions are rarely reached, and what they measured before must not keep
@@ -136,6 +177,10 @@ class AcceptanceTracker:
             self.k_rows[key] *= f
         for key in self.regime_w:
             self.regime_w[key] *= d
+        for key in self.rank_trials:
+            self.rank_trials[key] *= d
+            self.rank_acc[key] *= d
+        self._trees = {}
 
     def _count_positions(self, k: int, rows: int, reach: tuple[int, ...]) -> None:
         """Add a step's trials and successes per position (and its weight in the counts' regime)."""
@@ -180,6 +225,9 @@ class AcceptanceTracker:
 
     def scale(self, f: float) -> None:
         self._tokens = None
+        self._trees = {}
+        self.rank_acc = {key: a * f for key, a in self.rank_acc.items()}
+        self.rank_trials = {key: t * f for key, t in self.rank_trials.items()}
         self.pos_acc = [a * f for a in self.pos_acc]
         self.pos_trials = [t * f for t in self.pos_trials]
         self.k_acc = {k: a * f for k, a in self.k_acc.items()}
@@ -192,6 +240,7 @@ class AcceptanceTracker:
         self.scale(0.0)
         self.k_acc, self.k_rows = {}, {}
         self.regime_w, self.regime_acc, self.regime_pred = {}, {}, {}
+        self.rank_acc, self.rank_trials = {}, {}
         self.updates = 0
 
     # -- estimates -------------------------------------------------------------------------------------------
@@ -231,13 +280,31 @@ class AcceptanceTracker:
         by `k_weight` rows."""
         return self.expected_tokens(k) - 1.0
 
-    def expected_tokens(self, k: int) -> float:
-        """E[tokens emitted per row per step | k] (1 for plain decoding)."""
-        if k <= 0:
+    def expected_tokens(self, k) -> float:
+        """E[tokens emitted per row per step] of strategy k (a chain's k or a `Strategy`; 1 for plain decoding)."""
+        s = Strategy.of(k)
+        if not s.speculates:
             return 1.0
-        if k > self.k_max:
-            raise ValueError(f"k={k} exceeds k_max={self.k_max}")
-        return self.token_table()[k]
+        if s.depth > self.k_max:
+            raise ValueError(f"{s.label} is {s.depth} deep; k_max={self.k_max}")
+        if not s.is_tree:
+            return self.token_table()[s.depth]
+        hit = self._trees.get(s)
+        if hit is None:
+            alphas = self.alphas()
+            model = expected_accepted(s, lambda d, r: alphas[d] if r == 0 else self.rank_rate(d, r))
+            rows = self.k_rows.get(s, 0.0)
+            hit = self._trees[s] = 1.0 + (self.k_acc.get(s, 0.0) + self.k_weight * model) / (rows + self.k_weight)
+        return hit
+
+    def rank_rate(self, d: int, r: int) -> float:
+        """P(the rank-r child of a node at depth d is accepted | it was drafted), r >= 1: its decayed counts shrunk
+        toward the rate one depth up (at depth 0 toward `rank_prior`, halved per rank past the first)."""
+        rate = self.rank_prior * 0.5 ** (r - 1)
+        for j in range(d + 1):
+            t = self.rank_trials.get((j, r), 0.0)
+            rate = (self.rank_acc.get((j, r), 0.0) + self.prior_weight * rate) / (t + self.prior_weight)
+        return rate
 
     def token_table(self) -> list[float]:
         """1 + E[accepted | k] for k = 0..k_max: each strategy's own mean shrunk toward the position model,
@@ -259,5 +326,6 @@ class AcceptanceTracker:
         return {
             "alpha": [round(a, 4) for a in self.alphas()],
             "expected_tokens": {k: round(self.expected_tokens(k), 4) for k in range(self.k_max + 1)},
+            "trees": {str(s): round(self.expected_tokens(s), 4) for s in self.k_rows if isinstance(s, Strategy) and s.is_tree},
             "updates": self.updates,
         }

@@ -1,4 +1,7 @@
-"""Step-time cost model t(b, k): seconds of one decode step (drafting k tokens + verify + accept) at batch b.
+"""Step-time cost model t(b, k): seconds of one decode step (drafting + verify + accept) of strategy k at batch b.
+
+A strategy is a `rollout.strategy.Strategy` (an int is a chain's k): the table has a column per strategy, chains
+and trees alike, each timed on the real engine.
 
 Measured at warm-up on the real engine (`measure`), then kept current from the engine's own steps
 (`observe`): the machine's speed drifts (other jobs, clocks, context growth through the rollout), so the
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tailspec.rollout.sequence import SamplingParams
+from tailspec.rollout.strategy import Strategy
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -33,6 +37,31 @@ def default_buckets(max_batch: int) -> list[int]:
     out += [b for b in range(48, max_batch + 1, 16)]
     out = sorted({b for b in out if b <= max_batch} | {max_batch})
     return out
+
+
+def _json_key(k: Strategy) -> int | str:
+    return k.label if k.is_tree else k.depth
+
+
+# The trees the main job's selector may pick beside the chains (rollout.strategy labels): one alternative at the
+# root of a chain of 4, two at the first two levels of a chain of 5, and two EAGLE-2 dynamic trees (6 levels of 2,
+# 10 nodes verified; 8 levels of 4, 32 nodes: TLT's shape below its 48). Trees only pay where the batch is small:
+# they are timed at the warm-up's buckets up to TREE_MAX_BATCH.
+DEFAULT_TREES = ("tree2-1-1-1n5", "tree2-2-1-1-1n7", "dyn6x2n10", "dyn8x4n32")
+TREE_MAX_BATCH = 16
+
+
+def default_strategies(k_max: int, trees: bool = True, max_nodes: int = 128) -> list[Strategy]:
+    """The main job's strategy space: the chains of `default_ks`, and where the drafter drafts trees the
+    DEFAULT_TREES no deeper than k_max and drafting at most max_nodes nodes."""
+    out = [Strategy.of(k) for k in default_ks(k_max)]
+    if trees:
+        for label in DEFAULT_TREES:
+            s = Strategy.parse(label)
+            drafted = s.full_nodes if s.kind == "dynamic" else s.nodes
+            if s.depth <= k_max and drafted <= max_nodes:
+                out.append(s)
+    return sorted(out)
 
 
 def default_ks(k_max: int) -> list[int]:
@@ -47,8 +76,8 @@ class CostModel:
     """t(b, k) from a warm-up table over `buckets` x `ks`, times an online correction per (bucket, k)."""
 
     buckets: list[int]
-    ks: list[int]
-    table: dict[tuple[int, int], float]  # (bucket, k) -> seconds per step at warm-up
+    ks: list[Strategy]  # the strategies with a column (ints given here are chains' k), sorted
+    table: dict[tuple[int, Strategy], float]  # (bucket, strategy) -> seconds per step at warm-up
     ema: float = 0.05  # weight of one observation in the shared load level
     clip: float = 2.0  # one observation counts as at most this ratio (noise, GC pauses, preemption)
     prior_steps: float = 4.0  # the warm-up entry weighs as much as this many online steps of its shape
@@ -63,8 +92,15 @@ class CostModel:
     def __post_init__(self) -> None:
         if not self.buckets or sorted(set(self.buckets)) != list(self.buckets) or self.buckets[0] < 1:
             raise ValueError(f"buckets must be strictly increasing batch sizes >= 1, got {self.buckets}")
-        if not self.ks or sorted(set(self.ks)) != list(self.ks) or self.ks[0] < 0:
-            raise ValueError(f"ks must be strictly increasing draft lengths >= 0, got {self.ks}")
+        try:
+            ks = [Strategy.of(k) for k in self.ks]
+            self.table = {(b, Strategy.of(k)): v for (b, k), v in self.table.items()}
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cost model strategies must be draft lengths >= 0 or strategies: {e}") from e
+        if not ks or sorted(set(ks)) != ks:
+            raise ValueError(f"ks must be strictly increasing strategies (draft lengths >= 0), got {self.ks}")
+        self.ks = ks
+        self._chains = [k for k in ks if not k.is_tree]
         missing = [(b, k) for b in self.buckets for k in self.ks if (b, k) not in self.table]
         if missing:
             raise ValueError(f"cost table misses (bucket, k) entries: {missing[:6]}")
@@ -82,14 +118,16 @@ class CostModel:
         i = bisect.bisect_left(self.buckets, b)
         return self.buckets[min(i, len(self.buckets) - 1)]
 
-    def base(self, b: int, k: int) -> float:
-        """Warm-up table interpolated linearly in b (and in k for a k between columns)."""
+    def base(self, b: int, k) -> float:
+        """Warm-up table interpolated linearly in b (and, for a chain between chain columns, in k)."""
+        k = Strategy.of(k)
         if k not in self.ks:
-            i = bisect.bisect_left(self.ks, k)
-            if i == 0 or i == len(self.ks):
-                raise ValueError(f"k={k} outside the measured strategies {self.ks}")
-            k0, k1 = self.ks[i - 1], self.ks[i]
-            w = (k - k0) / (k1 - k0)
+            chains = self._chains
+            i = bisect.bisect_left(chains, k)
+            if k.is_tree or i == 0 or i == len(chains):
+                raise ValueError(f"{k.label} outside the measured strategies {[s.label for s in self.ks]}")
+            k0, k1 = chains[i - 1], chains[i]
+            w = (k.depth - k0.depth) / (k1.depth - k0.depth)
             return (1 - w) * self.base(b, k0) + w * self.base(b, k1)
         bs = self.buckets
         if b <= bs[0]:
@@ -121,7 +159,7 @@ class CostModel:
         return hit
 
     # -- online refresh ----------------------------------------------------------------------------------------
-    def observe(self, b: int, k: int, seconds: float) -> None:
+    def observe(self, b: int, k, seconds: float) -> None:
         """Fold one real step's wall time into the (bucket(b), k) correction factor. Bad values are dropped."""
         if b < 1 or k not in self.ks or not (seconds > 0 and math.isfinite(seconds)):
             return
@@ -148,33 +186,37 @@ class CostModel:
         return self._n.get((self.bucket(b), k), 0.0)
 
     def monotone(self) -> CostModel:
-        """Project the table onto costs non-decreasing in b and in k: t(b, k) = min over b' >= b, k' >= k.
+        """Project the table onto costs non-decreasing in b and, among chains, in k: t(b, k) = min over b' >= b,
+        chains k' >= k (a tree is only bounded by its own larger batches: no order of trees is a cost order).
 
         More rows or more drafts never cost less, and timing noise on a shared machine is one-sided
         (preemption only adds time), so every measurement is an upper bound on the true cost of itself and
         of every smaller shape: the smallest such bound is the better estimate.
         """
         t = dict(self.table)
+        chains = self._chains
         for b in reversed(self.buckets):
-            for i, k in reversed(list(enumerate(self.ks))):
+            for k in reversed(self.ks):
                 nb = [t[(b2, k)] for b2 in self.buckets if b2 > b][:1]
-                nk = [t[(b, self.ks[i + 1])]] if i + 1 < len(self.ks) else []
+                i = chains.index(k) if not k.is_tree else -1
+                nk = [t[(b, chains[i + 1])]] if 0 <= i < len(chains) - 1 else []
                 t[(b, k)] = min([t[(b, k)], *nb, *nk])
         return CostModel(list(self.buckets), list(self.ks), t, self.ema, self.clip, self.prior_steps, self.memory_steps)
 
     # -- (de)serialisation: JSON-friendly, for logs and the benchmark ---------------------------------------
     def to_dict(self) -> dict:
+        """A chain's column is its k (an int), a tree's its label."""
         return {
             "buckets": list(self.buckets),
-            "ks": list(self.ks),
-            "table": [[b, k, self.table[(b, k)]] for b in self.buckets for k in self.ks],
+            "ks": [_json_key(k) for k in self.ks],
+            "table": [[b, _json_key(k), self.table[(b, k)]] for b in self.buckets for k in self.ks],
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         try:
-            table = {(int(b), int(k)): float(t) for b, k, t in d["table"]}
-            return cls(list(map(int, d["buckets"])), list(map(int, d["ks"])), table)
+            table = {(int(b), Strategy.of(k)): float(t) for b, k, t in d["table"]}
+            return cls(list(map(int, d["buckets"])), [Strategy.of(k) for k in d["ks"]], table)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed cost model: {e}") from e
 
@@ -192,9 +234,11 @@ def measure(
     max_tokens: int = 256,
     settle: int = 6,
     rows: int = 48,
+    tree_max_batch: int = TREE_MAX_BATCH,
 ) -> CostModel:
     """Warm-up: time `steps` decode steps of the real engine at every (bucket, k), keep the median; a small
-    bucket times enough steps for `rows` rows (batch 1: 48 at the default).
+    bucket times enough steps for `rows` rows (batch 1: 48 at the default). Trees are timed at buckets up to
+    `tree_max_batch` only (`extend_trees` fills the larger ones).
 
     Per bucket, one batch of `bucket` requests runs like a rollout: a request that stops is replaced at once by
     the next prompt (cycled, each with its own seed), so the batch stays full and its rows sit at every depth of
@@ -212,11 +256,12 @@ def measure(
     try:
         for _ in range(passes):
             for b in buckets:
-                times = _time_bucket(engine, feed, b, ks, max(steps, -(-rows // b)), settle, block, on_step)
+                timed = [k for k in ks if not k.is_tree or b <= tree_max_batch]
+                times = _time_bucket(engine, feed, b, timed, max(steps, -(-rows // b)), settle, block, on_step)
                 engine.abort_all()
                 # median per pass, then the median over passes: the table should describe the machine as
                 # the rollout will see it (a min would pick each entry's luckiest moment, unevenly)
-                for k in ks:
+                for k in timed:
                     samples.setdefault((b, k), []).append(statistics.median(times[k]))
     finally:
         engine.configure(choose_k=hook)
@@ -225,7 +270,29 @@ def measure(
     bad = [key for key, v in table.items() if not v > 0]
     if bad:
         raise RuntimeError(f"warm-up could not time (bucket, k) = {bad[:4]}")
-    return CostModel(buckets, ks, table).monotone()
+    return CostModel(buckets, ks, extend_trees(table, buckets, ks)).monotone()
+
+
+def extend_trees(table: dict, buckets: Sequence[int], ks: Sequence[Strategy]) -> dict:
+    """Tree entries for the buckets the warm-up did not time, from the largest one it did: its time grown as the
+    rows (a verify of many tokens per row is compute-bound at large batch), and never slower-growing than the
+    longest chain column grows over the same buckets. Trees pay where the batch is small and the target forward
+    has room to spare; above the timed buckets these entries only need to be no cheaper than the trees are, so
+    the selector leaves them out (an entry it ever ran is corrected by its own steps)."""
+    out = dict(table)
+    chain = max((k for k in ks if not k.is_tree), key=lambda k: k.depth)
+    for k in ks:
+        timed = [b for b in buckets if (b, k) in table]
+        if not k.is_tree or len(timed) == len(buckets):
+            continue
+        if not timed:
+            raise ValueError(f"no timed bucket for {k.label}: time trees at the smallest bucket at least")
+        b0 = timed[-1]
+        for b in buckets:
+            if (b, k) not in out:
+                grow = max(b / b0, table[(b, chain)] / table[(b0, chain)])
+                out[(b, k)] = table[(b0, k)] * grow
+    return out
 
 
 def _warmup_shapes(engine, prompts, buckets, ks, counts: tuple[int, ...]) -> tuple[list[int], list[int], int]:
@@ -240,13 +307,16 @@ def _warmup_shapes(engine, prompts, buckets, ks, counts: tuple[int, ...]) -> tup
         raise ValueError(f"need steps, passes, block, max_tokens >= 1 and settle, rows >= 0; got {steps}, {passes}, "
                          f"{block}, {max_tokens}, {settle}, {rows}")
     buckets = sorted(set(buckets or default_buckets(engine.max_batch)))
-    ks = sorted(set(ks if ks is not None else default_ks(engine.k_max)))
+    ks = sorted({Strategy.of(k) for k in (ks if ks is not None else default_ks(engine.k_max))})
     if engine.drafter is None:
-        ks = [0]
+        ks = [Strategy.none()]
     if buckets[-1] > engine.max_batch:
         raise ValueError(f"bucket {buckets[-1]} exceeds the engine's max_batch {engine.max_batch}")
-    if ks[-1] > engine.k_max:
-        raise ValueError(f"k={ks[-1]} exceeds the engine's k_max {engine.k_max}")
+    deep = [k.label for k in ks if k.depth > engine.k_max]
+    if deep:
+        raise ValueError(f"strategies {deep} exceed the engine's k_max {engine.k_max}")
+    for k in ks:
+        engine.check_strategy(k)  # a tree the drafter cannot draft or the engine cannot hold: named here
     room = engine.max_seq_len - max(len(p) for p in prompts)
     if room < 2:
         raise ValueError(f"prompts too long for the warm-up (max_seq_len={engine.max_seq_len})")
@@ -273,8 +343,8 @@ class _Feed:
             self.admitted += 1
 
 
-def _time_bucket(engine, feed: _Feed, b: int, ks: list[int], n_steps: int, settle: int, block: int,
-                 on_step) -> dict[int, list[float]]:
+def _time_bucket(engine, feed: _Feed, b: int, ks: list[Strategy], n_steps: int, settle: int, block: int,
+                 on_step) -> dict[Strategy, list[float]]:
     """Step seconds per k at batch b: the strategies take turns, `settle` untimed then `block` timed steps each,
     in rounds whose order reverses each time (at least two rounds): the batch starts fresh, so its rows grow
     longer and each step dearer as the rounds go on, and a k always timed after the others would be timed dearer
@@ -295,7 +365,7 @@ def _time_bucket(engine, feed: _Feed, b: int, ks: list[int], n_steps: int, settl
                 engine.step()
                 tries += 1
                 last = engine.last
-                if last.rows != b or last.k != k:
+                if last.rows != b or last.strategy != k:
                     continue
                 if settled < settle:
                     settled += 1

@@ -205,6 +205,7 @@ class Eagle3Proposer(Proposer):
         self.aux_layer_ids = tuple(drafter.config.aux_layer_ids)
         self.next_logits: torch.Tensor | None = None
         self.next_hidden: torch.Tensor | None = None
+        self._step_forward = self.step  # the decode steps' forward (`configure`: a graph pool's replays)
 
     def check_fits(self, target_config: Any) -> None:
         self.drafter.check_fits(target_config)
@@ -243,6 +244,16 @@ class Eagle3Proposer(Proposer):
         self.vocab_size = cfg.vocab_size
         self.cache_len = cache_len
         self._arange = torch.arange(cache_len, device=w.device)
+
+    def configure(self, *, step_forward=None) -> Eagle3Proposer:
+        """Set the forward `observe`, `propose` and `propose_tree` run: `step`'s contract (a graph pool's
+        `draft_step` replays captured graphs); None: the eager `step` (prefill always runs it). Returns self."""
+        self._step_forward = self.step if step_forward is None else step_forward
+        return self
+
+    @property
+    def step_forward(self):  # read-only: set it with `configure`
+        return self._step_forward
 
     @torch.inference_mode()
     def step(self, hidden, input_ids, pos, slot0: int = 0, max_pos: int | None = None, slots=None,
@@ -310,7 +321,7 @@ class Eagle3Proposer(Proposer):
         n = batch.n
         pos = (batch.lengths - 1)[:, None] + self._arange[: k + 1]
         hidden = F.linear(aux.to(self.dtype), self.drafter.fc.weight)  # = drafter.project, minus the module call
-        out = self.step(hidden, tokens, pos, max_pos=batch.max_length - 1 + k)
+        out = self._step_forward(hidden, tokens, pos, max_pos=batch.max_length - 1 + k)
         out = out.gather(1, n_acc[:, None, None].expand(n, 1, self.H))[:, 0]  # at the last accepted position
         self.next_logits[:n] = self.head(out)
         self.next_hidden[:n] = out
@@ -322,7 +333,7 @@ class Eagle3Proposer(Proposer):
         hidden = self.next_hidden[:n]
         drafts, qs = [d], [q]
         for j in range(1, k):
-            hidden = self.step(hidden[:, None], d[:, None], (L + j - 2)[:, None], max_pos=batch.max_length + j - 2)[:, 0]
+            hidden = self._step_forward(hidden[:, None], d[:, None], (L + j - 2)[:, None], max_pos=batch.max_length + j - 2)[:, 0]
             d, q = _draw(self._to_target(self.head(hidden)), batch, j)
             drafts.append(d)
             qs.append(q)
@@ -374,21 +385,18 @@ class Eagle3Proposer(Proposer):
         hidden_of = torch.zeros(n, m, self.H, dtype=self.dtype, device=dev)
         hidden_of[:, 0] = self.next_hidden[:n]
         anc = topo.anc[None].expand(n, m, m)
-        for d, expand in enumerate(topo.levels):
-            idx = torch.tensor(expand, device=dev)
+        for d, level in enumerate(topo.levels):
             if d == 0:
                 logits = self.next_logits[:n, None]
             else:
-                par = topo.parent[idx]
-                out = self.step(hidden_of[:, par], tokens[:, idx], (L[:, None] + d - 2).expand(n, len(expand)),
-                                slots=(L[:, None] - 2) + idx[None], tree_start=L - 2, anc=anc[:, idx],
+                w = level.expand.shape[0]
+                out = self._step_forward(hidden_of[:, level.expand_parent], tokens[:, level.expand], (L[:, None] + d - 2).expand(n, w),
+                                slots=(L[:, None] - 2) + level.expand[None], tree_start=L - 2, anc=anc[:, level.expand],
                                 max_pos=batch.max_length - 2 + m)
-                hidden_of[:, idx] = out
+                hidden_of[:, level.expand] = out
                 logits = self.head(out)
             top, _ = self._children(logits, batch, d, strategy.branching[d])
-            kids = [c for c, _ in topo.child_slots[d]]
-            where = [e for _, e in topo.child_slots[d]]
-            tokens[:, kids] = top[:, where, topo.rank[kids]]
+            tokens[:, level.kids] = top[:, level.kid_source, level.kid_rank]
         return TreeDraft(tokens=tokens, parent=topo.parent[None].expand(n, m), depth=topo.depth[None].expand(n, m),
                          rank=topo.rank[None].expand(n, m), anc=anc, children=topo.children[None].expand(n, -1, -1))
 
@@ -418,7 +426,7 @@ class Eagle3Proposer(Proposer):
             # expand the K likeliest nodes of the last level
             pick = score.gather(1, frontier).topk(K, dim=-1).indices
             nodes = frontier.gather(1, pick)  # [n, K]
-            out = self.step(hidden_of[rows, parent[rows, nodes]], tokens[rows, nodes], (L[:, None] + d - 2).expand(n, K),
+            out = self._step_forward(hidden_of[rows, parent[rows, nodes]], tokens[rows, nodes], (L[:, None] + d - 2).expand(n, K),
                             slots=(L[:, None] - 2) + nodes, tree_start=L - 2, anc=anc_all[rows, nodes],
                             max_pos=batch.max_length - 2 + m)
             hidden_of[rows, nodes] = out

@@ -1,12 +1,14 @@
 """The native rollout engine: continuous batching over a static KV cache, exact speculative decoding.
 
 One decode step, for the running rows 0..n-1 (kept compacted by SlotTable):
-  k = choose_k(n, last)                                    strategy hook (k = 0: plain decoding)
-  drafts, q = drafter.propose(batch, k)                     [n, k], [n, k, V] or None
+  s = choose_k(n, last)                                    strategy hook: a Strategy (an int: a chain's k; 0 none)
+  drafts, q = drafter.propose(batch, k)                     chain: [n, k], [n, k, V] or None
   logits = target([last token, drafts] at L-1 .. L-1+k)     one verify forward, fixed width k+1
   tokens, n_acc = verify(p, q, drafts, uniforms)            exact speculative sampling, ragged acceptance
                                                             (verify_rule "coupled": the drafter-invariant race)
   emit tokens[: n_acc+1] cut at the first stop id / max_tokens; lengths += emitted
+A tree strategy (rollout/tree.py: `tree_step`) drafts a token tree per row, verifies all its nodes in the same one
+forward (each attending to its ancestors), walks the accepted path and emits it like a chain of the tree's depth.
 Rejected drafts need no KV rollback: their entries sit past the row's length and are overwritten before
 anything attends to them. Prefill caches positions 0..L-2 only; the last prompt token is the first verify
 input, so the first response token is speculated like every other.
@@ -24,17 +26,16 @@ engine assigns its attributes.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
-from tailspec.rollout import prefill, sampling
+from tailspec.rollout import prefill, sampling, tree
 from tailspec.rollout.drafters import Proposer
 from tailspec.rollout.model_runner import ModelRunner, check_supported
 from tailspec.rollout.selector import fixed_selector
-from tailspec.rollout.sequence import RequestOutput, RequestStats, SamplingParams
+from tailspec.rollout.sequence import RequestOutput, RequestStats, SamplingParams, check_request
 from tailspec.rollout.slots import (
     ACCEPTED,
     DRAFTED,
@@ -82,15 +83,14 @@ class Engine:
     ):
         cfg = model.config
         check_supported(cfg)
-        if max_batch < 1 or max_seq_len < 2 or k_max < 0 or max_tree_nodes < 0:
-            raise ValueError(f"need max_batch >= 1, max_seq_len >= 2, k_max >= 0, max_tree_nodes >= 0; got {max_batch}, "
+        if min(max_batch - 1, max_seq_len - 2, k_max, max_tree_nodes) < 0:
+            raise ValueError(f"need max_batch >= 1, max_seq_len >= 2, k_max, max_tree_nodes >= 0; got {max_batch}, "
                              f"{max_seq_len}, {k_max}, {max_tree_nodes}")
         if verify_rule not in VERIFY_RULES:
             raise ValueError(f"verify_rule must be one of {VERIFY_RULES}, got {verify_rule!r}")
         if drafter is not None:
             drafter.check_fits(cfg)  # a misfit drafter is refused before any compute
-        self.verify_rule = verify_rule
-        self.model = model.eval()
+        self.verify_rule, self.model = verify_rule, model.eval()
         self.vocab_size = int(cfg.vocab_size)
         self.max_batch, self.max_seq_len, self.k_max = max_batch, max_seq_len, k_max
         # a tree strategy's depth is at most k_max; every node it drafts takes a cache slot during the step
@@ -164,34 +164,8 @@ class Engine:
     # -- requests ------------------------------------------------------------------------------------------
     def validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError naming what is wrong with a request (nothing is computed before this passes)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if len(prompt) == 0:
-            raise ValueError("empty prompt: a request needs at least one token (e.g. BOS)")
-        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids outside the vocabulary 0..{self.vocab_size - 1}: {bad[:8]}")
-        if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {params.max_tokens!r}")
-        if len(prompt) + params.max_tokens > self.max_seq_len:
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the cache "
-                f"(max_seq_len={self.max_seq_len})"
-            )
-        if not (isinstance(params.temperature, (int, float)) and math.isfinite(params.temperature) and params.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {params.temperature!r}")
-        if not (isinstance(params.top_p, (int, float)) and 0 < params.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {params.top_p!r}")
-        if not isinstance(params.top_k, int) or params.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {params.top_k!r}")
-        stops = self._stop_ids(params)
-        if len(stops) > self.max_stop_ids:
-            raise ValueError(f"{len(stops)} stop token ids; at most {self.max_stop_ids} (max_stop_ids)")
-        bad = [t for t in stops if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop token ids outside the vocabulary 0..{self.vocab_size - 1}: {bad}")
-        if params.seed is not None and (not isinstance(params.seed, int) or not 0 <= params.seed < 2**63):
-            raise ValueError(f"seed must be an int in [0, 2**63), got {params.seed!r}")
+        check_request(prompt, params, self.vocab_size, self.max_seq_len, self.max_stop_ids,
+                      lambda: self._stop_ids(params))
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         stops = tuple(params.stop_token_ids) if params.stop_token_ids is not None else ()
@@ -377,21 +351,10 @@ class Engine:
 
     def check_strategy(self, strategy: Strategy) -> None:
         """Raise ValueError naming why this engine cannot run `strategy` (nothing is computed before)."""
-        if not strategy.is_tree:
-            if strategy.speculates and self.drafter is None:
-                raise ValueError(f"{strategy.label} needs a drafter")
-            return
-        if self.drafter is None or not self.drafter.drafts_trees:
-            name = "no drafter" if self.drafter is None else f"the {self.drafter.name} drafter"
-            raise ValueError(f"{strategy.label} is a tree strategy; {name} drafts chains only (EAGLE-3 drafts trees)")
-        if strategy.depth > self.k_max:
-            raise ValueError(f"{strategy.label} is {strategy.depth} deep; this engine's k_max is {self.k_max}")
-        drafted = strategy.full_nodes if strategy.kind == "dynamic" else strategy.nodes
-        if drafted > self.max_tree_nodes:
-            raise ValueError(f"{strategy.label} drafts {drafted} nodes; this engine's max_tree_nodes is "
-                             f"{self.max_tree_nodes}")
-        if strategy.topk > sampling.TREE_RANKS:
-            raise ValueError(f"{strategy.label} has {strategy.topk} children per node; at most {sampling.TREE_RANKS}")
+        if strategy.speculates and self.drafter is None:
+            raise ValueError(f"{strategy.label} needs a drafter")
+        if strategy.is_tree:
+            tree.check_tree(strategy, self.drafter, self.k_max, self.max_tree_nodes)
 
     def _draft_and_verify(self, batch: Batch, n: int, strategy: Strategy):
         """Draft and verify in one target forward: a chain of k tokens (width k + 1) or a token tree (its nodes + 1).
@@ -412,53 +375,30 @@ class Engine:
             u_smp = torch.zeros(n, k + 1, dtype=torch.float64, device=self.device)
         need_aux = self.drafter is not None and self.drafter.needs_aux
         if strategy.is_tree:
-            return self._tree_step(batch, strategy, coupled, None if coupled else u_smp, need_aux)
+            return tree.tree_step(self, batch, strategy, coupled, None if coupled else u_smp, need_aux)
         if k > 0:
             drafts, q = self.drafter.propose(batch, k)
             inp = torch.cat([last, drafts], 1)
         else:
             drafts, q, inp = last[:, :0], None, last
         logits, aux = self._verify_forward(inp, L - 1, max_pos=self._max_length - 1 + k, want_aux=need_aux)
-        p = self._process(logits, batch)
+        p = self.processed(logits, batch)
         if coupled:
             out, n_acc = sampling.verify_coupled(p, drafts, batch.race)
         else:
             out, n_acc = sampling.verify(p, q, drafts, u_acc, u_smp)
-        self._observe(batch, k, out, n_acc, aux, logits)
+        self.after_verify(batch, k, out, n_acc, aux, logits)
         return out, n_acc, logits, p, None
 
-    def _tree_step(self, batch: Batch, strategy: Strategy, coupled: bool, u_smp, need_aux: bool):
-        """A tree strategy's draft, verify (one forward over every node, each attending to its ancestors), accept
-        (rollout/sampling.py: verify_tree, verify_tree_coupled) and the accepted path moved into the KV cache's
-        positions; then the drafter and the recorder see the path as they would a chain's drafts."""
-        L, n = batch.lengths, batch.n
-        tree = self.drafter.propose_tree(batch, strategy)
-        logits, aux = self._verify_forward(tree.tokens, L - 1, max_pos=self._max_length - 1 + strategy.nodes,
-                                           want_aux=need_aux, tree=(tree.depth, tree.anc))
-        p = self._process(logits, batch)
-        if coupled:
-            out, n_acc, path, trials, acc = sampling.verify_tree_coupled(p, tree, batch.race)
-        else:
-            width = tree.children.shape[-1]
-            u_acc = (sampling.tree_accept_uniforms(batch.key, L, strategy.depth, width) if batch.any_sampled
-                     else torch.zeros(n, strategy.depth, width, dtype=torch.float64, device=self.device))
-            out, n_acc, path, trials, acc = sampling.verify_tree(p, tree, u_acc, u_smp)
-        self.runner.move_path(L - 1, path)
-        V = logits.shape[-1]
-        at = path[..., None]
-        logits, p = logits.gather(1, at.expand(-1, -1, V)), p.gather(1, at.expand(-1, -1, V))
-        if aux is not None:
-            aux = aux.gather(1, at.expand(-1, -1, aux.shape[-1]))
-        self._observe(batch, strategy.depth, out, n_acc, aux, logits)
-        return out, n_acc, logits, p, (trials, acc)
-
-    def _process(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def processed(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The target's processed distributions (each row's temperature, top-k, top-p) from verify logits."""
         return sampling.process(
             logits, batch.temperature, batch.top_k, batch.top_p, batch.any_sampled, batch.any_greedy, batch.any_truncated,
             batch.any_scaled,
         )
 
-    def _observe(self, batch: Batch, k: int, out, n_acc, aux, logits) -> None:
+    def after_verify(self, batch: Batch, k: int, out, n_acc, aux, logits) -> None:
+        """The drafter and the state recorder see a verify's accepted path (a tree's as a chain of its depth)."""
         if self.drafter is not None:
             self.drafter.observe(batch, k, out, n_acc, aux)
         if self.recorder is not None:

@@ -1,157 +1,66 @@
-"""CUDA graph pool for the target's verify forward: one graph per (batch bucket, draft length k) in a plan.
+"""CUDA graph pool for a decode step's forwards: the target's verify forward (chains and token trees) and the
+EAGLE-3 drafter's steps, captured per batch bucket into one shared, budgeted memory pool.
 
-Plan (`capture_plan`): for every batch bucket of the cost model, the strategies the adaptive selector can pick
-there (`selector.candidate_ks`) — nothing else is ever asked for, so nothing else is captured. Entries are
-admitted smallest bucket first (that is where launch overhead dominates and a graph pays most) while the
-estimated pool stays under the memory budget; the rest run eager. Capture order is largest first, as in
-nano-vllm: every graph allocates from ONE shared memory pool, and graphs never run concurrently, so each
-later (smaller) capture reuses the workspace the first (largest) one left behind; what stays resident per
-graph is only its static outputs. Estimated pool = max workspace + sum of static buffers, against the sum
-of separately captured graphs.
+Graphs. A decode step of strategy s at n running rows runs, at the bucket serving n:
+- the verify forward over s.width = nodes + 1 tokens per row. A tree's graph has two more static inputs, the
+  nodes' depths [bucket, width] and ancestor mask [bucket, width, width] (model_runner.tree_allowed), so the
+  topology is data, not shape: one graph serves every static or dynamic tree of that width;
+- the drafter's steps (`draft_steps`), through `Eagle3Proposer.step_forward`: a chain's drafting steps
+  [bucket, 1]; a static tree's one per level over the nodes that get children, a dynamic tree's over its topk
+  expanded nodes ([bucket, w], with the level's slots, tree start and ancestor rows over the step's nodes); and
+  `observe`'s catch-up over the accepted path [bucket, depth + 1].
+A graph is keyed by what shapes it (`GraphKey`: role, bucket, tokens per row, tree nodes), so strategies that
+share a shape share its graph, and a call's graph follows from its own tensors: neither seam takes a strategy.
+Inside a graph attention spans the whole cache (a fixed shape); the masks make the extra keys exact zeros.
 
-Lookup: a decode step of n running rows with k drafts replays the smallest captured bucket >= n with that k;
-rows n..bucket-1 are padding (token 0 at position 0..k of a free slot: the KV they write sits in slots no
-running request owns, and admission's prefill overwrites it before anything attends to it). Inside a graph
-attention spans the whole cache (a fixed shape); the causal mask makes the extra keys exact zeros.
+Plan (rollout/graph_plan.py): the (bucket, strategy) pairs the adaptive selector can pick, each with its verify
+and drafter graphs, admitted smallest bucket first under the memory budget; the rest run eager. Capture order
+is largest workspace first, as in nano-vllm: every graph allocates from ONE shared memory pool and graphs never
+run concurrently, so each later capture reuses the workspace the first one left behind; what stays resident
+per graph is its static buffers.
+
+Padding: rows n..bucket-1 of a replay are padding rows in free slots: token 0 in a chain at positions 0.. (a
+tree verify: depths 0.., a lower-triangular ancestor mask; a drafter tree level: each node attends to its own
+slot), so they stay finite and write only KV that no running request owns and that admission's prefill
+overwrites before anything attends to it. Capture writes such rows into slots 0..bucket-1 of both caches, so a
+pool is built on an idle engine (`build_pool` refuses one with running rows).
+
+Pre-warm: capture runs each planned graph's forward eagerly before capturing it (two warm-ups on a side stream),
+and runs every graph shape of the entries the budget left out once, eagerly: neither the rollout nor the
+selector's exploration meets a cold shape (`GraphPool.warmed`).
 
 The plan needs a cost table before any graph exists, so the first one is timed eagerly; the rollout worker then
 times it again through the replays (once per engine shape) and its selector reads that one.
 
 On CPU the pool is disabled (no capture), but the plan, budget and lookup are the same code; `emulate=True`
-runs the padded static-buffer path eagerly so that tests check everything except the replay itself.
+runs the padded static-buffer path (warm-ups included) eagerly, so tests check everything but the replay itself.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from tailspec.rollout.cost_model import CostModel
-from tailspec.rollout.selector import candidate_ks
+from tailspec.rollout.graph_plan import (
+    DRAFT,
+    VERIFY,
+    CapturePlan,
+    DraftShape,
+    GraphKey,
+    GraphShape,
+    GraphSpec,
+    PlanEntry,
+    capture_plan,
+    draft_steps,
+    shared_bytes,
+)
+from tailspec.rollout.strategy import Strategy
 
-
-@dataclass(frozen=True)
-class GraphShape:
-    """The runner's dimensions that size a verify graph's memory."""
-
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    num_layers: int
-    n_aux: int  # aux hidden states returned for an EAGLE-3 drafter (0: none)
-    attn_len: int  # keys attended inside a graph (the runner's cache length)
-    itemsize: int  # bytes per element of the model dtype
-
-    @classmethod
-    def of(cls, runner, want_aux: bool = False) -> GraphShape:
-        return cls(
-            hidden_size=runner.hidden_size, num_heads=runner.num_heads, num_kv_heads=runner.num_kv_heads,
-            head_dim=runner.head_dim, intermediate_size=runner.layers[0].gate_up_w.shape[0] // 2,
-            vocab_size=runner.vocab_size, num_layers=runner.num_layers,
-            n_aux=len(runner.aux_layer_ids or ()) if want_aux else 0, attn_len=runner.cache_len,
-            itemsize=torch.empty((), dtype=runner.dtype).element_size(),
-        )
-
-    def static_bytes(self, bucket: int, k: int) -> int:
-        """Static inputs (ids, start) and outputs (float32 logits, aux states) that stay resident."""
-        t = bucket * (k + 1)
-        return bucket * (k + 1) * 8 + bucket * 8 + t * self.vocab_size * 4 + t * self.n_aux * self.hidden_size * self.itemsize
-
-    def workspace_bytes(self, bucket: int, k: int) -> int:
-        """Peak transient memory of one forward (one layer's intermediates live at a time, plus the logits
-        in model dtype before the float32 cast); an estimate, checked against the real pool on a GPU."""
-        t, e = bucket * (k + 1), self.itemsize
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_token = (3 * self.hidden_size + (q + 2 * kv) + 3 * q + 3 * self.intermediate_size) * e
-        # scores, the boolean mask, and the additive mask tiled over a group's folded query heads
-        groups = self.num_heads // self.num_kv_heads
-        scores = bucket * (k + 1) * self.attn_len * ((self.num_heads + groups) * e + 1)
-        rope = 4 * t * self.head_dim * e
-        aux = t * self.n_aux * self.hidden_size * e
-        return t * per_token + scores + rope + aux + t * self.vocab_size * e
-
-
-@dataclass(frozen=True)
-class PlanEntry:
-    bucket: int
-    k: int
-    workspace_bytes: int
-    static_bytes: int
-
-
-@dataclass
-class CapturePlan:
-    entries: list[PlanEntry]  # capture order: largest first
-    skipped: list[tuple[int, int]]  # (bucket, k) the selector can pick but the budget left out: run eager
-    budget_bytes: int
-    _by_k: dict[int, list[int]] = field(default_factory=dict, repr=False)
-
-    def __post_init__(self) -> None:
-        by_k: dict[int, list[int]] = {}
-        for e in self.entries:
-            by_k.setdefault(e.k, []).append(e.bucket)
-        self._by_k = {k: sorted(bs) for k, bs in by_k.items()}
-
-    @property
-    def pool_bytes(self) -> int:
-        """Estimated shared pool: the largest workspace once, plus every graph's resident static buffers."""
-        return shared_bytes(self.entries)
-
-    @property
-    def separate_bytes(self) -> int:
-        """Estimated memory of the same graphs captured each into its own pool."""
-        return sum(e.workspace_bytes + e.static_bytes for e in self.entries)
-
-    def lookup(self, n: int, k: int) -> int | None:
-        """The bucket that serves n running rows at draft length k (n <= bucket; rows n.. are padding),
-        or None: that shape runs eager."""
-        bs = self._by_k.get(k)
-        if not bs or n < 1:
-            return None
-        i = bisect.bisect_left(bs, n)
-        return bs[i] if i < len(bs) else None
-
-    def pairs(self) -> set[tuple[int, int]]:
-        return {(e.bucket, e.k) for e in self.entries}
-
-
-def shared_bytes(entries: Sequence[PlanEntry]) -> int:
-    if not entries:
-        return 0
-    return max(e.workspace_bytes for e in entries) + sum(e.static_bytes for e in entries)
-
-
-def capture_plan(
-    cost: CostModel,
-    shape: GraphShape,
-    budget_bytes: int,
-    ks: Sequence[int] | None = None,
-    margin: float = 0.1,
-    max_batch: int | None = None,
-) -> CapturePlan:
-    """(bucket, k) pairs to capture: the selector's candidates per bucket, smallest bucket first, under the budget."""
-    if budget_bytes < 0:
-        raise ValueError(f"memory budget must be >= 0 bytes, got {budget_bytes}")
-    wanted = []
-    for b in cost.buckets:
-        if max_batch is not None and b > max_batch:
-            continue
-        for k in candidate_ks(cost, b, ks, margin):
-            wanted.append(PlanEntry(b, k, shape.workspace_bytes(b, k), shape.static_bytes(b, k)))
-    chosen: list[PlanEntry] = []
-    skipped: list[tuple[int, int]] = []
-    for e in wanted:  # smallest bucket first: the biggest replay gain per byte
-        if shared_bytes(chosen + [e]) <= budget_bytes:
-            chosen.append(e)
-        else:
-            skipped.append((e.bucket, e.k))
-    chosen.sort(key=lambda e: (e.bucket * (e.k + 1), e.bucket, e.k), reverse=True)
-    return CapturePlan(chosen, skipped, budget_bytes)
+__all__ = ["DRAFT", "VERIFY", "CapturePlan", "DraftShape", "GraphKey", "GraphPool", "GraphShape", "GraphSpec",
+           "PlanEntry", "build_pool", "capture_plan", "draft_steps", "pool_reserved_bytes", "shared_bytes"]
 
 
 def pool_reserved_bytes(handle) -> int:
@@ -165,65 +74,122 @@ def pool_reserved_bytes(handle) -> int:
 
 @dataclass
 class _Graph:
-    ids: torch.Tensor  # [bucket, k+1] static input
-    start: torch.Tensor  # [bucket]
-    logits: torch.Tensor | None = None  # static outputs
-    aux: torch.Tensor | None = None
+    """One graph's static inputs [bucket, ...] with a padding row each, its forward over them, and its outputs."""
+
+    key: GraphKey
+    inputs: dict[str, torch.Tensor]
+    pad: dict[str, torch.Tensor]  # [1, ...]: what a padding row holds
+    fn: Callable[[], tuple]  # the eager forward over the static inputs: warm-ups, capture, CPU emulation
+    out: tuple = ()
     graph: object | None = None  # torch.cuda.CUDAGraph when captured
+    filled: int = 0  # rows 0..filled-1 may hold a call's inputs; rows from filled on hold padding
+
+    def run(self, n: int, values: dict[str, torch.Tensor]) -> tuple:
+        for name, v in values.items():
+            self.inputs[name][:n].copy_(v)
+        if self.filled > n:  # rows an earlier, larger call filled become padding again
+            for name, buf in self.inputs.items():
+                buf[n : self.filled].copy_(self.pad[name])
+        self.filled = n
+        if self.graph is not None:
+            self.graph.replay()
+        else:  # CPU emulation: the same padded static-shape forward, run eagerly
+            self.out = self.fn()
+        return self.out
+
+
+def _static(pad: dict[str, torch.Tensor], bucket: int) -> dict[str, torch.Tensor]:
+    return {name: p.expand(bucket, *p.shape[1:]).clone() for name, p in pad.items()}
 
 
 class GraphPool:
-    """Replays captured verify graphs through the engine's `verify_forward` seam; eager outside the plan."""
+    """Replays captured graphs through the engine's verify seam (`forward`) and the EAGLE-3 drafter's step seam
+    (`draft_step`); a call whose shape has no graph runs eager."""
 
-    def __init__(self, runner, plan: CapturePlan, want_aux: bool = False, emulate: bool = False):
-        self.runner, self.plan, self.want_aux = runner, plan, want_aux
+    def __init__(self, runner, plan: CapturePlan, want_aux: bool = False, emulate: bool = False, drafter=None):
+        self.runner, self.plan, self.want_aux, self.drafter = runner, plan, want_aux, drafter
         self.enabled = runner.device.type == "cuda"
         self.emulate = emulate and not self.enabled
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[GraphKey, _Graph] = {}
+        self.warmed: set[GraphKey] = set()  # every shape run at capture: captured, or warmed for its eager runs
         self.pool_handle = None
         self.pool_bytes_measured = 0
-        self.replays = 0
-        self.eager = 0
+        self.replays = self.eager = 0  # verify forwards
+        self.draft_replays = self.draft_eager = 0  # drafter steps through the seam
         self._max_pos = runner.cache_len - 1
+        self._buckets: dict[tuple[str, int, int], list[int]] = {}
+        self._found: dict[tuple[str, int, int, int], _Graph | None] = {}  # (role, n, width, nodes) -> its graph
 
     # -- capture -----------------------------------------------------------------------------------------------
-    def _buffers(self, bucket: int, k: int) -> _Graph:
-        dev = self.runner.device
-        return _Graph(
-            ids=torch.zeros(bucket, k + 1, dtype=torch.long, device=dev),
-            start=torch.zeros(bucket, dtype=torch.long, device=dev),
-        )
+    def _new(self, key: GraphKey) -> _Graph:
+        b, w = key.bucket, key.width
+        if key.role == VERIFY:
+            dev = self.runner.device
+            pad = {"ids": torch.zeros(1, w, dtype=torch.long, device=dev),
+                   "start": torch.zeros(1, dtype=torch.long, device=dev)}
+            if key.nodes:  # a padding row is a chain: depths 0.., each node's ancestors the nodes before it
+                pad["depth"] = torch.arange(w, device=dev)[None]
+                pad["anc"] = torch.ones(w, w, dtype=torch.bool, device=dev).tril()[None]
+            x = _static(pad, b)
+            tree = (x["depth"], x["anc"]) if key.nodes else None
+            fwd, max_pos, aux = self.runner.forward, self._max_pos, self.want_aux
+            return _Graph(key, x, pad, lambda: fwd(x["ids"], x["start"], 0, max_pos=max_pos, want_aux=aux, tree=tree))
+        d = self.drafter
+        dev = d.kv_cache.device
+        pad = {"hidden": torch.zeros(1, w, d.H, dtype=d.dtype, device=dev),
+               "ids": torch.zeros(1, w, dtype=torch.long, device=dev),
+               "pos": torch.arange(w, device=dev)[None]}
+        if key.nodes:  # a padding row's node t sits in slot t and attends to itself only
+            pad.update(pos=torch.zeros(1, w, dtype=torch.long, device=dev), slots=torch.arange(w, device=dev)[None],
+                       tree_start=torch.zeros(1, dtype=torch.long, device=dev),
+                       anc=torch.eye(w, key.nodes, dtype=torch.bool, device=dev)[None])
+        x = _static(pad, b)
+        tree = {k: x[k] for k in ("slots", "tree_start", "anc") if k in x}
+        max_pos = d.cache_len - 1
+        return _Graph(key, x, pad, lambda: (d.step(x["hidden"], x["ids"], x["pos"], 0, max_pos, **tree),))
 
-    @torch.inference_mode()
-    def capture(self) -> GraphPool:
-        """Capture every plan entry, largest first, into one shared pool (CUDA); static buffers only (CPU emulate)."""
-        if not (self.enabled or self.emulate):
-            return self
-        if not self.enabled:
-            for e in self.plan.entries:
-                self.graphs[(e.bucket, e.k)] = self._buffers(e.bucket, e.k)
-            return self
-        self.pool_handle = torch.cuda.graph_pool_handle()
-        for e in self.plan.entries:  # largest first
-            self.graphs[(e.bucket, e.k)] = self._capture_one(e.bucket, e.k, self.pool_handle)
-        torch.cuda.synchronize()
-        self.pool_bytes_measured = pool_reserved_bytes(self.pool_handle)
-        return self
-
-    def _capture_one(self, bucket: int, k: int, pool) -> _Graph:
-        g = self._buffers(bucket, k)
-        fwd = self.runner.forward
+    def _build(self, key: GraphKey, pool) -> _Graph:
+        """A graph's buffers, its eager warm-ups and (CUDA) its capture into `pool`."""
+        g = self._new(key)
+        self.warmed.add(key)
+        if not self.enabled:  # CPU emulation: the warm-up alone
+            g.fn()
+            return g
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):  # warm-up outside the graph (lazy inits, autotuning)
             for _ in range(2):
-                fwd(g.ids, g.start, 0, max_pos=self._max_pos, want_aux=self.want_aux)
+                g.fn()
         torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            g.logits, g.aux = fwd(g.ids, g.start, 0, max_pos=self._max_pos, want_aux=self.want_aux)
-        g.graph = graph
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=pool):
+            g.out = g.fn()
         return g
+
+    def _planned(self, specs: Iterable[GraphSpec]) -> list[GraphKey]:
+        return [g.key for g in specs if g.key.role == VERIFY or self.drafter is not None]
+
+    @torch.inference_mode()
+    def capture(self) -> GraphPool:
+        """Capture the plan's graphs, largest first, into one shared pool (CUDA), or set up their static buffers
+        (CPU emulate); then warm every shape the budget left eager. On an idle engine: see the module docstring."""
+        if not (self.enabled or self.emulate):
+            return self
+        self.pool_handle = torch.cuda.graph_pool_handle() if self.enabled else None
+        for key in self._planned(self.plan.graphs):
+            self.graphs[key] = self._build(key, self.pool_handle)
+        for key in self._planned(self.plan.eager_graphs):  # pre-warm what runs eager: no cold shape later
+            self._new(key).fn()
+            self.warmed.add(key)
+        by: dict[tuple[str, int, int], list[int]] = {}
+        for key in self.graphs:
+            by.setdefault((key.role, key.width, key.nodes), []).append(key.bucket)
+        self._buckets = {shape: sorted(bs) for shape, bs in by.items()}
+        self._found.clear()
+        if self.enabled:
+            torch.cuda.synchronize()
+            self.pool_bytes_measured = pool_reserved_bytes(self.pool_handle)
+        return self
 
     def measure_separate_bytes(self) -> int:
         """Reserved memory of the plan's graphs captured each into its own pool (for the benchmark's
@@ -232,56 +198,98 @@ class GraphPool:
             return 0
         total, alive = 0, []
         with torch.inference_mode():
-            for e in self.plan.entries:
+            for key in self._planned(self.plan.graphs):
                 handle = torch.cuda.graph_pool_handle()
-                alive.append(self._capture_one(e.bucket, e.k, handle))
+                alive.append(self._build(key, handle))
                 torch.cuda.synchronize()
                 total += pool_reserved_bytes(handle)
         del alive  # all kept alive while measuring: no capture reuses another's freed blocks
         torch.cuda.empty_cache()
         return total
 
-    # -- the seam ----------------------------------------------------------------------------------------------
+    # -- the seams ---------------------------------------------------------------------------------------------
+    def _graph(self, role: str, n: int, width: int, nodes: int) -> _Graph | None:
+        """The graph of the smallest captured bucket >= n with this shape, or None (found once per call shape)."""
+        at = (role, n, width, nodes)
+        if at not in self._found:
+            bs = self._buckets.get((role, width, nodes)) or []
+            i = bisect.bisect_left(bs, n)
+            self._found[at] = self.graphs[GraphKey(role, bs[i], width, nodes)] if n >= 1 and i < len(bs) else None
+        return self._found[at]
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: torch.Tensor, slot0: int = 0, max_pos: int | None = None,
                 want_aux: bool = False, tree=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Same contract as ModelRunner.forward; replays the plan's graph when this shape is captured."""
+        """ModelRunner.forward's contract; replays the graph of this call's shape (chain, or a tree of this width)."""
         n, width = input_ids.shape
-        if tree is not None:
+        g = None
+        if slot0 == 0 and want_aux == self.want_aux and (max_pos is None or max_pos <= self._max_pos):
+            g = self._graph(VERIFY, n, width, width if tree is not None else 0)
+        if g is None:
             self.eager += 1
             return self.runner.forward(input_ids, start, slot0, max_pos=max_pos, want_aux=want_aux, tree=tree)
-        bucket = self.plan.lookup(n, width - 1) if (slot0 == 0 and want_aux == self.want_aux) else None
-        g = self.graphs.get((bucket, width - 1)) if bucket is not None else None
-        if g is None or (max_pos is not None and max_pos > self._max_pos):
-            self.eager += 1
-            return self.runner.forward(input_ids, start, slot0, max_pos=max_pos, want_aux=want_aux)
-        g.ids[:n].copy_(input_ids)
-        g.start[:n].copy_(start)
-        if bucket > n:
-            g.ids[n:].zero_()
-            g.start[n:].zero_()
-        if g.graph is not None:
-            g.graph.replay()
-        else:  # CPU emulation: the same padded static-shape forward, run eagerly
-            g.logits, g.aux = self.runner.forward(g.ids, g.start, 0, max_pos=self._max_pos, want_aux=self.want_aux)
+        values = {"ids": input_ids, "start": start}
+        if tree is not None:
+            values.update(depth=tree[0], anc=tree[1])
+        logits, aux = g.run(n, values)
         self.replays += 1
-        return g.logits[:n], (g.aux[:n] if g.aux is not None else None)
+        return logits[:n], (aux[:n] if aux is not None else None)
+
+    @torch.inference_mode()
+    def draft_step(self, hidden, input_ids, pos, slot0: int = 0, max_pos: int | None = None, slots=None,
+                   tree_start=None, anc=None) -> torch.Tensor:
+        """`Eagle3Proposer.step`'s contract; replays the graph of this call's shape (a chain step, or a tree
+        level of this many nodes over this many tree nodes)."""
+        n, width = input_ids.shape
+        tree = anc is not None and slots is not None and tree_start is not None
+        g = None
+        if slot0 == 0 and (tree or (anc is None and slots is None)):
+            g = self._graph(DRAFT, n, width, anc.shape[-1] if tree else 0)
+        if g is None:
+            self.draft_eager += 1
+            return self.drafter.step(hidden, input_ids, pos, slot0, max_pos, slots, tree_start, anc)
+        values = {"hidden": hidden, "ids": input_ids, "pos": pos}
+        if tree:
+            values.update(slots=slots, tree_start=tree_start, anc=anc)
+        (out,) = g.run(n, values)
+        self.draft_replays += 1
+        return out[:n]
 
     def attach(self, engine) -> GraphPool:
-        """Install the pool on the engine's verify seam (`Engine.configure(verify_forward=...)`)."""
+        """Install the replays on the engine's verify seam (`Engine.configure(verify_forward=...)`) and, when the
+        pool holds the drafter's steps, on its step seam (`Eagle3Proposer.configure(step_forward=...)`)."""
         if engine.runner is not self.runner:
             raise ValueError("graph pool was built for another engine's runner")
+        if self.drafter is not None and engine.drafter is not self.drafter:
+            raise ValueError("graph pool was built for another engine's drafter")
         engine.configure(verify_forward=self.forward)
+        if self.drafter is not None:
+            self.drafter.configure(step_forward=self.draft_step)
         return self
 
 
-def build_pool(engine, cost: CostModel, budget_bytes: int, ks: Sequence[int] | None = None, emulate: bool = False,
-               margin: float = 0.1) -> GraphPool:
-    """Plan from the cost model, capture (CUDA) or allocate static buffers (CPU emulate), attach to the engine."""
+def _runs(engine, strategy: Strategy) -> bool:
+    """Whether the engine runs this strategy as it is (chains past k_max are clipped to it: never asked for)."""
+    try:
+        engine.check_strategy(strategy)
+    except ValueError:
+        return False
+    return strategy.depth <= engine.k_max
+
+
+def build_pool(engine, cost: CostModel, budget_bytes: int, ks: Sequence[Strategy | int] | None = None,
+               emulate: bool = False, margin: float = 0.1, drafter_graphs: bool = True) -> GraphPool:
+    """Plan from the cost model (the strategies the engine runs; with an EAGLE-3 drafter and `drafter_graphs`, its
+    steps too), capture (CUDA) or set up static buffers (CPU emulate), attach to the engine."""
     want_aux = engine.drafter is not None and engine.drafter.needs_aux
-    shape = GraphShape.of(engine.runner, want_aux)
+    drafter = engine.drafter if drafter_graphs and hasattr(engine.drafter, "step_forward") else None
+    shape = GraphShape.of(engine.runner, want_aux, drafter)
+    ks = [s for s in map(Strategy.of, cost.ks if ks is None else ks) if _runs(engine, s)]
     plan = capture_plan(cost, shape, budget_bytes, ks, margin, max_batch=engine.max_batch)
-    pool = GraphPool(engine.runner, plan, want_aux=want_aux, emulate=emulate)
+    pool = GraphPool(engine.runner, plan, want_aux=want_aux, emulate=emulate, drafter=drafter)
     if pool.enabled or pool.emulate:
+        if engine.slots.n:
+            raise ValueError(f"capture writes slots 0..bucket-1 of the caches; the engine runs {engine.slots.n} "
+                             "rows: build the pool before admitting requests (or after abort_all)")
         pool.capture().attach(engine)
     return pool

@@ -161,6 +161,10 @@ class ModelRunner:
     states of those layers [B,T,len(ids)*H]: id j = the residual stream after j layers, before the final
     norm (0 = embeddings) — drafter_trainer.model's convention (its `capture_aux`), so the engine feeds the
     EAGLE-3 drafter exactly the tensors it was trained on.
+
+    With `tree` = (depth [B,T], anc [B,T,T]) the T tokens of each row are a token tree (token 0 its root): token t
+    at position start + depth[t] but cached in slot start + t, attending to the context and to the tokens anc[t]
+    marks (`tree_allowed`); `move_path` then moves the accepted path into place.
     """
 
     def __init__(
@@ -253,15 +257,10 @@ class ModelRunner:
         want_aux: bool = False,
         tree: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`tree` = (depth [B,T], anc [B,T,T]): the T tokens of each row are a token tree (token 0 its root), token
-        t at position start + depth[t] but cached in slot start + t, attending to the context and to the tokens
-        anc[t] marks (`tree_allowed`); `move_path` then moves the accepted path into place."""
         B, T = input_ids.shape
         slots = start[:, None] + torch.arange(T, device=start.device)  # [B,T]: where each token's k/v is written
         pos = slots if tree is None else start[:, None] + tree[0]  # its position (RoPE)
-        if max_pos is None:
-            max_pos = int(slots.max())
-        L = self._attn_len(max_pos)
+        L = self._attn_len(int(slots.max()) if max_pos is None else max_pos)
         if L > self._zeroed:  # before this forward's writes: they may land past the old frontier
             self._kv_all[:, :, :, self._zeroed : L].zero_()
             self._zeroed = L

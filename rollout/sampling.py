@@ -287,7 +287,7 @@ def verify_tree(p: torch.Tensor, tree, u_accept: torch.Tensor, u_sample: torch.T
     Returns (tokens [B, D+1]: the accepted children's tokens then the drawn one at index n_acc; n_acc [B];
     path [B, D+1]: the node at each depth of the accepted path, the last accepted repeated past n_acc;
     rank_trials [D, R] and rank_accepted [D, R]: rows whose node at depth d had a rank-r child, and accepted it)."""
-    B, M, V = p.shape
+    B = p.shape[0]
     D, R = u_accept.shape[1], tree.children.shape[-1]
     rows = torch.arange(B, device=p.device)
     tokens, path, trials, accepted = _walk_outputs(B, D, R, p.device)
@@ -324,32 +324,25 @@ def verify_tree(p: torch.Tensor, tree, u_accept: torch.Tensor, u_sample: torch.T
 
 
 def verify_tree_coupled(p: torch.Tensor, tree, e: torch.Tensor):
-    """Drafter-invariant exact sampling over token trees: the token at depth d is the target's race winner
-    race(p[node], e[:, d]) of the position L + d, and the walk follows the child equal to it while there is one.
-    The emitted tokens are the race winners along the way whatever the tree (plain Gumbel-max sampling of the
-    target), so a rollout is the same tokens with any drafter, chain, tree or none. e [B, D+1, V] is the race
-    noise of positions L.. L+D (`race_noise`). Returns what `verify_tree` does."""
+    """Drafter-invariant exact sampling over token trees: the token after a node of depth d is the target's race
+    winner race(p[node], e[:, d]) of the position L + d, and the accepted path follows the child equal to its
+    parent's winner while there is one. The emitted tokens are the race winners along the way whatever the tree
+    (plain Gumbel-max sampling of the target), so a rollout is the same tokens with any drafter, chain, tree or
+    none. e [B, D+1, V] is the race noise of positions L.. L+D (`race_noise`). Every node's winner is raced at once
+    and the path read off the ancestor table: no walk. Returns what `verify_tree` does."""
     B, M, V = p.shape
     D, R = e.shape[1] - 1, tree.children.shape[-1]
-    rows = torch.arange(B, device=p.device)
-    tokens, path, trials, accepted = _walk_outputs(B, D, R, p.device)
-    cur = torch.zeros(B, dtype=torch.long, device=p.device)
-    active = torch.ones(B, dtype=torch.bool, device=p.device)
-    n_acc = torch.zeros(B, dtype=torch.long, device=p.device)
-    for d in range(D + 1):
-        win = race(p[rows, cur], e[:, d])
-        tokens[:, d] = torch.where(active, win, tokens[:, d])
-        if d == D:
-            break
-        kids = tree.children[rows, cur]  # [B, R]
-        has = (kids >= 0) & active[:, None]
-        match = has & (tree.tokens.gather(1, kids.clamp(min=0)) == win[:, None])
-        took = match.any(-1)
-        nxt = kids.gather(1, match.long().argmax(-1, keepdim=True))[:, 0]
-        trials[d] = has.sum(0)
-        accepted[d] = match.sum(0)
-        cur = torch.where(took, nxt, cur)
-        n_acc += took.long()
-        active &= took
-        path[:, d + 1] = cur
-    return tokens, n_acc, path, trials, accepted
+    win = race(p, e.gather(1, tree.depth[..., None].expand(B, M, V)))  # [B, M]: the winner after each node
+    ok = tree.tokens == win.gather(1, tree.parent)  # the node is its parent's winner (siblings differ: one at most)
+    ok[:, 0] = True
+    on_path = ~(tree.anc & ~ok[:, None, :]).any(-1)  # the node and all its ancestors are winners
+    n_acc = torch.where(on_path, tree.depth, 0).amax(-1)
+    levels = torch.arange(D + 1, device=p.device)
+    at = on_path[:, None, :] & (tree.depth[:, None, :] == levels[None, :, None])  # [B, D+1, M]
+    found = at.long().argmax(-1)
+    path = torch.where(levels[None] <= n_acc[:, None], found, found.gather(1, n_acc[:, None]))
+    tokens = win.gather(1, path)
+    kids = tree.children.gather(1, path[:, :D, None].expand(B, D, R))  # [B, D, R]
+    has = (kids >= 0) & (levels[None, :D] < n_acc[:, None] + 1)[..., None]
+    took = has & on_path.gather(1, kids.clamp(min=0).reshape(B, D * R)).reshape(B, D, R)
+    return tokens, n_acc, path, has.sum(0), took.sum(0)

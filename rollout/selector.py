@@ -1,10 +1,11 @@
-"""Strategy selectors: which draft length k to run at the next decode step, given the running batch size.
+"""Strategy selectors: which strategy (rollout.strategy: none, a chain of k, a static or dynamic tree) to run at
+the next decode step, given the running batch size. "k" below names a strategy; an int is a chain's k.
 
-Every selector is a `ChooseK` (`selector(batch_size, last_step) -> k`, the engine's per-step hook) and
-exposes `schedule(max_batch)`: the (start, end, k) inclusive batch-size ranges it would choose now — the
-shape of vLLM's `num_speculative_tokens_per_batch_size`, for the vLLM backend.
+Every selector is a `ChooseK` (`selector(batch_size, last_step) -> strategy`, the engine's per-step hook) and
+exposes `schedule(max_batch)`: the (start, end, strategy) inclusive batch-size ranges it would choose now — for
+chains the shape of vLLM's `num_speculative_tokens_per_batch_size`, for the vLLM backend.
 
-- `adaptive`: argmax over k of b * E[tokens per row per step | k] / t(b, k) (expected tokens/s), from the
+- `adaptive`: argmax over strategies of b * E[tokens per row per step | k] / t(b, k) (expected tokens/s), from the
   measured cost model and the online acceptance estimates; epsilon-greedy exploration, three quarters of it
   among the near-ties (candidates whose estimate is within `explore_margin` of the best: those a few percent
   of error can overturn; among them the least known, by the rows behind each estimate, is the likeliest), in
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 
 from tailspec.rollout.acceptance import AcceptanceTracker
 from tailspec.rollout.cost_model import CostModel
-from tailspec.rollout.strategy import StepRecord
+from tailspec.rollout.strategy import StepRecord, Strategy, expected_accepted
 
 Schedule = list[tuple[int, int, int]]  # (first batch size, last batch size, k), inclusive
 
@@ -79,7 +80,7 @@ def check_schedule(table: Schedule) -> None:
 def fixed_selector(k: int) -> TableSelector:
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
-    return TableSelector(f"fixed_k{k}", [(1, 1 << 30, k)])
+    return TableSelector(f"fixed_k{k}" if isinstance(k, int) else f"fixed_{k.label}", [(1, 1 << 30, k)])
 
 
 def beg_selector(k_max: int, off_above: int = 32) -> TableSelector:
@@ -109,21 +110,37 @@ def geometric_tokens(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+def model_tokens(alpha: float, strategy) -> float:
+    """E[tokens per row per step] of any strategy under a one-parameter drafter: a node's first choice is accepted
+    with probability alpha and its rank-r choice with alpha (1 - alpha)^r (each next guess takes a share of what
+    the ones before missed); a chain is `geometric_tokens`."""
+    s = Strategy.of(strategy)
+    if not s.is_tree:
+        return geometric_tokens(alpha, s.depth)
+    return 1.0 + expected_accepted(s, lambda d, r: alpha * (1 - alpha) ** r)
+
+
 def candidate_ks(
-    cost: CostModel, bucket: int, ks: Sequence[int] | None = None, margin: float = 0.1, alpha_max: float = ALPHA_MAX
-) -> list[int]:
-    """The strategies the adaptive selector can pick at this batch bucket: every k within `margin` of the
-    best expected tokens/s for some per-token acceptance in [0, alpha_max]. k = 0 is always among them (it
-    wins at acceptance 0). The graph pool captures exactly these, so exploration never leaves the plan."""
-    ks = list(cost.ks if ks is None else ks)
-    out: set[int] = set()
+    cost: CostModel, bucket: int, ks: Sequence | None = None, margin: float = 0.1, alpha_max: float = ALPHA_MAX
+) -> list[Strategy]:
+    """The strategies the adaptive selector can pick at this batch bucket: every one within `margin` of the
+    best expected tokens/s for some per-token acceptance in [0, alpha_max] (`model_tokens`). Plain decoding is
+    always among them (it wins at acceptance 0). The graph pool captures exactly these, so exploration never
+    leaves the plan."""
+    ks = [Strategy.of(k) for k in (cost.ks if ks is None else ks)]
+    out: set[Strategy] = set()
     times = {k: cost.base(bucket, k) for k in ks}
     for i in range(51):
         alpha = alpha_max * i / 50
-        scores = {k: geometric_tokens(alpha, k) / times[k] for k in ks}
+        scores = {k: model_tokens(alpha, k) / times[k] for k in ks}
         best = max(scores.values())
         out.update(k for k, s in scores.items() if s >= best / (1 + margin))
     return sorted(out)
+
+
+def _cheaper_first(k: Strategy) -> tuple:
+    """Ties go to the strategy that verifies fewer tokens (then the shallower one)."""
+    return (-k.nodes, -k.depth)
 
 
 @dataclass
@@ -185,10 +202,11 @@ class AdaptiveSelector:
         if self.explore_run < 1 or self.decide_every < 1 or self.cold_steps < 0:
             raise ValueError(f"need explore_run >= 1, decide_every >= 1 and cold_steps >= 0, got {self.explore_run}, "
                              f"{self.decide_every}, {self.cold_steps}")
-        self.ks = sorted(set(self.cost.ks if self.ks is None else self.ks))
-        bad = [k for k in self.ks if k not in self.cost.ks or k > self.acceptance.k_max]
+        self.ks = sorted({Strategy.of(k) for k in (self.cost.ks if self.ks is None else self.ks)})
+        bad = [k.label for k in self.ks if k not in self.cost.ks or k.depth > self.acceptance.k_max]
         if bad:
-            raise ValueError(f"strategies {bad} are not in the cost model {self.cost.ks} or exceed k_max={self.acceptance.k_max}")
+            raise ValueError(f"strategies {bad} are not in the cost model {[k.label for k in self.cost.ks]} or exceed "
+                             f"k_max={self.acceptance.k_max}")
         if self.stale_load < 0:
             raise ValueError(f"stale_load must be >= 0, got {self.stale_load}")
         self._rng = random.Random(self.seed)
@@ -202,20 +220,21 @@ class AdaptiveSelector:
             cands = self._cands[batch_size] = cands or candidate_ks(self.cost, bucket, self.ks, self.margin)
         return cands
 
-    def score(self, batch_size: int, k: int) -> float:
+    def score(self, batch_size: int, k) -> float:
         """Expected tokens/s of strategy k at this batch size."""
         self.flush()
-        return batch_size * self.acceptance.token_table()[k] / self.cost.t(batch_size, k)
+        return batch_size * self.acceptance.expected_tokens(k) / self.cost.t(batch_size, k)
 
-    def scores(self, batch_size: int) -> dict[int, float]:
+    def scores(self, batch_size: int) -> dict[Strategy, float]:
         """score() of every candidate at this batch size (one read of the estimates for all of them)."""
         self.flush()
-        tokens, t = self.acceptance.token_table(), self.cost.t
-        return {k: batch_size * tokens[k] / t(batch_size, k) for k in self.candidates(batch_size)}
+        tokens, t, acc = self.acceptance.token_table(), self.cost.t, self.acceptance
+        return {k: batch_size * (acc.expected_tokens(k) if k.is_tree else tokens[k.depth]) / t(batch_size, k)
+                for k in self.candidates(batch_size)}
 
-    def best(self, batch_size: int, scores: dict[int, float] | None = None) -> int:
+    def best(self, batch_size: int, scores: dict[Strategy, float] | None = None) -> Strategy:
         scores = scores or self.scores(batch_size)
-        return max(scores, key=lambda k: (scores[k], -k))
+        return max(scores, key=lambda k: (scores[k], *_cheaper_first(k)))
 
     def observe(self, record: StepRecord) -> None:
         """Note a step an engine ran; `flush` folds it into the estimates at the next decision. The record
@@ -269,7 +288,7 @@ class AdaptiveSelector:
         if scores is None or self.stale_load <= 0 or self.k is None or len(cands) < 2:
             return None
         others = [k for k in cands if k != self.k]
-        k = max(others, key=lambda k: (scores[k], -k))
+        k = max(others, key=lambda k: (scores[k], *_cheaper_first(k)))
         seen = self._seen_load.setdefault((self.cost.bucket(batch_size), k), self.cost.load)
         return k if abs(math.log(self.cost.load / seen)) > math.log1p(self.stale_load) else None
 
@@ -368,5 +387,6 @@ def make_selector(
                 "tailspec.rollout.cost_model.measure(engine, prompts), or choose fixed|beg|threshold"
             )
         acceptance = acceptance or AcceptanceTracker(k_max=cfg.k_max)
-        return AdaptiveSelector(cost, acceptance, ks=[k for k in cost.ks if k <= cfg.k_max], epsilon=cfg.epsilon, seed=seed)
+        return AdaptiveSelector(cost, acceptance, ks=[k for k in cost.ks if k.depth <= cfg.k_max], epsilon=cfg.epsilon,
+                                seed=seed)
     raise ValueError(f"unknown rollout.selector {name!r}; choose adaptive, fixed, beg or threshold")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -49,3 +51,37 @@ class RequestOutput:
     stats: RequestStats = field(default_factory=RequestStats)
     # (aux states [n-1, A], logits [G, V]) on the host when the engine records them (rollout/states.py)
     states: tuple[Any, Any] | None = None
+
+
+def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int, max_seq_len: int, max_stop_ids: int,
+                  stop_ids: Callable[[], tuple[int, ...]]) -> None:
+    """Raise ValueError naming what is wrong with a request for an engine of this vocabulary, cache length and stop
+    id capacity (`stop_ids()`: the request's stop ids, EOS included); nothing is computed before this passes."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+    if len(prompt) == 0:
+        raise ValueError("empty prompt: a request needs at least one token (e.g. BOS)")
+    bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids outside the vocabulary 0..{vocab_size - 1}: {bad[:8]}")
+    if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1, got {params.max_tokens!r}")
+    if len(prompt) + params.max_tokens > max_seq_len:
+        raise ValueError(
+            f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the cache "
+            f"(max_seq_len={max_seq_len})"
+        )
+    if not (isinstance(params.temperature, (int, float)) and math.isfinite(params.temperature) and params.temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {params.temperature!r}")
+    if not (isinstance(params.top_p, (int, float)) and 0 < params.top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p!r}")
+    if not isinstance(params.top_k, int) or params.top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {params.top_k!r}")
+    stops = stop_ids()
+    if len(stops) > max_stop_ids:
+        raise ValueError(f"{len(stops)} stop token ids; at most {max_stop_ids} (max_stop_ids)")
+    bad = [t for t in stops if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop token ids outside the vocabulary 0..{vocab_size - 1}: {bad}")
+    if params.seed is not None and (not isinstance(params.seed, int) or not 0 <= params.seed < 2**63):
+        raise ValueError(f"seed must be an int in [0, 2**63), got {params.seed!r}")

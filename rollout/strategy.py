@@ -100,6 +100,13 @@ class Strategy:
         o = self._other(other)
         return NotImplemented if o is None else self._key() >= o._key()
 
+    def __index__(self) -> int:
+        """A chain's k (plain decoding's 0), where an int is needed (`range(k)`, a vLLM k schedule); a tree has
+        no single k and raises TypeError."""
+        if self.is_tree:
+            raise TypeError(f"{self.label} is a tree: it has no single draft length k")
+        return self.depth
+
     # -- constructors --------------------------------------------------------------------------------------------
     @classmethod
     def none(cls) -> Strategy:
@@ -169,6 +176,9 @@ class Strategy:
 
     def __str__(self) -> str:
         return self.label
+
+    def __format__(self, spec: str) -> str:
+        return format(self.label, spec)
 
     @property
     def speculates(self) -> bool:

@@ -1,4 +1,4 @@
-"""Token trees as tensors: what a drafter proposes for a tree strategy and what verification walks.
+"""Token trees: the tensors a drafter proposes for a tree strategy, and a tree strategy's verify step.
 
 A step's tree for row b has N + 1 nodes; node 0 is the root, the row's last known token (the first verify
 input, as in a chain), nodes 1..N are drafted tokens. Nodes are ordered by depth, so a parent always comes
@@ -8,6 +8,10 @@ before its children, and node i is cached in slot L - 1 + i of the target's KV c
 Static trees have one topology for every row (`static_topology`, from the strategy's parents and ranks);
 dynamic trees choose theirs per row (`select_dynamic`). Either way the shapes depend only on the strategy, so
 a graph can be captured per (batch bucket, strategy).
+
+`tree_step` is the engine's step for a tree strategy: draft, one verify forward over every node, accept by the
+engine's verify rule (rollout/sampling.py: `verify_tree`, `verify_tree_coupled`), the accepted path moved into
+the KV cache's positions; after it the drafter and the recorder see the path as they would a chain's drafts.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
+from tailspec.rollout import sampling
 from tailspec.rollout.strategy import Strategy
 
 
@@ -32,6 +36,17 @@ class TreeDraft:
 
 
 @dataclass(frozen=True)
+class Level:
+    """One drafting level of a static tree: the nodes at depth d that get children, and those children."""
+
+    expand: torch.Tensor  # nodes at depth d with children
+    expand_parent: torch.Tensor  # their parents
+    kids: torch.Tensor  # the children, at depth d + 1
+    kid_source: torch.Tensor  # for each child, its parent's index in `expand`
+    kid_rank: torch.Tensor  # and its sibling rank
+
+
+@dataclass(frozen=True)
 class Topology:
     """A static tree's parent, depth, rank, ancestor and child tables on a device (row-independent)."""
 
@@ -40,8 +55,7 @@ class Topology:
     rank: torch.Tensor  # [N + 1]
     anc: torch.Tensor  # [N + 1, N + 1]
     children: torch.Tensor  # [N + 1, R]
-    levels: tuple[tuple[int, ...], ...]  # per depth d < depth: the nodes at depth d that have children
-    child_slots: tuple[tuple[tuple[int, int], ...], ...]  # per depth d: (child node, index into the expanded list)
+    levels: tuple[Level, ...]  # per depth d < the strategy's depth
 
 
 _TOPOLOGIES: dict[tuple[Strategy, torch.device], Topology] = {}
@@ -70,19 +84,24 @@ def static_topology(strategy: Strategy, device: torch.device) -> Topology:
     children = [[-1] * width for _ in range(n)]
     for i in range(1, n):
         children[parents[i]][ranks[i]] = i
-    levels, slots = [], []
+    levels = []
     for d in range(strategy.depth):
-        expand = tuple(i for i in range(n) if depth[i] == d and any(c >= 0 for c in children[i]))
-        levels.append(expand)
+        expand = [i for i in range(n) if depth[i] == d and any(c >= 0 for c in children[i])]
         where = {p: e for e, p in enumerate(expand)}
-        slots.append(tuple((i, where[parents[i]]) for i in range(1, n) if depth[i] == d + 1))
-    t = Topology(
+        kids = [i for i in range(1, n) if depth[i] == d + 1]
+
+        def t(xs):
+            return torch.tensor(xs, dtype=torch.long, device=device)
+
+        levels.append(Level(expand=t(expand), expand_parent=t([parents[i] for i in expand]), kids=t(kids),
+                            kid_source=t([where[parents[i]] for i in kids]), kid_rank=t([ranks[i] for i in kids])))
+    topo = Topology(
         parent=torch.tensor(parents, device=device), depth=torch.tensor(depth, device=device),
         rank=torch.tensor(ranks, device=device), anc=torch.tensor(anc, device=device),
-        children=torch.tensor(children, device=device), levels=tuple(levels), child_slots=tuple(slots),
+        children=torch.tensor(children, device=device), levels=tuple(levels),
     )
-    _TOPOLOGIES[key] = t
-    return t
+    _TOPOLOGIES[key] = topo
+    return topo
 
 
 def ancestors(parent: torch.Tensor) -> torch.Tensor:
@@ -115,13 +134,52 @@ def select_dynamic(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tens
     root), the `nodes` with the highest cumulative draft log-probability `score` (ties to the earlier node, so a
     parent, never less likely than its child, is kept before it), in their drafted order. Returns its tables."""
     n, m = tokens.shape
-    key = score[:, 1:].clone()
-    order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :nodes] + 1
+    order = torch.sort(score[:, 1:], dim=1, descending=True, stable=True).indices[:, :nodes] + 1
     keep = torch.sort(order, dim=1).values  # depth order: parents before children
     keep = torch.cat([torch.zeros(n, 1, dtype=torch.long, device=tokens.device), keep], 1)  # [n, nodes + 1]
-    new_index = torch.full((n, m), 0, dtype=torch.long, device=tokens.device)
+    new_index = torch.zeros((n, m), dtype=torch.long, device=tokens.device)
     new_index.scatter_(1, keep, torch.arange(nodes + 1, device=tokens.device)[None].expand(n, -1))
     vparent = new_index.gather(1, parent.gather(1, keep))
     vrank = rank.gather(1, keep)
     return TreeDraft(tokens=tokens.gather(1, keep), parent=vparent, depth=depth.gather(1, keep), rank=vrank,
                      anc=ancestors(vparent), children=children_table(vparent, vrank, width))
+
+
+def check_tree(strategy: Strategy, drafter, k_max: int, max_tree_nodes: int) -> None:
+    """Raise ValueError naming why an engine (its drafter, k_max and max_tree_nodes) cannot run a tree strategy."""
+    if drafter is None or not drafter.drafts_trees:
+        name = "no drafter" if drafter is None else f"the {drafter.name} drafter"
+        raise ValueError(f"{strategy.label} is a tree strategy; {name} drafts chains only (EAGLE-3 drafts trees)")
+    if strategy.depth > k_max:
+        raise ValueError(f"{strategy.label} is {strategy.depth} deep; this engine's k_max is {k_max}")
+    drafted = strategy.full_nodes if strategy.kind == "dynamic" else strategy.nodes
+    if drafted > max_tree_nodes:
+        raise ValueError(f"{strategy.label} drafts {drafted} nodes; this engine's max_tree_nodes is {max_tree_nodes}")
+    if strategy.topk > sampling.TREE_RANKS:
+        raise ValueError(f"{strategy.label} has {strategy.topk} children per node; at most {sampling.TREE_RANKS}")
+
+
+def tree_step(engine, batch, strategy: Strategy, coupled: bool, u_smp, need_aux: bool):
+    """An engine step of a tree strategy (the module docstring). `u_smp` [n, depth + 1]: the SAMPLE stream of the
+    residual rule (None under the coupled rule, whose race noise is `batch.race`). Returns what the engine's
+    chain path does: tokens [n, depth + 1], n_acc [n], logits and p at the accepted path [n, depth + 1, V], and
+    (rank_trials, rank_accepted) [depth, R]."""
+    L, n = batch.lengths, batch.n
+    draft = engine.drafter.propose_tree(batch, strategy)
+    logits, aux = engine.verify_forward(draft.tokens, L - 1, max_pos=batch.max_length - 1 + strategy.nodes,
+                                        want_aux=need_aux, tree=(draft.depth, draft.anc))
+    p = engine.processed(logits, batch)
+    if coupled:
+        out, n_acc, path, trials, acc = sampling.verify_tree_coupled(p, draft, batch.race)
+    else:
+        width = draft.children.shape[-1]
+        u_acc = (sampling.tree_accept_uniforms(batch.key, L, strategy.depth, width) if batch.any_sampled
+                 else torch.zeros(n, strategy.depth, width, dtype=torch.float64, device=L.device))
+        out, n_acc, path, trials, acc = sampling.verify_tree(p, draft, u_acc, u_smp)
+    engine.runner.move_path(L - 1, path)
+    at = path[..., None]
+    logits, p = logits.gather(1, at.expand(-1, -1, logits.shape[-1])), p.gather(1, at.expand(-1, -1, p.shape[-1]))
+    if aux is not None:
+        aux = aux.gather(1, at.expand(-1, -1, aux.shape[-1]))
+    engine.after_verify(batch, strategy.depth, out, n_acc, aux, logits)
+    return out, n_acc, logits, p, (trials, acc)

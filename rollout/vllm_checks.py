@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tailspec.rollout.schedule_export import vllm_k
+from tailspec.rollout.strategy import Strategy
+
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 Method = Literal["eagle3", "draft_model", "ngram"]
 Schedule = list[tuple[int, int, int]]
@@ -143,14 +146,16 @@ def draft_model_problems(target_cfg: dict, drafter_dir: Path) -> list[str]:
     return out
 
 
-def check_schedule(schedule: Sequence[Sequence[int]], k_max: int) -> Schedule:
+def check_schedule(schedule: Sequence[Sequence[Any]], k_max: int) -> Schedule:
     """The selector's [(start, end, k)] as vLLM wants it: inclusive ranges, sorted, the first starting at 1,
-    no overlap, 0 <= k <= k_max (vLLM clamps larger k silently; we refuse them)."""
+    no overlap, 0 <= k <= k_max (vLLM clamps larger k silently; we refuse them). A `Strategy` in place of k
+    runs as vLLM can (`schedule_export.vllm_k`): a chain its k, a tree a chain of its depth, none 0."""
     out: Schedule = []
     for e in schedule:
         if len(e) != 3:
             raise ValueError(f"schedule entry {tuple(e)}: expected (first batch size, last batch size, k)")
-        s, t, k = (int(x) for x in e)
+        s, t = int(e[0]), int(e[1])
+        k = vllm_k(e[2]) if isinstance(e[2], Strategy) else int(e[2])
         if not 1 <= s <= t:
             raise ValueError(f"schedule entry {(s, t, k)}: batch sizes must satisfy 1 <= start <= end")
         if not 0 <= k <= k_max:

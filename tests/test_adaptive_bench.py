@@ -23,9 +23,10 @@ def test_bench_adaptive_json_contract():
     assert [row["batch"] for row in r["per_batch"]] == [1, 3]
     for row in r["per_batch"]:
         assert set(row) >= {"batch", "oracle_k", "oracle_tps", "adaptive_tps", "beg_tps", "threshold_tps", "nospec_tps"}
-        assert row["oracle_tps"] == max(row["fixed_tps"].values()) and row["oracle_k"] in (0, 2)
+        assert row["oracle_tps"] == max(row["fixed_tps"].values()) and row["oracle_k"] in ("none", "chain2")
         assert all(v > 0 for v in row["fixed_tps"].values())
-        assert row["twin_ratio"] == pytest.approx(row["repeats_tps"]["twin"][0] / row["repeats_tps"]["k2"][0], abs=1e-3)
+        assert row["twin_ratio"] == pytest.approx(row["repeats_tps"]["twin"][0] / row["repeats_tps"]["chain2"][0], abs=1e-3)
+        assert row["adaptive_vs_chain_only"] == pytest.approx(row["adaptive_tps"] / row["adaptive_chain_only_tps"], abs=1e-3)
     for row in r["per_batch"]:  # one repeat: nothing to hold out, so the held-out oracle is the in-sample one
         assert row["oracle_held_out_tps"] == row["oracle_tps"] and row["oracle_held_out_ks"] == [row["oracle_k"]]
         assert row["adaptive_vs_oracle"] == pytest.approx(row["adaptive_tps"] / row["oracle_tps"], abs=1e-3)
@@ -33,10 +34,15 @@ def test_bench_adaptive_json_contract():
     assert r["adaptive_vs_oracle_in_sample_min_ratio"] == pytest.approx(
         min(x["adaptive_tps"] / x["oracle_tps"] for x in r["per_batch"]), abs=1e-3)
     assert r["twin_ratio_range"] == [min(x["twin_ratio"] for x in r["per_batch"]), max(x["twin_ratio"] for x in r["per_batch"])]
-    assert set(r["longtail_speedup_vs_nospec"]) == {"adaptive", "beg", "threshold"}
+    assert set(r["longtail_speedup_vs_nospec"]) == {"adaptive", "adaptive_chain_only", "beg", "threshold"}
+    assert r["strategies"] == ["none", "chain2"]  # the n-gram drafter drafts chains only: no trees in the space
+    assert set(r["acceptance_length_at_batch1"]) == {"none", "chain2"}
+    assert r["acceptance_length_at_batch1"]["none"] == pytest.approx(1.0)
+    assert r["acceptance_length_at_batch1"]["chain2"] >= 1.0
     sched = r["adaptive_schedule"]
     assert sched[0][0] == 1 and sched[-1][1] == 3
     assert "graph_pool" not in r  # CPU: no capture
+    assert set(r["adaptive_schedule_export"]) == {"schedule", "vllm", "sglang"}
 
 
 def test_held_out_oracle_picks_k_on_the_other_repeats():
@@ -44,10 +50,10 @@ def test_held_out_oracle_picks_k_on_the_other_repeats():
     other repeats, each repeat scores the k it did not see: k2 twice (11, 9), k1 once (8); median 9."""
     from tailspec.bench.adaptive import held_out_oracle
 
-    runs = {"k0": [1.0, 1.0, 1.0], "k1": [10.0, 12.0, 8.0], "k2": [11.0, 9.0, 12.0]}
-    ks, tps = held_out_oracle(runs, [0, 1, 2])
-    assert ks == [2, 2, 1] and tps == [11.0, 9.0, 8.0]
-    assert held_out_oracle({"k0": [1.0], "k1": [3.0]}, [0, 1]) == ([1], [3.0])
+    runs = {"none": [1.0, 1.0, 1.0], "chain1": [10.0, 12.0, 8.0], "chain2": [11.0, 9.0, 12.0]}
+    ks, tps = held_out_oracle(runs, ["none", "chain1", "chain2"])
+    assert ks == ["chain2", "chain2", "chain1"] and tps == [11.0, 9.0, 8.0]
+    assert held_out_oracle({"none": [1.0], "chain1": [3.0]}, ["none", "chain1"]) == (["chain1"], [3.0])
 
 
 def test_with_graphs_each_batch_size_reuses_one_engine_idle_and_reconfigured():

@@ -34,6 +34,7 @@ KS = [0, 1, 2, 3, 4, 6, 8]
 
 def synthetic_time(b: int, k: int) -> float:
     """A GPU-like step: a fixed launch cost, verify work growing with b*(k+1) tokens, k draft passes."""
+    k = int(k)  # a chain's k (the selector hands back Strategy values)
     return 0.010 + 0.0004 * b * (k + 1) + 0.0008 * k
 
 

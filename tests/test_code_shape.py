@@ -15,7 +15,9 @@ MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 60
 
 # Still over the limits. Each entry must still exceed (test_exemptions_are_still_needed), so a split removes it.
-EXEMPT_MODULES: set[str] = set()
+# rollout/engine.py: one decode step's flow for chains and trees together (admission, the strategy, draft and
+# verify, emit, finish); the tree step itself lives in rollout/tree.py.
+EXEMPT_MODULES: set[str] = {"rollout/engine.py"}
 EXEMPT_FUNCTIONS: set[tuple[str, str]] = set()
 # Still holding a function-local import with no `# deferred:` reason. Each entry must still have one
 # (test_deferred_exemptions_are_still_needed), so giving the reasons removes it.

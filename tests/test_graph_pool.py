@@ -54,9 +54,9 @@ def test_plan_covers_every_candidate_largest_first():
     plan = capture_plan(c, SHAPE, budget_bytes=1 << 40)
     want = {(b, k) for b in BUCKETS for k in candidate_ks(c, b)}
     assert plan.pairs() == want and not plan.skipped
-    sizes = [e.bucket * (e.k + 1) for e in plan.entries]
+    assert sorted(g.key for e in plan.entries for g in e.graphs) == sorted(g.key for g in plan.graphs)  # 1 each
+    sizes = [g.workspace_bytes for g in plan.graphs]
     assert sizes == sorted(sizes, reverse=True)  # captured largest first
-    assert plan.entries[0].workspace_bytes == max(e.workspace_bytes for e in plan.entries)
     assert plan.pool_bytes < plan.separate_bytes  # one workspace shared instead of one per graph
     assert plan.pool_bytes == max(e.workspace_bytes for e in plan.entries) + sum(e.static_bytes for e in plan.entries)
 
@@ -107,8 +107,7 @@ def test_every_choice_of_the_adaptive_selector_is_captured():
     assert sel.switches > 2
 
 
-def _prefilled_runner(model, prompts):
-    r = ModelRunner(model, max_slots=8, cache_len=64, aux_layer_ids=(0, 1, 3))
+def _prefill(r, prompts):
     T = max(len(p) for p in prompts)
     toks = torch.tensor([p + [0] * (T - len(p)) for p in prompts])
     r.forward(toks[:, :-1], torch.zeros(len(prompts), dtype=torch.long))
@@ -121,10 +120,13 @@ def test_pool_path_equals_eager_path(want_aux):
     two runners with identical caches: logits and aux states agree, and the real rows' KV caches too."""
     model = small_llama()
     prompts = [[1, 5, 7, 9, 11], [1, 4, 4], [1, 8, 3, 3, 3, 3, 6]]
-    eager, pooled = _prefilled_runner(model, prompts), _prefilled_runner(model, prompts)
+    eager, pooled = (ModelRunner(model, max_slots=8, cache_len=64, aux_layer_ids=(0, 1, 3)) for _ in range(2))
     c = CostModel([1, 2, 4, 8], [0, 2], {(b, k): 0.01 * (1 + b * (k + 1) / 16) for b in (1, 2, 4, 8) for k in (0, 2)})
     plan = capture_plan(c, GraphShape.of(pooled, want_aux), budget_bytes=1 << 40)
-    pool = GraphPool(pooled, plan, want_aux=want_aux, emulate=True).capture()
+    pool = GraphPool(pooled, plan, want_aux=want_aux, emulate=True).capture()  # its warm-ups write slots 0..7
+    assert pool.warmed == set(pool.graphs) == {g.key for g in plan.graphs}
+    for r in (eager, pooled):  # then the requests arrive
+        _prefill(r, prompts)
     lengths = torch.tensor([len(p) for p in prompts])
     ids = torch.tensor([[11, 20, 21], [4, 30, 31], [6, 40, 41]])
     for step in range(3):  # three verify steps at advancing positions
@@ -193,10 +195,11 @@ def test_gpu_replay_equals_eager_at_every_captured_shape(dtype):
     tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
     g = torch.Generator(device="cuda").manual_seed(0)
     for e in plan.entries:
+        k = e.strategy.depth
         for n in sorted({e.bucket, max(1, e.bucket - 1)}):  # exact fit and one padding row
-            if plan.lookup(n, e.k) != e.bucket:
+            if plan.lookup(n, e.strategy) != e.bucket:
                 continue
-            ids = torch.randint(0, 64, (n, e.k + 1), device="cuda", generator=g)
+            ids = torch.randint(0, 64, (n, k + 1), device="cuda", generator=g)
             start = torch.randint(0, 100, (n,), device="cuda", generator=g)
             # Both runners attend over the same history: capture's warm-up and earlier padding rows wrote
             # the graphed runner's cache (as in the engine, where admission's prefill overwrites it). Copy
@@ -204,8 +207,8 @@ def test_gpu_replay_equals_eager_at_every_captured_shape(dtype):
             for kv_e, kv_g in zip(eager.kv_cache, graphed.kv_cache, strict=True):
                 kv_e.normal_(generator=g)
                 kv_g.copy_(kv_e)
-            le, ae = eager.forward(ids, start, max_pos=int(start.max()) + e.k, want_aux=True)
-            lp, ap = pool.forward(ids, start, max_pos=int(start.max()) + e.k, want_aux=True)
+            le, ae = eager.forward(ids, start, max_pos=int(start.max()) + k, want_aux=True)
+            lp, ap = pool.forward(ids, start, max_pos=int(start.max()) + k, want_aux=True)
             torch.testing.assert_close(lp, le, **tol)
             torch.testing.assert_close(ap.float(), ae.float(), **tol)
     assert pool.eager == 0 and pool.replays > 0

@@ -106,10 +106,10 @@ def test_guarded_hook_feeds_the_guard_and_turns_speculation_off():
     g.arm(version=1, validated=2.5, event="load")
     verdicts = []
     hook = guarded(lambda b, last: 3, g, on_verdict=verdicts.append)
-    rec = StepRecord.following(None, rows=4, k=3, accepted=0, reach=(0, 0, 0), seconds=0.01)
+    rec = StepRecord.following(None, rows=4, strategy=3, accepted=0, reach=(0, 0, 0), seconds=0.01)
     assert hook(4, None) == 3 and hook(4, rec) == 3
     assert hook(4, rec) == 3  # the same record handed again counts once
-    rec2 = StepRecord.following(rec, rows=4, k=3, accepted=0, reach=(0, 0, 0), seconds=0.01)
+    rec2 = StepRecord.following(rec, rows=4, strategy=3, accepted=0, reach=(0, 0, 0), seconds=0.01)
     assert hook(4, rec2) == 0 and len(verdicts) == 1 and verdicts[0].tripped
     assert hook(4, StepRecord.following(rec2, 4, 0, 0, (), 0.01)) == 0  # stays off
     g.arm(version=2, validated=2.5, event="reload")

@@ -1,10 +1,11 @@
-"""Adaptive strategy selection: tokens/s per batch size for every fixed k, the oracle, adaptive, BEG, threshold.
+"""Adaptive strategy selection: tokens/s per batch size for every fixed strategy (chains and trees), the oracle,
+adaptive over the whole space, adaptive over chains only, BEG, threshold.
 
 Everything runs side by side in one process on the same models: for each batch size and repeat, every policy
 has its own engine on the same requests, and the engines take turns a few steps at a time (lockstep), so the
 drift of a shared machine reaches them alike; the median over repeats is reported. (With a graph pool, one
 engine per batch size is reconfigured, and the policies run one after another.) The per-batch oracle is the
-best fixed k, and which k that is gets decided on other repeats than the one it is scored on
+best fixed strategy of the whole space, and which one that is gets decided on other repeats than the one it is scored on
 (`held_out_oracle`): the best of several near-tied fixed ks on the same repeats is their noise's maximum, above
 what any of them delivers (the winner's curse). `adaptive_vs_oracle` is the median over repeats of adaptive ÷
 the held-out oracle in the same repeat (the same requests); the in-sample figures stay beside it. A second engine
@@ -17,8 +18,12 @@ whole responses. Its requests start at their prompts;
 sensitivity check: it weighs the later tokens of a response more than a rollout does).
 
 Then one long-tail rollout: a batch of task prompts whose response lengths follow the task's heavy-tailed
-distribution, run to completion under each policy, end to end (greedy by default: every policy emits the
-identical tokens — the engine is lossless — so the times compare the same work).
+distribution, run to completion under each policy, end to end, at the main job's temperature (1) under the
+verify rule of the run's config (the main job's: coupled, so every policy emits the identical tokens and the
+times compare the same work; the output says which rule ran).
+
+`acceptance_length_at_batch1` is each fixed strategy's tokens per verify forward at batch 1 (every fixed
+strategy's timed steps, all repeats).
 
 On a GPU it also captures the graph pool for the target (bf16) and reports pool memory against separately
 captured graphs and the verify forward's replay-vs-eager speedup at batch 1, 8, 32.
@@ -27,15 +32,19 @@ captured graphs and the verify forward's replay-vs-eager speedup at batch 1, 8, 
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import statistics
 import sys
 import time
 from collections import Counter
 
+from tailspec.bench.lockstep import repeat_tps
 from tailspec.cli import config_from_args
 from tailspec.rollout import cost_model
+from tailspec.rollout.schedule_export import schedule_exports
 from tailspec.rollout.sequence import SamplingParams
+from tailspec.rollout.strategy import Strategy
 from tailspec.tasks.runsum import sample_problems
 
 
@@ -48,7 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eagle3", default=None,
                    help="directory of a trained EAGLE-3 drafter (default: the demo's bootstrap drafter for --target)")
     p.add_argument("--batches", default="1,2,4,8,16,32,64")
-    p.add_argument("--ks", default="0,1,2,3,4,6", help="fixed strategies (draft lengths) to compare")
+    p.add_argument("--ks", default="0,1,2,3,4,6", help="fixed chain strategies (draft lengths) to compare")
+    p.add_argument("--trees", default=",".join(cost_model.DEFAULT_TREES),
+                   help="fixed tree strategies to compare (labels: tree<b1-b2-...>n<nodes>, dyn<depth>x<topk>n<nodes>; "
+                        "'' for none; default the main job's); with a drafter that drafts chains only, none")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per run (at least --rows / batch)")
     p.add_argument("--rows", type=int, default=192,
@@ -59,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the per-batch runs' requests start: fresh = at the prompt (default), mid = at a random "
                         "depth of a response the policy wrote (a sensitivity check: later tokens weigh more)")
     p.add_argument("--longtail-n", type=int, default=64, help="requests in the long-tail rollout (0: skip)")
-    p.add_argument("--longtail-temperature", type=float, default=0.0)
+    p.add_argument("--longtail-temperature", type=float, default=1.0,
+                   help="the long-tail rollout's temperature (default 1, the main job's)")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -134,72 +147,6 @@ def _mid_response(make_engine, prompts, max_tokens: int, max_seq: int, temperatu
     return out
 
 
-class _Run:
-    """One policy's engine with `batch` requests kept running: finished slots refilled between steps (their prefill
-    untimed); tokens/s over the steps after `warmup`, and the k of each timed step in `mix`."""
-
-    def __init__(self, eng, prompts, params, warmup: int, mix: Counter | None = None):
-        # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-        from tailspec.rollout.slots import GEN
-
-        self.eng, self.warmup, self.mix, self.gen_col = eng, warmup, mix, GEN
-        self.steps = self.done_tokens = self.emitted = 0
-        self.elapsed = 0.0
-        for p, sp in zip(prompts, params):
-            eng.add_request(p, sp)
-
-    def produced(self) -> int:
-        n = self.eng.slots.n
-        return self.done_tokens + (int(self.eng.slots.ints[:n, self.gen_col].sum()) if n else 0)
-
-    def advance(self, n: int) -> None:
-        eng = self.eng
-        for _ in range(n):
-            eng.admit()  # refills' prefill stays out of the timed decode step (a rollout prefills each prompt once)
-            before = self.produced()
-            t0 = time.perf_counter()
-            outs = eng.step()
-            dt = time.perf_counter() - t0
-            self.done_tokens += sum(len(o.token_ids) for o in outs)
-            if self.steps >= self.warmup:
-                self.elapsed += dt
-                self.emitted += self.produced() - before
-                if self.mix is not None:
-                    self.mix[eng.last.k] += 1
-            self.steps += 1
-
-    @property
-    def tps(self) -> float:
-        return self.emitted / self.elapsed if self.elapsed > 0 else 0.0
-
-
-def _repeat_tps(make_engine, policies: dict, batch: int, prompts, params, warmup: int, steps: int, mix: Counter,
-                lockstep: bool, block: int = 8) -> dict[str, float]:
-    """Every policy's tokens/s on the same requests. Lockstep (eager engines): an engine per policy, all alive,
-    taking turns `block` steps at a time, the first turn of each round rotating, so the machine's drift over a
-    repeat reaches every policy alike (whole runs one after another put each policy in its own stretch of a
-    shared machine's load). Otherwise (a graph pool per batch size, one engine reconfigured): whole runs one after
-    another."""
-    total = warmup + steps
-    if not lockstep:
-        out = {}
-        for name, pol in policies.items():
-            run = _Run(make_engine(batch, pol), prompts, params, warmup, mix if name == "adaptive" else None)
-            run.advance(total)
-            out[name] = run.tps
-        return out
-    runs = [(name, _Run(make_engine(batch, pol), prompts, params, warmup, mix if name == "adaptive" else None))
-            for name, pol in policies.items()]
-    turn = 0
-    while any(r.steps < total for _, r in runs):
-        for _, r in runs[turn % len(runs):] + runs[: turn % len(runs)]:
-            r.advance(min(block, total - r.steps))
-        turn += 1
-    for _, r in runs:
-        r.eng.abort_all()
-    return {name: r.tps for name, r in runs}
-
-
 def _rollout_s(make_engine, choose_k, prompts, params) -> tuple[float, int]:
     eng = make_engine(len(prompts), choose_k)
     t0 = time.perf_counter()
@@ -223,7 +170,7 @@ def _graph_pool_section(target, cost, device: str) -> dict:
     for b in (1, 8, 32):
         if b > max(cost.buckets):
             continue
-        k = max(candidate_ks(cost, cost.bucket(b)))
+        k = max(c.depth for c in candidate_ks(cost, cost.bucket(b)) if not c.is_tree)  # the longest chain planned
         ids = torch.randint(0, target.config.vocab_size, (b, k + 1), device=device)
         start = torch.full((b,), 100, dtype=torch.long, device=device)
 
@@ -272,15 +219,16 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from tailspec.commands.bench import machine
-    from tailspec.rollout.selector import AdaptiveSelector, beg_selector, fixed_selector, threshold_selector
 
     out = sys.stderr if args.json else sys.stdout
     cfg = config_from_args(args)
     torch.set_num_threads(args.threads)
     batches = [int(x) for x in args.batches.split(",")]
-    ks = sorted({int(x) for x in args.ks.split(",")} | {0})
-    k_max = max(ks)
+    chains = sorted({Strategy.of(int(x)) for x in args.ks.split(",")} | {Strategy.none()})
     target, tok, make_drafter, drafter_label, device = _load(args, cfg)
+    trees = sorted({Strategy.parse(x) for x in args.trees.split(",") if x.strip()}) if make_drafter().drafts_trees else []
+    ks = chains + trees
+    k_max = max(k.depth for k in ks)
     max_seq = min(int(target.config.max_position_embeddings), 1024)
 
     graphs = device == "cuda" and cfg.rollout.cuda_graphs and not args.no_graphs
@@ -291,18 +239,20 @@ def run(args: argparse.Namespace) -> dict:
     cost, acceptance = _planned_cost_table(make_engine, planned if graphs else None, pool_prompts, batches, ks, k_max,
                                            args, out, t_start)
     starts = _starts(make_engine, pool_prompts, max_seq, args, out)
-    adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=cfg.rollout.epsilon, seed=0)
-    policies = {f"k{k}": fixed_selector(k) for k in ks}
-    policies |= {"adaptive": adaptive, "beg": beg_selector(k_max), "threshold": threshold_selector(min(4, k_max))}
-    # a second engine running the smallest speculative k: two identical engines differ only by the machine's noise,
-    # which is how finely the ratios of this run can be read
-    policies["twin"] = fixed_selector(min([k for k in ks if k > 0] or [0]))
-    per_batch = [_batch_row(make_engine, policies, adaptive, starts, b, ks, args, out, lockstep=not graphs)
+    policies = _policies(cost, acceptance, ks, chains, cfg.rollout.epsilon)
+    adaptive, chain_only = policies["adaptive"], policies["adaptive_chain_only"]
+    accept1: dict = {}
+    per_batch = [_batch_row(make_engine, policies, adaptive, starts, b, ks, args, out, lockstep=not graphs,
+                            accept=accept1 if b == 1 else None)
                  for b in batches]
     longtail = _longtail(make_engine, policies, tok, max_seq, cfg, args, out) if args.longtail_n > 0 else {}
     result = {
         "device": machine(), "target": args.target, "drafter": drafter_label, "temperature": args.temperature,
-        "repeats": args.repeats, "steps": args.steps, "rows": args.rows, "ks": ks, "start": args.start,
+        "verify_rule": cfg.rollout.verify_rule,
+        "repeats": args.repeats, "steps": args.steps, "rows": args.rows, "ks": [int(k) for k in chains],
+        "strategies": [k.label for k in ks], "start": args.start,
+        "acceptance_length_at_batch1": {k.label: round(accept1[policy_name(k)][0] / accept1[policy_name(k)][1], 3)
+                                        for k in ks if accept1.get(policy_name(k), (0, 0))[1]},
         "per_batch": per_batch,
         "adaptive_vs_oracle_min_ratio": round(min(r["adaptive_vs_oracle"] for r in per_batch), 3),
         "adaptive_vs_oracle_in_sample_min_ratio": round(min(r["adaptive_tps"] / r["oracle_tps"] for r in per_batch), 3),
@@ -310,21 +260,48 @@ def run(args: argparse.Namespace) -> dict:
         "adaptive_vs_nospec_at_largest": round(per_batch[-1]["adaptive_tps"] / per_batch[-1]["nospec_tps"], 3),
         "twin_ratio_range": [min(r["twin_ratio"] for r in per_batch), max(r["twin_ratio"] for r in per_batch)],
         "longtail_speedup_vs_nospec": longtail,
-        "adaptive_schedule": adaptive.schedule(max(batches)),
-        "acceptance": adaptive.acceptance.summary()["expected_tokens"],
+        "adaptive_schedule": [(a, b, k.label) for a, b, k in adaptive.schedule(max(batches))],
+        "adaptive_chain_only_schedule": [(a, b, k.label) for a, b, k in chain_only.schedule(max(batches))],
+        "adaptive_schedule_export": schedule_exports(adaptive.schedule(max(batches))),  # {vllm, sglang}
+        "acceptance": {k.label: round(adaptive.acceptance.expected_tokens(k), 4) for k in ks},
         "cost_model": cost.to_dict(),
         "seconds": round(time.perf_counter() - t_start, 1), "graphs": graphs, "lockstep": not graphs,
     }
     if device == "cuda":
         result["graph_pool"] = _graph_pool_section(target, cost, device)
+    _report(result, policies, out)
+    return result
+
+
+def _policies(cost, acceptance, ks: list, chains: list, epsilon: float) -> dict:
+    """Every policy the bench runs: each fixed strategy, adaptive over them all, adaptive over the chains alone (on
+    its own copies of the estimates: both learn online from their steps), BEG, threshold and the twin."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    from tailspec.rollout.selector import AdaptiveSelector, beg_selector, fixed_selector, threshold_selector
+
+    adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=epsilon, seed=0)
+    chain_only = AdaptiveSelector(copy.deepcopy(cost), copy.deepcopy(acceptance), ks=chains, epsilon=epsilon, seed=0)
+    policies = {policy_name(k): fixed_selector(k) for k in ks}
+    chain_max = max(k.depth for k in chains)
+    policies |= {"adaptive": adaptive, "adaptive_chain_only": chain_only, "beg": beg_selector(max(chain_max, 1)),
+                 "threshold": threshold_selector(min(4, chain_max))}
+    # a second engine running the smallest speculative k: two identical engines differ only by the machine's noise,
+    # which is how finely the ratios of this run can be read
+    policies["twin"] = fixed_selector(min([k for k in chains if k > 0] or [Strategy.none()]))
+    return policies
+
+
+def _report(result: dict, policies: dict, out) -> None:
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    from tailspec.commands.bench import machine
+
     print(f"adaptive ÷ per-batch oracle, lowest over batch sizes: {result['adaptive_vs_oracle_min_ratio']:.3f} "
           f"(oracle's k held out; in sample {result['adaptive_vs_oracle_in_sample_min_ratio']:.3f}); adaptive ÷ no SD, "
           f"lowest: {result['adaptive_vs_nospec_min_ratio']:.3f}", file=out)
     lo, hi = result["twin_ratio_range"]
-    print(f"two identical engines (fixed k{policies['twin'](1)}) measured {lo:.3f}-{hi:.3f} of each other over the batch "
+    print(f"two identical engines (fixed {policies['twin'](1)}) measured {lo:.3f}-{hi:.3f} of each other over the batch "
           "sizes: the noise these ratios carry on this machine", file=out)
     print(f"adaptive schedule: {result['adaptive_schedule']}; total {result['seconds']}s on {machine()}", file=out)
-    return result
 
 
 def _planned_cost_table(make_engine, planned: dict | None, pool_prompts, batches: list[int], ks: list[int],
@@ -368,8 +345,13 @@ def _starts(make_engine, pool_prompts, max_seq: int, args, out) -> list[tuple[li
     return starts
 
 
-def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list[int], args, out,
-               lockstep: bool) -> dict:
+def policy_name(k) -> str:
+    """A fixed strategy's policy name: its label (none, chain<k>, a tree's label)."""
+    return Strategy.of(k).label
+
+
+def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list, args, out,
+               lockstep: bool, accept: dict | None = None) -> dict:
     """Every policy at batch b in each repeat (`_repeat_tps`); medians over repeats, the oracle's k among them (in
     sample, and held out: `held_out_oracle`)."""
     n_req = max(4 * b, b + 8)
@@ -382,46 +364,53 @@ def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list[i
         prompts = [p for p, _ in chosen]
         params = [SamplingParams(max_tokens=max(1, left), temperature=args.temperature, seed=1000 * rep + i)
                   for i, (_, left) in enumerate(chosen)]
-        tps = _repeat_tps(make_engine, policies, b, prompts, params, args.warmup, steps, adaptive_mix, lockstep)
+        tps = repeat_tps(make_engine, policies, b, prompts, params, args.warmup, steps, adaptive_mix, lockstep,
+                          accept=accept)
         for name in policies:
             runs[name].append(tps[name])
     med = {name: statistics.median(v) for name, v in runs.items()}
-    oracle_k = max(ks, key=lambda k: med[f"k{k}"])
-    held_ks, held_tps = held_out_oracle(runs, ks)
+    names = [policy_name(k) for k in ks]
+    oracle = max(names, key=lambda n: med[n])
+    held_ks, held_tps = held_out_oracle(runs, names)
+    chain_oracle = max((policy_name(k) for k in ks if not k.is_tree), key=lambda n: med[n])
     row = {
-        "batch": b, "oracle_k": oracle_k, "oracle_tps": round(med[f"k{oracle_k}"], 1),
+        "batch": b, "oracle_k": oracle, "oracle_tps": round(med[oracle], 1), "oracle_chain": chain_oracle,
         "oracle_held_out_ks": held_ks, "oracle_held_out_tps": round(statistics.median(held_tps), 1),
         "adaptive_vs_oracle": round(statistics.median(a / o for a, o in zip(runs["adaptive"], held_tps)), 4),
         # the same fixed k on a second engine, paired per repeat like adaptive ÷ oracle: the ratios' noise
-        "twin_ratio": round(statistics.median(t / f for t, f in zip(runs["twin"], runs[f"k{policies['twin'](b)}"])), 4),
+        "twin_ratio": round(statistics.median(t / f for t, f in zip(runs["twin"], runs[policy_name(policies['twin'](b))])),
+                            4),
+        "adaptive_vs_chain_only": round(statistics.median(a / c for a, c in zip(runs["adaptive"],
+                                                                                 runs["adaptive_chain_only"])), 4),
         "repeats_tps": {name: [round(x, 1) for x in v] for name, v in runs.items()},
         "adaptive_tps": round(med["adaptive"], 1), "beg_tps": round(med["beg"], 1),
-        "threshold_tps": round(med["threshold"], 1), "nospec_tps": round(med["k0"], 1),
-        "fixed_tps": {str(k): round(med[f"k{k}"], 1) for k in ks},
-        "adaptive_k": adaptive.best(b),
+        "threshold_tps": round(med["threshold"], 1), "nospec_tps": round(med["none"], 1),
+        "adaptive_chain_only_tps": round(med["adaptive_chain_only"], 1),
+        "fixed_tps": {k.label: round(med[policy_name(k)], 1) for k in ks},
+        "adaptive_k": adaptive.best(b).label,
         # what the selector expects of each candidate now, to hold against the measured fixed_tps
-        "adaptive_predicted_tps": {str(k): round(v, 1) for k, v in adaptive.scores(b).items()},
-        "adaptive_k_mix": {str(k): n for k, n in sorted(adaptive_mix.items())},  # k of its timed steps
+        "adaptive_predicted_tps": {k.label: round(v, 1) for k, v in adaptive.scores(b).items()},
+        "adaptive_k_mix": dict(sorted(adaptive_mix.items())),  # the strategy of its timed steps
     }
     print(f"batch {b:>3}: " + "  ".join(f"{n}={v:.0f}" for n, v in med.items())
-          + f"  (tok/s; oracle k={oracle_k}, held out {held_ks}; adaptive ÷ oracle {row['adaptive_vs_oracle']:.3f} "
-          f"held out, {med['adaptive'] / med[f'k{oracle_k}']:.3f} in sample; adaptive ran k {row['adaptive_k_mix']}, "
-          f"now picks k={row['adaptive_k']})", file=out)
+          + f"  (tok/s; oracle {oracle}, held out {held_ks}; adaptive ÷ oracle {row['adaptive_vs_oracle']:.3f} "
+          f"held out, {med['adaptive'] / med[oracle]:.3f} in sample, ÷ chain-only {row['adaptive_vs_chain_only']:.3f}; "
+          f"adaptive ran {row['adaptive_k_mix']}, now picks {row['adaptive_k']})", file=out)
     return row
 
 
-def held_out_oracle(runs: dict[str, list[float]], ks: list[int]) -> tuple[list[int], list[float]]:
-    """Per repeat r: the fixed k whose median tok/s over the other repeats is the best, and that k's tok/s in repeat
-    r (leave-one-out). Picking the best k on the repeats it is scored on picks the luckiest of the near-tied ks and
-    reports its luck; picked on other repeats, the score is what knowing the best fixed k in advance delivers. One
-    repeat leaves nothing to pick on: then the in-sample best."""
-    n = len(runs["k0"])
+def held_out_oracle(runs: dict[str, list[float]], names: list[str]) -> tuple[list[str], list[float]]:
+    """Per repeat r: the fixed strategy (by policy name) whose median tok/s over the other repeats is the best, and
+    its tok/s in repeat r (leave-one-out). Picking the best on the repeats it is scored on picks the luckiest of the
+    near-tied strategies and reports its luck; picked on other repeats, the score is what knowing the best fixed
+    strategy in advance delivers. One repeat leaves nothing to pick on: then the in-sample best."""
+    n = len(runs[names[0]])
     if n < 2:
-        k = max(ks, key=lambda k: runs[f"k{k}"][0])
-        return [k], [runs[f"k{k}"][0]]
-    picks = [max(ks, key=lambda k: statistics.median(v for i, v in enumerate(runs[f"k{k}"]) if i != r))
+        k = max(names, key=lambda k: runs[k][0])
+        return [k], [runs[k][0]]
+    picks = [max(names, key=lambda k: statistics.median(v for i, v in enumerate(runs[k]) if i != r))
              for r in range(n)]
-    return picks, [runs[f"k{k}"][r] for r, k in enumerate(picks)]
+    return picks, [runs[k][r] for r, k in enumerate(picks)]
 
 
 def _longtail(make_engine, policies: dict, tok, max_seq: int, cfg, args, out) -> dict[str, float]:
@@ -429,9 +418,9 @@ def _longtail(make_engine, policies: dict, tok, max_seq: int, cfg, args, out) ->
     lt_prompts = _prompts(tok, args.longtail_n, 12345, cfg.task)
     lt_params = [SamplingParams(max_tokens=min(args.max_tokens, max_seq - len(p)), temperature=args.longtail_temperature,
                                 seed=i) for i, p in enumerate(lt_prompts)]
-    names = ["nospec", "adaptive", "beg", "threshold"]
-    pols = {"nospec": policies["k0"], "adaptive": policies["adaptive"], "beg": policies["beg"],
-            "threshold": policies["threshold"]}
+    names = ["nospec", "adaptive", "adaptive_chain_only", "beg", "threshold"]
+    pols = {"nospec": policies["none"], "adaptive": policies["adaptive"], "adaptive_chain_only": policies["adaptive_chain_only"],
+            "beg": policies["beg"], "threshold": policies["threshold"]}
     times: dict[str, list[float]] = {n: [] for n in names}
     tokens: dict[str, int] = {}
     for _ in range(args.repeats):
@@ -440,7 +429,8 @@ def _longtail(make_engine, policies: dict, tok, max_seq: int, cfg, args, out) ->
             times[n].append(s)
             tokens[n] = ntok
     med_t = {n: statistics.median(v) for n, v in times.items()}
-    longtail = {n: round(med_t["nospec"] / med_t[n], 3) for n in ("adaptive", "beg", "threshold")}
-    print(f"long-tail rollout of {args.longtail_n} requests ({tokens['nospec']} tokens, T={args.longtail_temperature}): "
+    longtail = {n: round(med_t["nospec"] / med_t[n], 3) for n in names[1:]}
+    print(f"long-tail rollout of {args.longtail_n} requests ({tokens['nospec']} tokens, T={args.longtail_temperature}, "
+          f"{cfg.rollout.verify_rule} rule): "
           + "  ".join(f"{n}={med_t[n]:.2f}s" for n in names) + f"  speedup vs nospec {longtail}", file=out)
     return longtail

@@ -223,6 +223,8 @@ class RolloutConfig(_Section):
         "whatever the drafter and k: speculation changes an RL run's speed and nothing else) or residual (accept "
         "with min(1, p/q), else draw from the residual: the highest acceptance, tokens depend on the drafter). "
         "vLLM rollouts sample with vLLM's own rule")
+    trees: bool = Field(True, description="the adaptive selector's space holds token trees beside the chains "
+                        "(rollout.cost_model.DEFAULT_TREES, with a drafter that drafts trees: EAGLE-3); false: chains only")
     cuda_graphs: bool = Field(True, description="capture the verify forward's CUDA graphs (on CUDA only)")
     graph_memory_budget_mb: int = Field(2048, ge=0, le=1 << 24, description="memory the CUDA graph pool may take")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the policy's dtype in the engine")

@@ -65,6 +65,12 @@ def work_output(rid: int, out) -> WorkOutput:
                       drafted=out.stats.drafted, accepted=out.stats.accepted)
 
 
+def strategy_key(s) -> str:
+    """How a strategy is named in a step's figures (strategy mix, accepted by strategy): a chain by its k, as
+    always ("0" plain decoding), a tree by its label."""
+    return s.label if s.is_tree else str(s.depth)
+
+
 def plan_ks(rc) -> list[int] | None:
     """The draft lengths the configured selector can pick (what a graph pool should capture); None = the
     adaptive selector's candidates from the cost model (beg may pick any k up to k_max: the same)."""
@@ -188,14 +194,21 @@ class Worker:
         self.cost_graphed = False
         if not force and self.cost is None and item.cost_model is not None:  # a replacement: its predecessor's table
             given = cost_model.CostModel.from_dict(item.cost_model)
-            if engine.max_batch <= max(given.buckets) and set(given.ks) == set(cost_model.default_ks(engine.k_max)):
+            if engine.max_batch <= max(given.buckets) and set(given.ks) == set(self._strategies(engine, rc)):
                 self.cost, self.cost_key = given, key
                 return
         prompts = [r.prompt_ids for r in item.requests[:8]]
         self.cost = cost_model.measure(engine, prompts, buckets=cost_model.default_buckets(engine.max_batch),
-                                       ks=cost_model.default_ks(engine.k_max), steps=3,
+                                       ks=self._strategies(engine, rc), steps=3,
                                        temperature=item.temperature, on_step=on_step)
         self.cost_key = key
+
+    @staticmethod
+    def _strategies(engine, rc) -> list:
+        """The strategy space of this engine: the default chains up to k_max and, with `rollout.trees` and a drafter
+        that drafts trees, the default trees."""
+        return cost_model.default_strategies(engine.k_max, trees=rc.trees and engine.max_tree_nodes > 0,
+                                             max_nodes=engine.max_tree_nodes)
 
     def _engine(self, item: WorkItem, rc):
         drafter = self._drafter(item, rc)
@@ -272,10 +285,10 @@ class Worker:
                                     step=item.step, tokens_done=sum(len(o.token_ids) for o in outputs),
                                     mem_released=True)
         self._ship_targets(item, outputs, states)
-        mix = Counter(str(r.k) for r in records)
+        mix = Counter(strategy_key(r.strategy) for r in records)
         by_k: dict[str, list[int]] = {}
         for r in records:
-            cell = by_k.setdefault(str(r.k), [0, 0])
+            cell = by_k.setdefault(strategy_key(r.strategy), [0, 0])
             cell[0] += r.rows
             cell[1] += r.accepted
         return WorkResult(worker=self.name, step=item.step, outputs=outputs, started_at=started,

@@ -76,6 +76,8 @@ def measured_acceptance(rows: list[dict], k_max: int) -> FixedAcceptance | None:
     acc: dict[int, list[int]] = {}
     for r in rows:
         for k, (n, a) in r.get("accepted_by_k", {}).items():
+            if not k.isdigit():
+                continue  # a tree strategy (its label): the projection's selector picks among chains
             cell = acc.setdefault(int(k), [0, 0])
             cell[0] += n
             cell[1] += a

@@ -31,11 +31,11 @@ def k_by_batch(cost: CostModel, acceptance: FixedAcceptance | None, max_batch: i
     held = _SELECTORS.get(key)
     if held is None or held[0].cost is not cost:
         rates = FixedAcceptance(list(acceptance.tokens))
-        ks = [k for k in cost.ks if k <= acceptance.k_max]
+        ks = [k for k in cost.ks if not k.is_tree and k.depth <= acceptance.k_max]  # the projection's chains
         held = _SELECTORS[key] = (AdaptiveSelector(cost, rates, ks=ks, epsilon=0.0, learn_cost=False), rates)  # type: ignore[arg-type]
     sel, rates = held
     rates.tokens = list(acceptance.tokens)
-    return [0] + [sel.best(b) for b in range(1, max_batch + 1)]
+    return [0] + [int(sel.best(b)) for b in range(1, max_batch + 1)]
 
 
 def ks_by_batch(cost: CostModel, acceptance: FixedAcceptance | None, max_batch: int,
