@@ -238,8 +238,8 @@ def static_tree(branching: Sequence[int], nodes: int) -> list[tuple[int, int]]:
     """(parent, rank) of nodes 1..nodes of a static tree, node 0 being the root: the `nodes` most probable
     nodes of the full tree (branching[d] children per node at level d + 1) under the fixed rank prior (a node's
     probability is its path's product of PRIOR_ACCEPT * PRIOR_RANK_DECAY**rank), ties to the shallower node and
-    then to lower ranks. A node is never likelier than its parent, so every kept node's parent is kept, and the
-    first `nodes` of a larger budget are the smaller budget's tree. Ordered by depth, then by the rank path, so
+    then to lower ranks. A node is never likelier than its parent, so every kept node's parent is kept, and a
+    smaller budget's nodes are among a larger budget's. Ordered by depth, then by the rank path, so
     parents precede children."""
     edge = [-math.log(PRIOR_ACCEPT * PRIOR_RANK_DECAY**r) for r in range(max(branching, default=0))]
     chosen: list[tuple[int, tuple[int, ...]]] = []  # (depth, rank path)
