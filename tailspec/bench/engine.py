@@ -1,9 +1,10 @@
 """Rollout engine throughput: HF generate vs the native engine, with and without speculative decoding.
 
-On the task's prompts with the `tiny` policy (by default): tokens/s of HF `generate` (static batches,
+On the task's prompts with the main job's setting by default (the `deep` policy and the demo's bootstrap EAGLE-3
+drafter for it, trained and cached on first use): tokens/s of HF `generate` (static batches,
 left-padded), HF assisted generation (batch 1 only: HF refuses more), the engine without SD, and the
 engine with SD for each k and each available drafter (n-gram; draft model = the `micro` policy trained
-on the same task; EAGLE-3 when --eagle3 points at a drafter checkpoint). Acceptance length = tokens
+on the same task; EAGLE-3: the demo's bootstrap drafter, or --eagle3 DIR). Acceptance length = tokens
 emitted per target forward. Every configuration is measured in this process, interleaved per repeat
 (noisy shared machines drift), and reported as the median of the repeats. Engine rows also carry the wall
 time per decode step, set beside the device's memory floor for one step (`memory_floor`: weight bytes over
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tailspec.cli import config_from_args
 from tailspec.rollout.sequence import SamplingParams
 from tailspec.tasks.runsum import sample_problems
 
@@ -32,10 +34,26 @@ if TYPE_CHECKING:
     import torch
 
 
+def _bootstrap_eagle3(args) -> str:
+    """The demo's first drafter for --policy (its trainer settings and budget; cached), as `bench adaptive` uses."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    from tailspec.demo.bootstrap import bootstrap_drafter
+    from tailspec.demo.options import DemoOptions, apply_demo_trainer
+    from tailspec.tasks.policy import resolve_policy
+
+    cfg = config_from_args(args)
+    demo_cfg = cfg.model_copy(deep=True)
+    apply_demo_trainer(demo_cfg.trainer, DemoOptions.validation_samples)
+    return str(bootstrap_drafter(resolve_policy(args.policy, cfg.task, cache_dir=cfg.cache_dir), demo_cfg))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", default="tiny", help="target policy preset or a policy directory")
+    p.add_argument("--policy", default="deep", help="target policy preset or a policy directory (default deep, the "
+                   "main job's)")
     p.add_argument("--draft-policy", default="micro", help="draft-model preset or directory ('' = none)")
-    p.add_argument("--eagle3", default="", help="EAGLE-3 drafter checkpoint directory (optional)")
+    p.add_argument("--eagle3", default=None,
+                   help="EAGLE-3 drafter checkpoint directory (default: the demo's bootstrap drafter for --policy, when "
+                        "eagle3 is among --drafters; '' for none: the drafter cost then times a fresh head)")
     p.add_argument("--batches", default="1,4,16,64")
     p.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     p.add_argument("--drafters", default="ngram,draft_model,eagle3")
@@ -359,6 +377,8 @@ def run(args: argparse.Namespace) -> dict:
     model, tok = _load(args.policy, dtype, args.device)
     draft_model = _load(args.draft_policy, dtype, args.device)[0] if args.draft_policy else None
     eagle = None
+    if args.eagle3 is None and "eagle3" in args.drafters.split(","):
+        args.eagle3 = _bootstrap_eagle3(args)
     if args.eagle3:
         # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
         from tailspec.drafter_trainer.model import Eagle3Module
