@@ -333,7 +333,8 @@ class Eagle3Proposer(Proposer):
         hidden = self.next_hidden[:n]
         drafts, qs = [d], [q]
         for j in range(1, k):
-            hidden = self._step_forward(hidden[:, None], d[:, None], (L + j - 2)[:, None], max_pos=batch.max_length + j - 2)[:, 0]
+            hidden = self._step_forward(hidden[:, None], d[:, None], (L + j - 2)[:, None],
+                                        max_pos=batch.max_length + j - 2)[:, 0]
             d, q = _draw(self._to_target(self.head(hidden)), batch, j)
             drafts.append(d)
             qs.append(q)
@@ -390,9 +391,9 @@ class Eagle3Proposer(Proposer):
                 logits = self.next_logits[:n, None]
             else:
                 w = level.expand.shape[0]
-                out = self._step_forward(hidden_of[:, level.expand_parent], tokens[:, level.expand], (L[:, None] + d - 2).expand(n, w),
-                                slots=(L[:, None] - 2) + level.expand[None], tree_start=L - 2, anc=anc[:, level.expand],
-                                max_pos=batch.max_length - 2 + m)
+                out = self._step_forward(hidden_of[:, level.expand_parent], tokens[:, level.expand],
+                                         (L[:, None] + d - 2).expand(n, w), slots=(L[:, None] - 2) + level.expand[None],
+                                         tree_start=L - 2, anc=anc[:, level.expand], max_pos=batch.max_length - 2 + m)
                 hidden_of[:, level.expand] = out
                 logits = self.head(out)
             top, _ = self._children(logits, batch, d, strategy.branching[d])
@@ -426,9 +427,9 @@ class Eagle3Proposer(Proposer):
             # expand the K likeliest nodes of the last level
             pick = score.gather(1, frontier).topk(K, dim=-1).indices
             nodes = frontier.gather(1, pick)  # [n, K]
-            out = self._step_forward(hidden_of[rows, parent[rows, nodes]], tokens[rows, nodes], (L[:, None] + d - 2).expand(n, K),
-                            slots=(L[:, None] - 2) + nodes, tree_start=L - 2, anc=anc_all[rows, nodes],
-                            max_pos=batch.max_length - 2 + m)
+            out = self._step_forward(hidden_of[rows, parent[rows, nodes]], tokens[rows, nodes],
+                                     (L[:, None] + d - 2).expand(n, K), slots=(L[:, None] - 2) + nodes,
+                                     tree_start=L - 2, anc=anc_all[rows, nodes], max_pos=batch.max_length - 2 + m)
             hidden_of[rows, nodes] = out
             top, lq = self._children(self.head(out), batch, d, K)  # [n, K, K]
             first = 1 + K + (d - 1) * K * K
@@ -441,7 +442,7 @@ class Eagle3Proposer(Proposer):
             anc_all[:, new] = anc_all[rows, parent[:, new]]
             anc_all[:, new, new] = True
             frontier = new[None].expand(n, -1)
-        return select_dynamic(tokens, parent, depth[None].expand(n, m), rank, score, strategy.nodes, K)
+        return select_dynamic(tokens, parent, depth[None].expand(n, m), rank, score, anc_all, strategy.nodes, K)
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor, upto: int | None = None) -> None:
         self.kv_cache[dst, :, :upto] = self.kv_cache[src, :, :upto]  # upto None: every position

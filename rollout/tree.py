@@ -104,20 +104,6 @@ def static_topology(strategy: Strategy, device: torch.device) -> Topology:
     return topo
 
 
-def ancestors(parent: torch.Tensor) -> torch.Tensor:
-    """anc [n, M, M] from parent [n, M] (node 0 the root, parents before children): by pointer doubling, so
-    log2(depth) + 1 gathers of [n, M, M] instead of one pass per node."""
-    n, m = parent.shape
-    eye = torch.eye(m, dtype=torch.bool, device=parent.device)[None].expand(n, m, m)
-    anc = eye | torch.nn.functional.one_hot(parent, m).bool()
-    hop = parent
-    for _ in range(max(1, (m - 1).bit_length())):
-        # anc[i] |= anc[hop[i]]: what hop's ancestors are, i's are too; then hop jumps twice as far
-        anc = anc | anc.gather(1, hop[:, :, None].expand(n, m, m))
-        hop = hop.gather(1, hop)
-    return anc
-
-
 def children_table(parent: torch.Tensor, rank: torch.Tensor, width: int) -> torch.Tensor:
     """[n, M, width] long: node i's child of rank r, -1 where none (node 0 is nobody's child)."""
     n, m = parent.shape
@@ -129,10 +115,12 @@ def children_table(parent: torch.Tensor, rank: torch.Tensor, width: int) -> torc
 
 
 def select_dynamic(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor,
-                   score: torch.Tensor, nodes: int, width: int) -> TreeDraft:
+                   score: torch.Tensor, anc: torch.Tensor, nodes: int, width: int) -> TreeDraft:
     """The verified tree of a dynamic strategy: from every drafted node ([n, M] tables in depth order, node 0 the
-    root), the `nodes` with the highest cumulative draft log-probability `score` (ties to the earlier node, so a
-    parent, never less likely than its child, is kept before it), in their drafted order. Returns its tables."""
+    root; `anc` [n, M, M] their ancestor table), the `nodes` with the highest cumulative draft log-probability
+    `score` (ties to the earlier node, so a parent, never less likely than its child, is kept before it), in their
+    drafted order. Every kept node's ancestors are kept, so the kept tree's ancestor table is the drafted one's
+    rows and columns at the kept nodes. Returns its tables."""
     n, m = tokens.shape
     order = torch.sort(score[:, 1:], dim=1, descending=True, stable=True).indices[:, :nodes] + 1
     keep = torch.sort(order, dim=1).values  # depth order: parents before children
@@ -141,8 +129,10 @@ def select_dynamic(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tens
     new_index.scatter_(1, keep, torch.arange(nodes + 1, device=tokens.device)[None].expand(n, -1))
     vparent = new_index.gather(1, parent.gather(1, keep))
     vrank = rank.gather(1, keep)
+    kept_rows = anc.gather(1, keep[:, :, None].expand(n, nodes + 1, m))  # [n, nodes + 1, M]
+    kept_anc = kept_rows.gather(2, keep[:, None, :].expand(n, nodes + 1, nodes + 1))
     return TreeDraft(tokens=tokens.gather(1, keep), parent=vparent, depth=depth.gather(1, keep), rank=vrank,
-                     anc=ancestors(vparent), children=children_table(vparent, vrank, width))
+                     anc=kept_anc, children=children_table(vparent, vrank, width))
 
 
 def check_tree(strategy: Strategy, drafter, k_max: int, max_tree_nodes: int) -> None:

@@ -86,14 +86,15 @@ def engine_samples(target, drafter, k: int, setting: dict, verify_rule: str = "r
 
 
 def check(toks: np.ndarray, joint: np.ndarray) -> tuple[bool, float, float, float]:
-    """(passes, chi-square p-value, total variation, TV bound).
+    """(passes, chi-square p-value, total variation, TV bound) of N = len(toks) samples [N, 3] against `joint`.
 
     TV bound: E[TV] <= 1/2 sum_i sqrt(p_i (1 - p_i) / N) (Jensen per cell), and TV moves by at most 1/N when
     one sample changes, so McDiarmid gives P(TV > E[TV] + t) <= exp(-2 N t^2); t = sqrt(ln(1/ALPHA) / 2N).
     """
+    n = len(toks)
     p = joint.ravel()
     counts = np.bincount(toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], minlength=V**3).astype(float)
-    expected = p * N
+    expected = p * n
     big = expected >= 5
     obs = np.append(counts[big], counts[~big].sum())
     exp = np.append(expected[big], expected[~big].sum())
@@ -102,8 +103,8 @@ def check(toks: np.ndarray, joint: np.ndarray) -> tuple[bool, float, float, floa
         if counts[~big].sum() > 0:  # an outcome the target never produces
             return False, 0.0, 1.0, 0.0
     pval = float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
-    tv = 0.5 * float(np.abs(counts / N - p).sum())
-    bound = 0.5 * float(np.sqrt(p * (1 - p) / N).sum()) + math.sqrt(math.log(1 / ALPHA) / (2 * N))
+    tv = 0.5 * float(np.abs(counts / n - p).sum())
+    bound = 0.5 * float(np.sqrt(p * (1 - p) / n).sum()) + math.sqrt(math.log(1 / ALPHA) / (2 * n))
     return (pval > ALPHA and tv < bound), pval, tv, bound
 
 

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import distilled_eagle3, hf_greedy, random_eagle3
-from scipy.stats import chisquare
 from tailspec.rollout import sampling
 from tailspec.rollout.drafters import DraftModelProposer, Eagle3Proposer
 from tailspec.rollout.engine import Engine
@@ -39,7 +38,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-V = 8
+from tests.test_engine_sampling import check, enumerate_joint
+
+V = 8  # V and PROMPT are tests/test_engine_sampling.py's: its `check` and `enumerate_joint` judge these samples
 PROMPT = [1, 3]
 N = 12_000
 ALPHA = 1e-3
@@ -52,7 +53,7 @@ TREE3 = Strategy.tree((4, 2, 1), 7)
 DYN = Strategy.dynamic(3, 3, 6)
 
 
-# -- the exact law (as tests/test_engine_sampling.py) ----------------------------------------------------------------
+# -- the exact law (tests/test_engine_sampling.py's) ----------------------------------------------------------------
 def small_llama(seed: int, vocab: int = V, layers: int = 2, hidden: int = 32, init: float = 0.1,
                 eos: int | None = None) -> LlamaForCausalLM:
     torch.manual_seed(seed)
@@ -71,44 +72,6 @@ def warpers(temperature: float, top_p: float = 1.0, top_k: int = 0) -> LogitsPro
     if top_p < 1:
         w.append(TopPLogitsWarper(top_p))
     return w
-
-
-def enumerate_joint(model, temperature: float, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
-    """Exact P(x1, x2, x3 | PROMPT) [V, V, V] from one HF forward over all V^2 two-token continuations."""
-    warp = warpers(temperature, top_p, top_k)
-    pre = torch.cartesian_prod(torch.arange(V), torch.arange(V))
-    ids = torch.cat([torch.tensor(PROMPT).expand(V * V, -1), pre], 1)
-    with torch.no_grad():
-        logits = model(ids).logits.double()
-    n = len(PROMPT)
-
-    def proc(x):
-        return warp(ids, x).softmax(-1)
-
-    p1 = proc(logits[:1, n - 1])[0]
-    p2 = proc(logits[::V, n])  # rows with x2 = 0: [x1, V]
-    p3 = proc(logits[:, n + 1]).view(V, V, V)
-    return (p1[:, None, None] * p2[:, :, None] * p3).numpy()
-
-
-def check(toks: np.ndarray, joint: np.ndarray) -> tuple[bool, float, float, float]:
-    """(passes, chi-square p-value, total variation, TV bound) of samples [n, 3] against the joint law: as
-    tests/test_engine_sampling.py (cells with expected count < 5 pooled; McDiarmid bound on the TV)."""
-    n = len(toks)
-    p = joint.ravel()
-    counts = np.bincount(toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], minlength=V**3).astype(float)
-    expected = p * n
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-        if counts[~big].sum() > 0:  # an outcome the target never produces
-            return False, 0.0, 1.0, 0.0
-    pval = float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
-    tv = 0.5 * float(np.abs(counts / n - p).sum())
-    bound = 0.5 * float(np.sqrt(p * (1 - p) / n).sum()) + math.sqrt(math.log(1 / ALPHA) / (2 * n))
-    return (pval > ALPHA and tv < bound), pval, tv, bound
 
 
 def rank_counts(eng: Engine, depth: int) -> tuple[np.ndarray, np.ndarray]:

@@ -251,8 +251,8 @@ def run(args: argparse.Namespace) -> dict:
         "verify_rule": cfg.rollout.verify_rule,
         "repeats": args.repeats, "steps": args.steps, "rows": args.rows, "ks": [int(k) for k in chains],
         "strategies": [k.label for k in ks], "start": args.start,
-        "acceptance_length_at_batch1": {k.label: round(accept1[policy_name(k)][0] / accept1[policy_name(k)][1], 3)
-                                        for k in ks if accept1.get(policy_name(k), (0, 0))[1]},
+        "acceptance_length_at_batch1": {k.label: round(accept1[k.label][0] / accept1[k.label][1], 3)
+                                        for k in ks if accept1.get(k.label, (0, 0))[1]},
         "per_batch": per_batch,
         "adaptive_vs_oracle_min_ratio": round(min(r["adaptive_vs_oracle"] for r in per_batch), 3),
         "adaptive_vs_oracle_in_sample_min_ratio": round(min(r["adaptive_tps"] / r["oracle_tps"] for r in per_batch), 3),
@@ -281,7 +281,7 @@ def _policies(cost, acceptance, ks: list, chains: list, epsilon: float) -> dict:
 
     adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=epsilon, seed=0)
     chain_only = AdaptiveSelector(copy.deepcopy(cost), copy.deepcopy(acceptance), ks=chains, epsilon=epsilon, seed=0)
-    policies = {policy_name(k): fixed_selector(k) for k in ks}
+    policies = {k.label: fixed_selector(k) for k in ks}
     chain_max = max(k.depth for k in chains)
     policies |= {"adaptive": adaptive, "adaptive_chain_only": chain_only, "beg": beg_selector(max(chain_max, 1)),
                  "threshold": threshold_selector(min(4, chain_max))}
@@ -345,11 +345,6 @@ def _starts(make_engine, pool_prompts, max_seq: int, args, out) -> list[tuple[li
     return starts
 
 
-def policy_name(k) -> str:
-    """A fixed strategy's policy name: its label (none, chain<k>, a tree's label)."""
-    return Strategy.of(k).label
-
-
 def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list, args, out,
                lockstep: bool, accept: dict | None = None) -> dict:
     """Every policy at batch b in each repeat (`_repeat_tps`); medians over repeats, the oracle's k among them (in
@@ -369,16 +364,16 @@ def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list, 
         for name in policies:
             runs[name].append(tps[name])
     med = {name: statistics.median(v) for name, v in runs.items()}
-    names = [policy_name(k) for k in ks]
+    names = [k.label for k in ks]
     oracle = max(names, key=lambda n: med[n])
     held_ks, held_tps = held_out_oracle(runs, names)
-    chain_oracle = max((policy_name(k) for k in ks if not k.is_tree), key=lambda n: med[n])
+    chain_oracle = max((k.label for k in ks if not k.is_tree), key=lambda n: med[n])
     row = {
         "batch": b, "oracle_k": oracle, "oracle_tps": round(med[oracle], 1), "oracle_chain": chain_oracle,
         "oracle_held_out_ks": held_ks, "oracle_held_out_tps": round(statistics.median(held_tps), 1),
         "adaptive_vs_oracle": round(statistics.median(a / o for a, o in zip(runs["adaptive"], held_tps)), 4),
         # the same fixed k on a second engine, paired per repeat like adaptive ÷ oracle: the ratios' noise
-        "twin_ratio": round(statistics.median(t / f for t, f in zip(runs["twin"], runs[policy_name(policies['twin'](b))])),
+        "twin_ratio": round(statistics.median(t / f for t, f in zip(runs["twin"], runs[policies['twin'](b).label])),
                             4),
         "adaptive_vs_chain_only": round(statistics.median(a / c for a, c in zip(runs["adaptive"],
                                                                                  runs["adaptive_chain_only"])), 4),
@@ -386,7 +381,7 @@ def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list, 
         "adaptive_tps": round(med["adaptive"], 1), "beg_tps": round(med["beg"], 1),
         "threshold_tps": round(med["threshold"], 1), "nospec_tps": round(med["none"], 1),
         "adaptive_chain_only_tps": round(med["adaptive_chain_only"], 1),
-        "fixed_tps": {k.label: round(med[policy_name(k)], 1) for k in ks},
+        "fixed_tps": {k.label: round(med[k.label], 1) for k in ks},
         "adaptive_k": adaptive.best(b).label,
         # what the selector expects of each candidate now, to hold against the measured fixed_tps
         "adaptive_predicted_tps": {k.label: round(v, 1) for k, v in adaptive.scores(b).items()},
