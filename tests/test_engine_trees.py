@@ -44,8 +44,8 @@ V = 8  # V and PROMPT are tests/test_engine_sampling.py's: its `check` and `enum
 PROMPT = [1, 3]
 N = 12_000
 ALPHA = 1e-3
-# intra-op threads of the N-row samplings (everything else runs on one: `one_thread`). One: on the 2 shared cores
-# the whole file took 96 s with one and 229 s with two (2.8x the CPU time, spent waiting at OpenMP barriers)
+# intra-op threads of the N-row samplings (everything else runs on one: `one_thread`). One: at these small shapes a
+# second thread on 2 shared cores spends its time waiting at OpenMP barriers, not working
 HEAVY_THREADS = 1
 
 TREE = Strategy.tree((3, 2), 4)
