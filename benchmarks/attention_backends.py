@@ -16,6 +16,7 @@ import sys
 import time
 
 import torch
+from tailspec.core.config import TailspecConfig
 from tailspec.rollout import model_runner as mr
 from tailspec.rollout.cost_model import CostModel
 from tailspec.rollout.engine import Engine
@@ -24,7 +25,6 @@ from tailspec.rollout.model_runner import ModelRunner
 from tailspec.rollout.sequence import SamplingParams
 from torch.nn.attention import SDPBackend
 
-from tailspec.core.config import TailspecConfig
 from tailspec.tasks.policy import load_policy, resolve_policy
 
 E, F_, M, C = SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION
@@ -90,7 +90,7 @@ def engine_figures(model, tok, dev: str) -> dict:
     prompts = [tok.encode(f"{i} + {i * 7 % 13} =") for i in range(16)]
     out = {}
     for batch in (1, 16):
-        eng = Engine(model, None, choose_k=0, max_batch=batch, max_seq_len=1024)
+        eng = Engine(model, None, selector=0, max_batch=batch, max_seq_len=1024)
         if dev == "cuda":
             bk = sorted({1, 2, 4, 8, 16} & set(range(1, batch + 1)))
             build_pool(eng, CostModel(bk, [0], {(b, 0): 0.001 * b for b in bk}), budget_bytes=1 << 33)

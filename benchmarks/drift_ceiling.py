@@ -22,13 +22,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+from tailspec.core.config import TailspecConfig
 from tailspec.drafter_trainer.model import Eagle3Module
 from tailspec.drafter_trainer.samples import fill_buffer
-from tailspec.drafter_trainer.session import TrainingSession
 from tailspec.drafter_trainer.teacher import Teacher
+from tailspec.drafter_trainer.training_session import TrainingSession
 from tailspec.drafter_trainer.validation import validate
 
-from tailspec.core.config import TailspecConfig
 from tailspec.demo.bootstrap import bootstrap_drafter, load_samples, make_buffer, rollout_samples
 from tailspec.demo.options import DemoOptions, apply_demo_trainer
 from tailspec.tasks.policy import load_policy, resolve_policy

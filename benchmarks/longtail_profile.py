@@ -22,10 +22,12 @@ import time
 from pathlib import Path
 
 import torch
-from tailspec.bench import adaptive as bench
-from tailspec.cli import build_parser, config_from_args
+from tailspec.benchmarks import adaptive as bench
 from tailspec.rollout.selector import fixed_selector
 from tailspec.rollout.sequence import SamplingParams
+
+from tailspec.cli import build_parser
+from tailspec.commands.args import config_from_args
 
 
 def _timed_run(make_engine, k: int, prompts, params, profile: Path | None) -> dict:

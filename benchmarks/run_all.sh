@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 names=("$@")
 if [ ${#names[@]} -eq 0 ]; then
-  mapfile -t names < <($BIN/python -c "from tailspec.bench import BENCHES; print('\n'.join(BENCHES))")
+  mapfile -t names < <($BIN/python -c "from tailspec.benchmarks import BENCHES; print('\n'.join(BENCHES))")
 fi
 mkdir -p runs/bench
 for n in "${names[@]}"; do

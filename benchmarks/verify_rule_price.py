@@ -25,13 +25,14 @@ from tailspec.rollout.drafters import Eagle3Proposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
 from tailspec.rollout.strategy import Strategy
+
 from tailspec.tasks.policy import load_policy
 from tailspec.tasks.runsum import sample_problems
 from tailspec.tasks.tokenizer import encode_prompt
 
 
 def tokens_per_verify(target, head, strategy: Strategy, rule: str, prompts, params, batch: int) -> float:
-    eng = Engine(target, Eagle3Proposer(head, target), choose_k=lambda n, last: strategy, max_batch=batch,
+    eng = Engine(target, Eagle3Proposer(head, target), selector=lambda n, last: strategy, max_batch=batch,
                  max_seq_len=1024, k_max=max(8, strategy.depth), verify_rule=rule)
     outs = eng.generate(prompts, params)
     return sum(len(o.token_ids) for o in outs) / sum(o.stats.target_forwards for o in outs)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
 from tailspec.core.state import (
     DrafterHealth,
     DrafterVersion,

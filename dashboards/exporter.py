@@ -23,7 +23,6 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector, CollectorRegistry
-
 from tailspec.core.state import GpuState
 
 from .snapshot import read_state

@@ -33,7 +33,6 @@ from urllib.parse import parse_qs, urlsplit
 
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
 from tailspec.core.config import ConfigError
 
 from .api import json_schema

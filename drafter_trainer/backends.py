@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from tailspec.core.config import TrainerConfig
 from tailspec.drafter_trainer.deepspeed_backend import DeepSpeedBackend
 from tailspec.drafter_trainer.model import Eagle3Module
-
-from tailspec.core.config import TrainerConfig
 
 
 class TorchBackend:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from tailspec.core.atomic import link_or_copy, write_dir_atomic, write_text_atomic
 from tailspec.drafter_trainer.files import (
     DrafterFileError,
     file_crc32,
@@ -29,8 +30,6 @@ from tailspec.drafter_trainer.files import (
     read_tensors,
 )
 from tailspec.drafter_trainer.model import CONFIG_NAME, WEIGHTS_NAME, Eagle3Module
-
-from tailspec.core.atomic import link_or_copy, write_dir_atomic, write_text_atomic
 
 LATEST = "LATEST"
 OPTIMIZER_NAME = "optimizer.safetensors"

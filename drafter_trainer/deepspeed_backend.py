@@ -22,7 +22,6 @@ import socket
 from typing import Callable
 
 import torch
-
 from tailspec.core.config import TrainerConfig
 
 

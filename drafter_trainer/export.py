@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from tailspec.core.atomic import write_dir_atomic
 from tailspec.drafter_trainer.files import (
     DrafterFileError,
     check_crc,
@@ -39,8 +40,6 @@ from tailspec.drafter_trainer.files import (
 )
 from tailspec.drafter_trainer.model import FORMAT_VERSION, Eagle3Config, Eagle3Module, check_vocab_maps
 from torch import nn
-
-from tailspec.core.atomic import write_dir_atomic
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A session lent a GPU beside a rollout engine must not find out by running out of memory: it computes its
 footprint from the policy directory's headers and the trainer config, compares it with the GPU's free memory
-and declines when it does not fit (tailspec/sessions.py). Nothing here touches a GPU or loads weights: the
+and declines when it does not fit (tailspec/session_entry.py). Nothing here touches a GPU or loads weights: the
 teacher's size comes from the safetensors headers, the drafter's from building it on the meta device.
 
 The estimate, in bytes:
@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
-
 from tailspec.core.config import TrainerConfig
+from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
 
 GIB = 1 << 30
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,

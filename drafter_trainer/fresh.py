@@ -4,11 +4,10 @@ buffer's most frequent tokens (a session's first head, or the lineage's seed).""
 from __future__ import annotations
 
 import torch
+from tailspec.core.config import TrainerConfig
 from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module, vocab_maps_from_counts
 from tailspec.drafter_trainer.samples import SampleBuffer
 from tailspec.drafter_trainer.teacher import Teacher
-
-from tailspec.core.config import TrainerConfig
 
 
 def token_counts(buffer: SampleBuffer, vocab_size: int) -> torch.Tensor:

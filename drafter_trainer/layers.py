@@ -5,10 +5,9 @@ Parameter names are the EAGLE-3 export format's (vLLM / SGLang `LlamaForCausalLM
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F

@@ -39,7 +39,7 @@ SGD). That delay, not the merge arithmetic (exact), is what two contributors los
 the same total steps. Two things depend on it, and neither on anything else:
 - outer_lr (trainer.merge_outer_lr) scales the delayed delta only; an undelayed merge publishes the local
   weights as they are;
-- the session (session.py) can run its next chunk with AdamW's β1 = trainer.merge_delayed_beta1 (default
+- the session (training_session.py) can run its next chunk with AdamW's β1 = trainer.merge_delayed_beta1 (default
   None: the rule off) after a delayed merge, and with trainer.beta1 after an undelayed one. Contributors taking turns already
   carry each other's recent updates into every step (asynchrony acts as momentum: a delta lands a chunk
   late, on top of the update that followed it), and each session's own moment sees only every n-th chunk
@@ -70,13 +70,12 @@ from typing import Any, Callable
 import torch
 from pydantic import ValidationError
 from safetensors import SafetensorError
-from tailspec.drafter_trainer.checkpoint import Checkpoint, load_checkpoint, write_checkpoint_dir
-from tailspec.drafter_trainer.files import DrafterFileError, read_json_object, read_tensors
-from tailspec.drafter_trainer.model import CONFIG_NAME, WEIGHTS_NAME, Eagle3Module
-
 from tailspec.core import state
 from tailspec.core.atomic import file_lock, write_text_atomic
 from tailspec.core.state import Event, LineageHead
+from tailspec.drafter_trainer.checkpoint import Checkpoint, load_checkpoint, write_checkpoint_dir
+from tailspec.drafter_trainer.files import DrafterFileError, read_json_object, read_tensors
+from tailspec.drafter_trainer.model import CONFIG_NAME, WEIGHTS_NAME, Eagle3Module
 
 log = logging.getLogger(__name__)
 

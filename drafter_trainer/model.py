@@ -47,11 +47,10 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from safetensors.torch import save_file
+from tailspec.core.atomic import write_dir_atomic
 from tailspec.drafter_trainer.files import DrafterFileError, file_crc32, read_json_object, read_tensors
 from tailspec.drafter_trainer.layers import DrafterCache, MidLayer, RMSNorm, Rotary, TTTState
 from torch import nn
-
-from tailspec.core.atomic import write_dir_atomic
 
 CONFIG_NAME = "tailspec_drafter.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -24,10 +24,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from tailspec.drafter_trainer.teacher import TeacherOutput
-
 from tailspec.core.atomic import write_dir_atomic
 from tailspec.core.state import Sample
+from tailspec.drafter_trainer.teacher import TeacherOutput
 
 log = logging.getLogger(__name__)
 

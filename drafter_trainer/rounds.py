@@ -47,6 +47,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from tailspec.core import state
+from tailspec.core.config import TrainerConfig
+from tailspec.core.state import LineageHead
 from tailspec.drafter_trainer import lineage as lineage_module
 from tailspec.drafter_trainer.checkpoint import write_checkpoint_dir
 from tailspec.drafter_trainer.lineage import (
@@ -58,10 +61,6 @@ from tailspec.drafter_trainer.lineage import (
     copy_trainable,
     snapshot,
 )
-
-from tailspec.core import state
-from tailspec.core.config import TrainerConfig
-from tailspec.core.state import LineageHead
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +165,7 @@ return {1, num + 1}
 
 
 class Rounds:
-    """One session's membership in the lineage's synchronous rounds (the module doc). The session (session.py)
+    """One session's membership in the lineage's synchronous rounds (the module doc). The session (training_session.py)
     calls `join` when it starts a run, `step` in place of its optimizer step, `leave` in its last merge."""
 
     def __init__(self, lineage: Any, session_id: str, cfg: TrainerConfig):

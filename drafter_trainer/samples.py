@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
-from tailspec.drafter_trainer.weights import Mode, reward_weights
-
 from tailspec.core import state
 from tailspec.core.state import Sample
+from tailspec.drafter_trainer.weights import Mode, reward_weights
 
 log = logging.getLogger(__name__)
 

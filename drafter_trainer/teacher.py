@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from tailspec.core.state import Sample
 from tailspec.drafter_trainer.layers import attention_backends
 from tailspec.drafter_trainer.model import capture_aux, default_aux_layer_ids
 from torch import nn
-
-from tailspec.core.state import Sample
 
 
 @dataclass

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from tailspec.core.state import Sample
 from tailspec.drafter_trainer.loss import acceptance_rates, expected_length
 from tailspec.drafter_trainer.model import Eagle3Module
 from tailspec.drafter_trainer.teacher import Teacher, collate
-
-from tailspec.core.state import Sample
 
 
 @dataclass

@@ -33,6 +33,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from pydantic import ValidationError
+from tailspec.core import state
+from tailspec.core.atomic import file_lock, write_text_atomic
+from tailspec.core.state import DrafterHealth, DrafterVersion, Sample
 from tailspec.drafter_trainer.files import DrafterFileError, read_json_object
 from tailspec.drafter_trainer.model import CONFIG_NAME, Eagle3Module
 from tailspec.drafter_trainer.teacher import Teacher
@@ -45,10 +48,6 @@ from tailspec.drafter_trainer.validation import (
     validate,
     validate_paired,
 )
-
-from tailspec.core import state
-from tailspec.core.atomic import file_lock, write_text_atomic
-from tailspec.core.state import DrafterHealth, DrafterVersion, Sample
 
 log = logging.getLogger(__name__)
 

@@ -247,11 +247,11 @@ def measure(
     prefill is not timed). With `passes` > 1 the sweep repeats and each entry keeps the median over passes. The
     result is projected onto monotone costs (`CostModel.monotone`). `on_step(record)` sees every timed step's
     `StepRecord` (e.g. `AcceptanceTracker.observe`: real drafts on real responses). The engine must be idle and
-    is left idle (the requests still running at the end are aborted), with its strategy hook restored.
+    is left idle (the requests still running at the end are aborted), with its selector restored.
     """
     buckets, ks, room = _warmup_shapes(engine, prompts, buckets, ks, (steps, passes, block, max_tokens, settle, rows))
     feed = _Feed(engine, prompts, min(max_tokens, room), temperature)
-    hook = engine.choose_k
+    hook = engine.selector
     samples: dict[tuple[int, int], list[float]] = {}
     try:
         for _ in range(passes):
@@ -264,7 +264,7 @@ def measure(
                 for k in timed:
                     samples.setdefault((b, k), []).append(statistics.median(times[k]))
     finally:
-        engine.configure(choose_k=hook)
+        engine.configure(selector=hook)
         engine.abort_all()
     table = {key: statistics.median(v) for key, v in samples.items()}
     bad = [key for key, v in table.items() if not v > 0]
@@ -358,7 +358,7 @@ def _time_bucket(engine, feed: _Feed, b: int, ks: list[Strategy], n_steps: int, 
     while any(len(t) < n_steps for t in times.values()):
         rounds += 1
         for k in (ks if rounds % 2 else ks[::-1]):
-            engine.configure(choose_k=fixed_selector(k))
+            engine.configure(selector=fixed_selector(k))
             settled, tries = 0, 0
             while len(times[k]) < n_steps and tries < settle + block + 4:
                 feed.top_up(b)

@@ -1,7 +1,7 @@
 """The native rollout engine: continuous batching over a static KV cache, exact speculative decoding.
 
 One decode step, for the running rows 0..n-1 (kept compacted by SlotTable):
-  s = choose_k(n, last)                                    strategy hook: a Strategy (an int: a chain's k; 0 none)
+  s = selector(n, last)                                    selector: a Strategy (an int: a chain's k; 0 none)
   drafts, q = drafter.propose(batch, k)                     chain: [n, k], [n, k, V] or None
   logits = target([last token, drafts] at L-1 .. L-1+k)     one verify forward, fixed width k+1
   tokens, n_acc = verify(p, q, drafts, uniforms)            exact speculative sampling, ragged acceptance
@@ -17,9 +17,9 @@ Host syncs per step: one `.tolist()` of three numbers (any finished, accepted, m
 that finishes requests, four for all of them together (which rows, their int columns, tokens, logprobs). No
 Python loop runs over the rows of the batch on the hot path. Each step ends in one
 frozen `StepRecord` (rows, k, its run at k, accepted drafts, per-position reach, seconds): `last`, the bounded
-`history`, and what the strategy hook is handed before the next step.
+`history`, and what the selector is handed before the next step.
 
-Configuration: the strategy hook and the verify forward's seam are set at construction or through
+Configuration: the selector and the verify forward's seam are set at construction or through
 `configure` (the cost model's warm-up swaps hooks, a graph pool installs its replays); nothing outside the
 engine assigns its attributes.
 """
@@ -52,7 +52,7 @@ from tailspec.rollout.slots import (
     SlotTable,
 )
 from tailspec.rollout.states import StateRecorder
-from tailspec.rollout.strategy import ChooseK, StepRecord, Strategy
+from tailspec.rollout.strategy import Selector, StepRecord, Strategy
 
 NONE = Strategy.none()
 
@@ -69,7 +69,7 @@ class Engine:
         model: torch.nn.Module,
         drafter: Proposer | None = None,
         *,
-        choose_k: ChooseK | int = 0,
+        selector: Selector | int = 0,
         max_batch: int = 64,
         max_seq_len: int = 1024,
         k_max: int = 8,
@@ -99,7 +99,7 @@ class Engine:
         eos = eos_token_id if eos_token_id is not None else getattr(cfg, "eos_token_id", None)
         self.eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         self.drafter = drafter
-        self._choose_k = self._hook(choose_k)
+        self._selector = self._hook(selector)
 
         cache_len = max_seq_len + max(k_max, self.max_tree_nodes) + 1
         aux_ids = drafter.aux_layer_ids if (drafter is not None and drafter.needs_aux) else None
@@ -126,30 +126,30 @@ class Engine:
         self._fwd_drafted: dict[int, torch.Tensor] = {}  # drafted tokens per row -> [1, drafted]
 
     # -- configuration ---------------------------------------------------------------------------------------
-    def configure(self, *, choose_k: ChooseK | int | None = None, verify_forward: VerifyForward | None = None) -> Engine:
+    def configure(self, *, selector: Selector | int | None = None, verify_forward: VerifyForward | None = None) -> Engine:
         """Change how the engine decodes from its next step on; the one way to, after construction.
 
-        `choose_k`: the strategy hook (an int: that k at every step; k > 0 needs a drafter). `verify_forward`:
+        `selector`: the selector (an int: that k at every step; k > 0 needs a drafter). `verify_forward`:
         the verify forward's seam, ModelRunner.forward's contract (a graph pool's `forward` replays captured
         graphs; `engine.runner.forward` is eager). An argument left out keeps what is set. Returns the engine."""
-        if choose_k is not None:
-            self._choose_k = self._hook(choose_k)
+        if selector is not None:
+            self._selector = self._hook(selector)
         if verify_forward is not None:
             self._verify_forward = verify_forward
         return self
 
-    def _hook(self, choose_k: ChooseK | int) -> ChooseK:
-        if not isinstance(choose_k, int):
-            return choose_k
-        hook = fixed_selector(choose_k)
-        if self.drafter is None and choose_k > 0:
-            raise ValueError(f"k={choose_k} needs a drafter; pass drafter= or k=0")
+    def _hook(self, selector: Selector | int) -> Selector:
+        if not isinstance(selector, int):
+            return selector
+        hook = fixed_selector(selector)
+        if self.drafter is None and selector > 0:
+            raise ValueError(f"k={selector} needs a drafter; pass drafter= or k=0")
         return hook
 
     @property
-    def choose_k(self) -> ChooseK:
-        """The strategy hook (read-only: set it at construction or with `configure`)."""
-        return self._choose_k
+    def selector(self) -> Selector:
+        """The selector (read-only: set it at construction or with `configure`)."""
+        return self._selector
 
     @property
     def verify_forward(self) -> VerifyForward:
@@ -307,7 +307,7 @@ class Engine:
         if n == 0:
             return []
         # the step's seconds run from here to after its finished requests are handed out: what a step at this k
-        # costs the rollout (the batch rebuilt after a change of rows, the strategy hook, the finishing), not
+        # costs the rollout (the batch rebuilt after a change of rows, the selector, the finishing), not
         # the draft and verify alone; on a GPU with replayed graphs the rest is a large share of a step
         t_step = time.perf_counter()
         if self._batch is None:
@@ -342,7 +342,7 @@ class Engine:
         drafter that drafts trees and must fit the engine's k_max and max_tree_nodes (a clear error otherwise)."""
         if self.drafter is None:
             return NONE
-        s = self._choose_k(n, self.last)
+        s = self._selector(n, self.last)
         if isinstance(s, Strategy) and s.is_tree:
             self.check_strategy(s)
             return s

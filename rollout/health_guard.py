@@ -9,7 +9,7 @@ guarantees that — so nothing fails; rollouts just run slower than without spec
 turns that into an alert and a fallback within one window of steps.
 
 The guard only counts: `observe(k, rows, accepted)` after each decode step (k = 0 steps are not evidence),
-`arm(...)` at each load or sync event. It never touches an engine; `guarded` wraps an engine's strategy hook
+`arm(...)` at each load or sync event. It never touches an engine; `guarded` wraps an engine's selector
 so that it feeds the guard every step's record and runs k = 0 while the guard is tripped.
 
 A version is validated at one draft length (its acceptance length at `validated_k`), but an adaptive engine
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tailspec.core import state
-from tailspec.rollout.strategy import ChooseK, StepRecord
+from tailspec.rollout.strategy import Selector, StepRecord
 
 
 @dataclass(frozen=True)
@@ -163,10 +163,10 @@ def chain_alpha(acceptance_length: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-def guarded(choose_k: ChooseK, guard: HealthGuard,
-            on_verdict: Callable[[Verdict], None] | None = None) -> ChooseK:
-    """An engine strategy hook that folds every step's record into `guard` and runs plain decoding (k = 0)
-    while the guard holds speculation off; otherwise `choose_k` decides. The inner hook still sees every
+def guarded(selector: Selector, guard: HealthGuard,
+            on_verdict: Callable[[Verdict], None] | None = None) -> Selector:
+    """An engine selector that folds every step's record into `guard` and runs plain decoding (k = 0)
+    while the guard holds speculation off; otherwise `selector` decides. The inner hook still sees every
     record, so its estimates stay current. `on_verdict` is called with each verdict as it is reached."""
     seen: list[StepRecord | None] = [None]
 
@@ -176,7 +176,7 @@ def guarded(choose_k: ChooseK, guard: HealthGuard,
             verdict = guard.observe(last.k, last.rows, last.accepted)
             if verdict is not None and on_verdict is not None:
                 on_verdict(verdict)
-        k = choose_k(batch_size, last)
+        k = selector(batch_size, last)
         return k if guard.speculate else 0
 
     return hook

@@ -1,7 +1,7 @@
 """Strategy selectors: which strategy (rollout.strategy: none, a chain of k, a static or dynamic tree) to run at
 the next decode step, given the running batch size. "k" below names a strategy; an int is a chain's k.
 
-Every selector is a `ChooseK` (`selector(batch_size, last_step) -> strategy`, the engine's per-step hook) and
+Every selector is a `Selector` (`selector(batch_size, last_step) -> strategy`, what the engine asks before each step) and
 exposes `schedule(max_batch)`: the (start, end, strategy) inclusive batch-size ranges it would choose now — for
 chains the shape of vLLM's `num_speculative_tokens_per_batch_size`, for the vLLM backend.
 

@@ -1,4 +1,4 @@
-"""A speculation strategy as a value, the engine's per-step strategy hook, and the record of a decode step.
+"""A speculation strategy as a value, the engine's per-step selector, and the record of a decode step.
 
 A `Strategy` names the shape of one decode step's speculation (the drafter is the engine's; the shape is what
 changes per step):
@@ -14,7 +14,7 @@ changes per step):
 A chain is the tree whose every node has one child, so the engine verifies every strategy the same way; chains
 keep their own narrow fast path.
 
-Before every decode step the engine asks its hook `choose_k(batch_size, last) -> Strategy | int` (an int k is
+Before every decode step the engine asks its selector `selector(batch_size, last) -> Strategy | int` (an int k is
 `Strategy.chain(k)`, 0 plain decoding); `last` is the `StepRecord` of the step the engine just ran (None before
 its first). After every step the engine makes one `StepRecord`: everything a strategy or an estimator learns from
 a step is in it, counted once, by the engine, and never recomputed by a reader.
@@ -321,4 +321,4 @@ class StepRecord:
         return cls(previous.step + 1, rows, strategy, run, accepted, tuple(reach), seconds, trials, acc)
 
 
-ChooseK = Callable[[int, "StepRecord | None"], "Strategy | int"]
+Selector = Callable[[int, "StepRecord | None"], "Strategy | int"]

@@ -43,6 +43,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tailspec.core import state
+from tailspec.core.state import DrafterVersion, Event
 from tailspec.rollout.acceptance import AcceptanceTracker
 from tailspec.rollout.cost_model import CostModel, default_buckets, default_ks
 from tailspec.rollout.health_guard import GuardPolicy, HealthGuard, Verdict, chain_alpha, record_verdict
@@ -56,9 +58,6 @@ from tailspec.rollout.vllm_backend import (
     VllmRollout,
 )
 from tailspec.rollout.vllm_checks import EAGLE3_ARCHITECTURES
-
-from tailspec.core import state
-from tailspec.core.state import DrafterVersion, Event
 
 log = logging.getLogger(__name__)
 

@@ -16,12 +16,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tailspec.scheduler.idle import Action
-from tailspec.scheduler.leases import LeaderLost
-from tailspec.scheduler.session import SessionContext
-
 from tailspec.core import state
 from tailspec.core.state import Lease, SessionInfo, StateError
+from tailspec.scheduler.idle import Action
+from tailspec.scheduler.leases import LeaderLost
+from tailspec.scheduler.session_process import SessionContext
 
 if TYPE_CHECKING:  # the scheduler calls these functions with itself
     from tailspec.scheduler.service import Scheduler

@@ -16,7 +16,6 @@ import threading
 from typing import Any
 
 import redis
-
 from tailspec.core.config import TailspecConfig
 from tailspec.scheduler.dispatch import RayDispatcher
 from tailspec.scheduler.monitor import TelemetryMonitor

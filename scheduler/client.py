@@ -31,6 +31,9 @@ from typing import Any
 
 import redis
 from pydantic import ValidationError
+from tailspec.core import redis_conn, state
+from tailspec.core.config import load_config
+from tailspec.core.state import DrafterVersion, PhaseInfo, Progress, Sample
 from tailspec.scheduler.client_checks import (
     check_count,
     check_finite,
@@ -42,10 +45,6 @@ from tailspec.scheduler.client_checks import (
     first_error,
 )
 from tailspec.scheduler.client_writer import ClientWriter
-
-from tailspec.core import redis_conn, state
-from tailspec.core.config import load_config
-from tailspec.core.state import DrafterVersion, PhaseInfo, Progress, Sample
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ from typing import Any
 
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
-
 from tailspec.core import state
 from tailspec.core.state import Sample
 

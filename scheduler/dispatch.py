@@ -1,7 +1,7 @@
 """Start and stop trainer sessions on lent GPUs.
 
 `LocalDispatcher` (single node: the demo and most tests) runs each session as a child process
-`python -m tailspec.scheduler.session`; `RayDispatcher` runs it as a Ray actor pinned to the GPU's
+`python -m tailspec.scheduler.session_process`; `RayDispatcher` runs it as a Ray actor pinned to the GPU's
 node. Either way the session sees only its GPU (CUDA_VISIBLE_DEVICES, PCI bus order like NVML), gets
 its SessionContext as JSON, and stops on its own when its lease is revoked; the dispatcher's `stop`
 is the backstop after the deadline (SIGTERM, then SIGKILL / ray.kill).
@@ -25,7 +25,14 @@ from typing import Any, Protocol
 from tailspec.scheduler import cpu_quota
 from tailspec.scheduler.cpu_quota import CGROUP_ENV
 from tailspec.scheduler.placement import CPUS_ENV, format_cpus, pin_process
-from tailspec.scheduler.session import CONTEXT_ENV, DONE_ENV, NICE_ENV, READY_ENV, SessionContext, run_context
+from tailspec.scheduler.session_process import (
+    CONTEXT_ENV,
+    DONE_ENV,
+    NICE_ENV,
+    READY_ENV,
+    SessionContext,
+    run_context,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +138,7 @@ class LocalDispatcher:
             env[READY_ENV] = log_path[: -len(".log")] + ".ready"
             with open(log_path, "ab") as logf:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "tailspec.scheduler.session", "--warm", self.entry],
+                    [sys.executable, "-m", "tailspec.scheduler.session_process", "--warm", self.entry],
                     env=env, stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT,
                 )
             self._warm.append((proc, log_path))
@@ -188,7 +195,7 @@ class LocalDispatcher:
         log_path = os.path.join(self.log_dir or ".", f"{ctx.session_id}.log")
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tailspec.scheduler.session"],
+                [sys.executable, "-m", "tailspec.scheduler.session_process"],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=logf,

@@ -37,9 +37,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tailspec.scheduler.idle_index import StepIndex
-
 from tailspec.core.state import GpuState, GpuTelemetry, PhaseInfo, Progress
+from tailspec.scheduler.idle_index import StepIndex
 
 GpuKey = tuple[str, int]
 

@@ -15,10 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailspec.scheduler.telemetry import Telemetry
-
 from tailspec.core import state
 from tailspec.core.state import Event, GpuTelemetry, NodeHealth
+from tailspec.scheduler.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 

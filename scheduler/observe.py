@@ -32,10 +32,9 @@ from itertools import compress, count, repeat
 from operator import is_, ne
 from typing import Any
 
-from tailspec.scheduler.idle import Health
-
 from tailspec.core import state
 from tailspec.core.state import GpuTelemetry, NodeHealth, PhaseInfo, Progress, StateError
+from tailspec.scheduler.idle import Health
 
 # The worker and GPU sets are read whole when their sizes change, and at least this often: tailspec only adds
 # members, so a size change is every change it makes; the periodic read catches a set replaced by another of the

@@ -25,9 +25,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-from tailspec.scheduler import cpu_quota
-
 from tailspec.core.config import TailspecConfig
+from tailspec.scheduler import cpu_quota
 
 log = logging.getLogger("tailspec.scheduler")
 

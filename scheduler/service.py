@@ -33,6 +33,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
+from tailspec.core import state
+from tailspec.core.config import TailspecConfig
+from tailspec.core.state import Event, GpuState, GpuStatus, Lease, StateError
 from tailspec.scheduler import cpu_quota
 from tailspec.scheduler.actions import execute_all, finalize_record
 from tailspec.scheduler.dispatch import LocalDispatcher
@@ -42,13 +45,9 @@ from tailspec.scheduler.leases import LeaderLost, Leases
 from tailspec.scheduler.monitor import TelemetryMonitor
 from tailspec.scheduler.observe import Observer, Sent
 from tailspec.scheduler.placement import simulated_gpu_placement
-from tailspec.scheduler.session import WARM_POLICY_ENV
+from tailspec.scheduler.session_process import WARM_POLICY_ENV
 from tailspec.scheduler.telemetry import make_telemetry
 from tailspec.scheduler.tick_writes import TickWrites
-
-from tailspec.core import state
-from tailspec.core.config import TailspecConfig
-from tailspec.core.state import Event, GpuState, GpuStatus, Lease, StateError
 
 log = logging.getLogger(__name__)
 

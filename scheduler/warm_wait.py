@@ -1,6 +1,6 @@
 """A warm session process's wait for its next lend, and what it does meanwhile.
 
-The warm loop (scheduler/session.py: `warm_main`) reads one assignment per line on stdin. Between
+The warm loop (scheduler/session_process.py: `warm_main`) reads one assignment per line on stdin. Between
 lends the entry's module may read ahead what the next lend will start from, through an optional `prestage()`
 beside the entry function (tailspec/warm.py does: the newest policy, the lineage head). That is host work, so
 it runs only after the process has left the last GPU's cores and quota (`leave`), and only where the last

@@ -9,7 +9,7 @@ import logging
 import sys
 
 from tailspec import __version__
-from tailspec.core.config import ConfigError, load_config
+from tailspec.core.config import ConfigError
 
 # Order = order in `tailspec --help`.
 COMMAND_MODULES = [
@@ -23,17 +23,6 @@ COMMAND_MODULES = [
     "tailspec.commands.export",
     "tailspec.commands.simulate",
 ]
-
-
-def add_config_args(p: argparse.ArgumentParser) -> None:
-    """--config FILE and repeated --set key.path=value, shared by every command that reads config."""
-    p.add_argument("--config", metavar="FILE", help="YAML config file (default: $TAILSPEC_CONFIG)")
-    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override one config value, e.g. --set scheduler.lease_ttl_s=3 (repeatable)")
-
-
-def config_from_args(args: argparse.Namespace):
-    return load_config(getattr(args, "config", None), getattr(args, "overrides", None))
 
 
 def build_parser() -> argparse.ArgumentParser:

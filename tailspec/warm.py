@@ -9,7 +9,7 @@ lend's start-up on the deep preset: the teacher's weights about 30 ms and the he
 at a simulated GPU's 0.45 of a core (BENCHMARKS.md, end to end).
 
 Reading ahead is host work, as it is on a GPU node, where a process reads checkpoints on the node's own CPUs
-while the GPU rolls out: the warm loop (scheduler/session.py, scheduler/warm_wait.py) calls `prestage` only after leaving the
+while the GPU rolls out: the warm loop (scheduler/session_process.py, scheduler/warm_wait.py) calls `prestage` only after leaving the
 last GPU's cores and quota, and only where the placement leaves the host a share of its own (a CPU quota, or no
 placement), never on a simulated GPU's whole cores. Only a teacher on the host is kept or read ahead: a GPU's
 teacher is never kept (`keep_teacher`).

@@ -1,4 +1,4 @@
-"""Session entry for tests/test_lineage_sessions.py: `tailspec.sessions:run_session` with a fault hook and its
+"""Session entry for tests/test_lineage_sessions.py: `tailspec.session_entry:run_session` with a fault hook and its
 result written to a file. With $LINEAGE_PAUSE_AT_MERGE=N the session pauses for good at the N-th merge's
 commit point (directory written, compare-and-swap not yet done) after touching $LINEAGE_MARKER, so the test
 can SIGKILL it there."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tailspec.drafter_trainer import lineage
 
-from tailspec.sessions import run_session
+from tailspec.session_entry import run_session
 
 
 def run(ctx) -> dict:

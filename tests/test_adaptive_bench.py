@@ -48,7 +48,7 @@ def test_bench_adaptive_json_contract():
 def test_held_out_oracle_picks_k_on_the_other_repeats():
     """Two near-tied ks whose repeats scatter: the in-sample best median (k2, 11) is the luckier one's; picked on the
     other repeats, each repeat scores the k it did not see: k2 twice (11, 9), k1 once (8); median 9."""
-    from tailspec.bench.adaptive import held_out_oracle
+    from tailspec.benchmarks.adaptive import held_out_oracle
 
     runs = {"none": [1.0, 1.0, 1.0], "chain1": [10.0, 12.0, 8.0], "chain2": [11.0, 9.0, 12.0]}
     ks, tps = held_out_oracle(runs, ["none", "chain1", "chain2"])
@@ -59,12 +59,12 @@ def test_held_out_oracle_picks_k_on_the_other_repeats():
 def test_with_graphs_each_batch_size_reuses_one_engine_idle_and_reconfigured():
     """Graphs on (a GPU): once a cost table plans the pool, a batch size's engine is built once (its capture is the
     expensive part) and handed back idle with the run's strategy; before that every call builds a fresh one."""
+    from tailspec.benchmarks.adaptive import _engine_factory
+    from tailspec.core.config import TailspecConfig
     from tailspec.rollout.cost_model import CostModel
     from tailspec.rollout.drafters import NgramProposer
     from tailspec.rollout.sequence import SamplingParams
 
-    from tailspec.bench.adaptive import _engine_factory
-    from tailspec.core.config import TailspecConfig
     from tailspec.tasks.runsum import sample_problems
     from tailspec.tasks.tokenizer import encode_prompt
 
@@ -78,5 +78,5 @@ def test_with_graphs_each_batch_size_reuses_one_engine_idle_and_reconfigured():
     eng.step()
     assert eng.has_unfinished()
     again = make(2, 2)
-    assert again is eng and not again.has_unfinished() and again.choose_k.name == "fixed_k2"
+    assert again is eng and not again.has_unfinished() and again.selector.name == "fixed_k2"
     assert make(1, 0) is not eng

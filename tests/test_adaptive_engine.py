@@ -46,7 +46,7 @@ def test_cost_model_warmup_on_the_real_engine(policy):
     assert acc.updates == 2 * (8 + 3 + 3)
     assert set(cost.table) == {(b, k) for b in (1, 4, 8) for k in (0, 1, 3)}
     assert all(0 < t < 5 for t in cost.table.values())
-    assert not eng.has_unfinished() and eng.choose_k(1, eng.last) == 0  # left idle, hook restored
+    assert not eng.has_unfinished() and eng.selector(1, eng.last) == 0  # left idle, hook restored
     # the strategies took turns on one batch per bucket (not one batch per strategy, run one after another)
     ks_at_8 = [r.k for r in eng.history if r.rows == 8]
     assert sum(a != b for a, b in itertools.pairwise(ks_at_8)) >= 4
@@ -68,7 +68,7 @@ def test_records_count_the_run_of_each_k(policy):
             seen.append((last.k, last.run))
         return pattern[(last.step if last is not None else 0) % len(pattern)]
 
-    eng = Engine(policy, NgramProposer(), choose_k=choose, max_batch=2, max_seq_len=256, k_max=3)
+    eng = Engine(policy, NgramProposer(), selector=choose, max_batch=2, max_seq_len=256, k_max=3)
     eng.generate(task_prompts(2), SamplingParams(max_tokens=60, temperature=0.0))
     seen.append((eng.last.k, eng.last.run))
     ks = [r.k for r in eng.history]
@@ -86,7 +86,7 @@ def test_adaptive_switching_k_greedy_matches_hf(policy, reference, drafter):
     cost = cost_model.CostModel([1, 2, 4, 5], [0, 1, 2, 4], {(b, k): 1e-3 for b in (1, 2, 4, 5) for k in (0, 1, 2, 4)})
     # one-step explorations: as many switches as the selector can make (its default runs are 5 steps)
     sel = AdaptiveSelector(cost, AcceptanceTracker(k_max=4), epsilon=0.5, hysteresis=0.0, explore_run=1, seed=3)
-    eng.configure(choose_k=sel)
+    eng.configure(selector=sel)
     outs = eng.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0) for m in MAX_TOKENS])
     for i, (o, r) in enumerate(zip(outs, refs)):
         assert o.token_ids == r, f"prompt {i}: engine {o.token_ids} != HF {r}"
@@ -111,7 +111,7 @@ def test_adaptive_switching_k_sampling_is_exact():
         ks.append(sel(n, last))
         return ks[-1]
 
-    eng.configure(choose_k=choose)
+    eng.configure(selector=choose)
     outs = eng.generate([PROMPT] * N, [SamplingParams(max_tokens=3, seed=i, ignore_eos=True, **setting) for i in range(N)])
     import numpy as np
 

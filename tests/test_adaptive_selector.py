@@ -12,6 +12,7 @@ import random
 from collections import Counter
 
 import pytest
+from tailspec.core.config import RolloutConfig
 from tailspec.rollout.acceptance import AcceptanceTracker
 from tailspec.rollout.cost_model import CostModel, default_buckets, default_ks
 from tailspec.rollout.selector import (
@@ -25,8 +26,6 @@ from tailspec.rollout.selector import (
     threshold_selector,
 )
 from tailspec.rollout.strategy import StepRecord
-
-from tailspec.core.config import RolloutConfig
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 KS = [0, 1, 2, 3, 4, 6, 8]
@@ -577,8 +576,8 @@ def test_warm_up_rounds_reverse_so_no_k_is_always_timed_last():
         def __init__(self):
             self.n, self.k, self.last = 0, 0, None
 
-        def configure(self, choose_k):
-            self.k = choose_k(4, None)
+        def configure(self, selector):
+            self.k = selector(4, None)
 
         def step(self):
             self.n += 1

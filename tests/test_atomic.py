@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from tailspec.core.atomic import write_dir_atomic
 
 

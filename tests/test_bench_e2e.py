@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from tailspec.bench.e2e import _tail_split
+from tailspec.benchmarks.e2e import _tail_split
 
 
 def test_tail_split_is_the_slowest_workers_seconds_per_step():

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 from engine_helpers import micro_policy, random_eagle3, task_prompts
-
-from tailspec.bench.engine import _cost_section, drafter_cost, memory_floor
+from tailspec.benchmarks.engine import _cost_section, drafter_cost, memory_floor
 
 
 @pytest.mark.slow

@@ -5,8 +5,7 @@ no acknowledged sample lost, every step hit by a fault completed."""
 import argparse
 
 import pytest
-
-from tailspec.bench import faults
+from tailspec.benchmarks import faults
 
 
 @pytest.mark.drill

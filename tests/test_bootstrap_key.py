@@ -5,6 +5,7 @@ setting of the offline run itself trains a new one."""
 from __future__ import annotations
 
 from tailspec.core.config import TailspecConfig
+
 from tailspec.demo.bootstrap import _key, bootstrap_trainer
 
 

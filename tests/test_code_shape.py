@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("tailspec", "scheduler", "drafter_trainer", "rollout", "dashboards")
+FOLDERS = ("tailspec", "core", "scheduler", "drafter_trainer", "rollout", "dashboards", "benchmarks")
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 60
 

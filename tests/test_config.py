@@ -1,5 +1,4 @@
 import pytest
-
 from tailspec.core.config import ConfigError, TailspecConfig, dump_config, env_overrides, load_config
 
 
@@ -73,7 +72,7 @@ def test_cli_config_show(capsys):
 
 def test_every_config_field_is_read_somewhere():
     """A key nothing reads is a setting that silently does nothing: every field of every section must be read
-    (as `.field`) by the code outside tailspec/core/config.py. A weak check for common names (`name`, `k`), a
+    (as `.field`) by the code outside core/config.py. A weak check for common names (`name`, `k`), a
     real one for the rest."""
     import re
     from pathlib import Path

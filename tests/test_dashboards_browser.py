@@ -1,7 +1,7 @@
 """The web dashboard in a real browser: headless Chromium (Debian's `chromium`, driven by Playwright
 with executable_path) opens the page while a simulated run lends GPUs, waits for the timeline to
 render, checks that the GPUs and states on the page match /api/state, and saves a screenshot.
-The run is the scheduler's simulated long-tail rollout: real scheduler, client, sessions and Redis."""
+The run is the scheduler's scripted long-tail rollout: real scheduler, client, sessions and Redis."""
 
 from __future__ import annotations
 
@@ -91,13 +91,13 @@ def _figures_of_other_components(r) -> None:
 
 @pytest.mark.slow
 def test_page_matches_api_during_a_simulated_run(redis_client, redis_url, page_factory, test_output_dir):
-    from tailspec.scheduler.simulate import run_simulated_rollout
+    from tailspec.scheduler.scripted_rollout import run_scripted_rollout
 
     open_page, problems = page_factory
     _figures_of_other_components(redis_client)
     srv = start_dashboard(redis_url, CLUSTER)
     stop_sim = threading.Event()
-    sim = threading.Thread(target=lambda: run_simulated_rollout(
+    sim = threading.Thread(target=lambda: run_scripted_rollout(
         redis_url, workers=4, steps=100, requests_per_worker=2, lengths=LENGTHS, token_time_s=0.01,
         train_s=1.0, cluster=CLUSTER, stop=stop_sim), daemon=True)
     try:

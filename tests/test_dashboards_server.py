@@ -11,10 +11,9 @@ import urllib.request
 
 import jsonschema
 import pytest
+from tailspec.core.config import ConfigError
 from tailspec.dashboards.server import MAX_GET_BODY, BindRefused, check_bind, is_loopback, start_dashboard
 from test_dashboards_writer import StateWriter
-
-from tailspec.core.config import ConfigError
 
 
 @pytest.fixture

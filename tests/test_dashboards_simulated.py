@@ -1,4 +1,4 @@
-"""/metrics scraped while the scheduler's simulated long-tail rollout runs with lending: the real
+"""/metrics scraped while the scheduler's scripted long-tail rollout runs with lending: the real
 scheduler loop, the real client, real session processes and Redis; only the GPUs are simulated."""
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from collections import defaultdict
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tailspec.core.config import load_config
 from tailspec.dashboards.server import start_exporter
 
-from tailspec.core.config import load_config
-
-pytest.importorskip("tailspec.scheduler.simulate")
+pytest.importorskip("tailspec.scheduler.scripted_rollout")
 
 CLUSTER = "sim"
 # Worker 0 holds the long tail (250 tokens = 2.5 s); workers 1-3 drain after 60 tokens and are lent
@@ -32,7 +31,7 @@ class SchedulerRun:
 
         self.cfg = load_config(None, [
             f"cluster.name={CLUSTER}", "scheduler.telemetry=simulated", "scheduler.simulated_gpus=4",
-            "scheduler.session_entry=tailspec.scheduler.demo_session:busy_session",
+            "scheduler.session_entry=tailspec.scheduler.busy_sessions:busy_session",
         ], environ={})
         self.stop = threading.Event()
         self.thread = threading.Thread(target=run_local, args=(self.cfg, self.stop, redis_url), daemon=True)
@@ -55,7 +54,7 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
 
 @pytest.mark.slow
 def test_metrics_move_during_a_simulated_rollout_with_lending(redis_url, redis_client):
-    from tailspec.scheduler.simulate import run_simulated_rollout
+    from tailspec.scheduler.scripted_rollout import run_scripted_rollout
 
     exporter = start_exporter(redis_url, CLUSTER)
     scrapes: list[tuple[float, dict]] = []
@@ -70,7 +69,7 @@ def test_metrics_move_during_a_simulated_rollout_with_lending(redis_url, redis_c
         with SchedulerRun(redis_url):
             th = threading.Thread(target=scraper, daemon=True)
             th.start()
-            result = run_simulated_rollout(redis_url, workers=4, steps=2, requests_per_worker=2, lengths=LENGTHS,
+            result = run_scripted_rollout(redis_url, workers=4, steps=2, requests_per_worker=2, lengths=LENGTHS,
                                            token_time_s=0.01, train_s=TRAIN_S, cluster=CLUSTER)
             time.sleep(1.5)  # revoked sessions stop, the last GPUs are reclaimed
             done.set()

@@ -6,6 +6,8 @@ import itertools
 import time
 
 import pytest
+from tailspec.core import state as S
+from tailspec.core.state import GpuState, GpuTelemetry
 from tailspec.dashboards.snapshot import (
     HistoryCache,
     Reader,
@@ -16,9 +18,6 @@ from tailspec.dashboards.snapshot import (
     reclaimed_share,
 )
 from test_dashboards_writer import GiB, StateWriter
-
-from tailspec.core import state as S
-from tailspec.core.state import GpuState, GpuTelemetry
 
 
 def test_rollout_speedup_and_strategy_figures(redis_client):

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from tailspec.core import state
 from tailspec.core.state import Progress
 
@@ -21,8 +20,9 @@ FIELDS = {"step", "mode", "step_time_s", "rollout_time_s", "train_time_s", "idle
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory, redis_server):
-    from tailspec.commands.demo import announcing_demo
     from tailspec.core.config import load_config
+
+    from tailspec.commands.demo import announcing_demo
     from tailspec.demo.options import DemoOptions
 
     cfg = load_config(environ={})
@@ -93,7 +93,6 @@ def test_samples_point_at_the_targets_their_rollout_shipped(demo_run):
     """Every sample in the stream is a rollout's (the seeded bootstrap samples left with the first rollout's) and
     names its targets file; the files of versions the buffers no longer keep are pruned, the rest load whole."""
     import redis
-
     from tailspec.drafter_trainer.rollout_targets import load_targets
 
     demo, _ = demo_run
@@ -177,6 +176,7 @@ def micro_policy(tmp_path_factory):
 
 def _item(policy, tok, rollout: dict, drafter_path: str | None = "ngram", n: int = 8):
     from tailspec.core.config import RolloutConfig
+
     from tailspec.demo.protocol import WorkItem, WorkRequest
     from tailspec.tasks.tokenizer import encode_prompt
 
@@ -196,8 +196,8 @@ def test_set_rollout_reaches_the_work_items(tmp_path, redis_url):
     """`--set rollout.*` → Demo.send_work → every WorkItem carries the whole section (the demo's max_seq_len
     only where the user set none), and the worker reads it back unchanged."""
     import redis
-
     from tailspec.core.config import load_config
+
     from tailspec.demo.protocol import WorkItem, WorkRequest, work_key
     from tailspec.demo.run import Demo, DemoOptions
     from tailspec.demo.worker import rollout_config
@@ -234,13 +234,13 @@ def test_worker_engine_follows_the_rollout_config(micro_policy, redis_url):
         eng = w._engine(item, _load(w, item))
         assert (eng.max_batch, eng.max_seq_len, eng.k_max) == (3, 96, 5)
         assert type(eng.drafter).__name__ == "NgramProposer" and next(w.model.parameters()).dtype == torch.bfloat16
-        assert eng.choose_k(3, eng.last) == 3
+        assert eng.selector(3, eng.last) == 3
         assert w.pool is None and eng.verify_forward == eng.runner.forward  # CPU: no CUDA graphs
 
         item = _item(policy, tok, {"drafter": "ngram", "selector": "adaptive", "epsilon": 0.3, "k_max": 2, "max_batch": 2,
                                        "max_seq_len": 96})
         eng = w._engine(item, _load(w, item))
-        assert isinstance(eng.choose_k, AdaptiveSelector) and eng.choose_k.epsilon == 0.3
+        assert isinstance(eng.selector, AdaptiveSelector) and eng.selector.epsilon == 0.3
         assert eng.k_max == 2 and max(w.cost.ks) == 2 and max(w.cost.buckets) == 2
 
         item = _item(policy, tok, {"drafter": "none", "max_seq_len": 96})  # a drafter path, but plain decoding
@@ -466,10 +466,10 @@ def test_the_lineage_starts_with_the_bootstrap_runs_optimizer_state(demo_run, re
     """The first head carries the offline run's AdamW moments: the first sessions continue that optimizer
     instead of starting Adam afresh (whose first steps move every weight by about the full lr)."""
     import redis
+    from tailspec.core.config import load_config
     from tailspec.drafter_trainer.checkpoint import load_checkpoint
     from tailspec.drafter_trainer.lineage import Lineage
 
-    from tailspec.core.config import load_config
     from tailspec.demo.bootstrap import load_optimizer, seed_store
 
     demo, _ = demo_run
@@ -491,8 +491,8 @@ def test_worker_health_guard_trips_on_a_broken_drafter_and_decodes_exactly(micro
     exactly plain decoding's (greedy). The same version after a policy sync stays off; a new version is tried."""
     import redis
     import torch
-
     from tailspec.core.state import DrafterVersion, Event
+
     from tailspec.tasks.policy import load_policy
     from tests.engine_helpers import random_eagle3
 
@@ -564,7 +564,8 @@ def test_worker_syncs_a_new_policy_version_into_its_loaded_module(micro_policy, 
     """A new policy version of the same config is loaded into the worker's module (as an RL framework syncs its
     rollout engine's weights): the same module object, the new version's weights exactly (the reference: the
     directory loaded afresh); a policy of another config is built anew."""
-    from tailspec.bench.vllm import perturbed_policy
+    from tailspec.benchmarks.vllm import perturbed_policy
+
     from tailspec.tasks.policy import load_policy
 
     policy, tok = micro_policy

@@ -80,7 +80,7 @@ def test_engine_greedy_matches_hf_generate(model, drafter, gqa_path):
     prompts = [[1] + [3 + (i * 7 + j * 5) % 50 for j in range(2 + 3 * i)] for i in range(5)]
     refs = [hf_greedy(model, p, 24) for p in prompts]
     d = NgramProposer() if drafter == "ngram" else DraftModelProposer(model)
-    eng = Engine(model, d, choose_k=3, max_batch=3, max_seq_len=128)
+    eng = Engine(model, d, selector=3, max_batch=3, max_seq_len=128)
     outs = eng.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     for o, r in zip(outs, refs):
         assert o.token_ids == r

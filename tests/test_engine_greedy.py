@@ -63,9 +63,9 @@ def make_drafter(name: str, policy):
     raise AssertionError(name)
 
 
-def run(policy, drafter, choose_k, batch, reference):
+def run(policy, drafter, selector, batch, reference):
     prompts, _, stops = reference
-    eng = Engine(policy, drafter, choose_k=choose_k, max_batch=batch, max_seq_len=256)
+    eng = Engine(policy, drafter, selector=selector, max_batch=batch, max_seq_len=256)
     params = [SamplingParams(max_tokens=m, temperature=0.0, stop_token_ids=s) for m, s in zip(MAX_TOKENS, stops)]
     return eng.generate(prompts, params)
 
@@ -100,14 +100,14 @@ def test_speculative_greedy_matches_hf(policy, reference, drafter, k, batch):
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle3", "draft_model_self"])
 def test_k_may_change_every_step(policy, reference, drafter):
-    """The strategy hook is asked every step; a k that jumps around (0 included) changes nothing."""
+    """The selector is asked every step; a k that jumps around (0 included) changes nothing."""
     ks = itertools.cycle([0, 3, 1, 7, 0, 0, 2, 5])
     asked = []
 
-    def choose_k(batch_size, last):
+    def selector(batch_size, last):
         asked.append(batch_size)
         return next(ks)
 
-    outs = run(policy, make_drafter(drafter, policy), choose_k, 5, reference)
+    outs = run(policy, make_drafter(drafter, policy), selector, 5, reference)
     assert_identical(outs, reference)
     assert max(asked) == 5 and min(asked) < 5  # the batch shrinks through the tail

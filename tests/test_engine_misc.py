@@ -37,7 +37,7 @@ def test_greedy_logprobs_equal_plain_decoding(policy, prompts):
     sp = SamplingParams(max_tokens=30, temperature=0.0)
     plain = Engine(policy, None, max_batch=4, max_seq_len=160).generate(prompts, sp)
     for drafter in (DraftModelProposer(policy), DraftModelProposer(random_micro(3)), NgramProposer()):
-        spec = Engine(policy, drafter, choose_k=4, max_batch=4, max_seq_len=160).generate(prompts, sp)
+        spec = Engine(policy, drafter, selector=4, max_batch=4, max_seq_len=160).generate(prompts, sp)
         for a, b in zip(plain, spec):
             assert a.token_ids == b.token_ids
             diff = (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max().item()
@@ -51,7 +51,7 @@ def test_sampled_logprobs_equal_teacher_forced(policy, prompts, drafter_kind):
     as a plain teacher-forced HF forward over the same tokens computes it."""
     drafter = DraftModelProposer(policy if drafter_kind == "good" else random_micro(3))
     sp = [SamplingParams(max_tokens=30, temperature=0.7, seed=i) for i in range(len(prompts))]
-    outs = Engine(policy, drafter, choose_k=3, max_batch=4, max_seq_len=160).generate(prompts, sp)
+    outs = Engine(policy, drafter, selector=3, max_batch=4, max_seq_len=160).generate(prompts, sp)
     assert sum(o.stats.accepted for o in outs) > 0
     for p, o in zip(prompts, outs):
         raw = teacher_forced_logprobs(policy, p, o.token_ids)
@@ -67,16 +67,16 @@ def test_same_seed_same_output_regardless_of_batch(policy, prompts, drafter_name
 
     k = 0 if drafter_name == "none" else 3
     target = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.95, seed=1234)
-    alone = Engine(policy, drafter(), choose_k=k, max_batch=1, max_seq_len=160).generate([prompts[0]], target)[0]
+    alone = Engine(policy, drafter(), selector=k, max_batch=1, max_seq_len=160).generate([prompts[0]], target)[0]
     # the same request in the middle of a crowd with other params and seeds, admitted later, other batch size
     others = [SamplingParams(max_tokens=25, temperature=0.8, top_k=5, seed=i) for i in range(6)]
     crowd_prompts = prompts[1:4] + [prompts[0]] + prompts[4:7]
     params = others[:3] + [target] + others[3:]
-    crowd = Engine(policy, drafter(), choose_k=k, max_batch=3, max_seq_len=160).generate(crowd_prompts, params)[3]
+    crowd = Engine(policy, drafter(), selector=k, max_batch=3, max_seq_len=160).generate(crowd_prompts, params)[3]
     assert crowd.token_ids == alone.token_ids
     assert torch.allclose(torch.tensor(crowd.logprobs), torch.tensor(alone.logprobs), atol=1e-5)
     other_seed = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.95, seed=99)
-    differ = Engine(policy, drafter(), choose_k=k, max_batch=1, max_seq_len=160).generate([prompts[0]], other_seed)[0]
+    differ = Engine(policy, drafter(), selector=k, max_batch=1, max_seq_len=160).generate([prompts[0]], other_seed)[0]
     assert differ.token_ids != alone.token_ids  # the seed matters (40 sampled tokens: a collision is negligible)
 
 
@@ -84,7 +84,7 @@ def test_bad_input_rejected_before_any_compute(policy, monkeypatch):
     calls = []
     real = model_runner.ModelRunner.forward
     monkeypatch.setattr(model_runner.ModelRunner, "forward", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
-    eng = Engine(policy, NgramProposer(), choose_k=2, max_batch=4, max_seq_len=64)
+    eng = Engine(policy, NgramProposer(), selector=2, max_batch=4, max_seq_len=64)
     V = policy.config.vocab_size
     good = [1, 5, 6]
     cases = [
@@ -118,12 +118,12 @@ def test_misfit_drafters_rejected_at_construction(policy):
     other_vocab = LlamaForCausalLM(LlamaConfig(vocab_size=policy.config.vocab_size + 5, hidden_size=32,
                                                intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(ValueError, match="vocab_size"):
-        Engine(policy, DraftModelProposer(other_vocab), choose_k=2)
+        Engine(policy, DraftModelProposer(other_vocab), selector=2)
     bigger = build_model("tiny")  # hidden 256 / 4 layers: an EAGLE-3 head made for it does not fit micro
     with pytest.raises(ValueError, match="hidden_size"):
-        Engine(policy, Eagle3Proposer(random_eagle3(bigger)), choose_k=2)
+        Engine(policy, Eagle3Proposer(random_eagle3(bigger)), selector=2)
     with pytest.raises(ValueError, match="needs a drafter"):
-        Engine(policy, None, choose_k=3)
+        Engine(policy, None, selector=3)
 
 
 def test_eagle3_adapter_matches_the_module(policy):
@@ -145,10 +145,10 @@ def test_eagle3_adapter_matches_the_module(policy):
     logits = ad.head(out)
     assert torch.allclose(logits, ref_logits, atol=1e-5) and torch.allclose(out, ref_out, atol=1e-5)
 
-    def choose_k(batch_size, last):  # k = 2, 0, 3, 2, 0, 3, ... by step
+    def selector(batch_size, last):  # k = 2, 0, 3, 2, 0, 3, ... by step
         return [2, 0, 3][(last.step if last is not None else 0) % 3]
 
-    eng = Engine(policy, Eagle3Proposer(head), choose_k=choose_k, max_batch=3, max_seq_len=128)
+    eng = Engine(policy, Eagle3Proposer(head), selector=selector, max_batch=3, max_seq_len=128)
     for p in task_prompts(3, seed=2):
         eng.add_request(p, SamplingParams(max_tokens=40, temperature=1.0, seed=len(p)))
     checked = 0

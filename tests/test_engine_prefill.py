@@ -69,7 +69,7 @@ def test_repeated_prompts_decode_as_each_alone(policy, drafter_kind, rule):
     def engine(max_batch):
         drafter = {"none": None, "draft_model": DraftModelProposer(policy),
                    "eagle3": Eagle3Proposer(random_eagle3(policy), target=policy)}[drafter_kind]
-        return Engine(policy, drafter, choose_k=0 if drafter is None else 2, max_batch=max_batch, max_seq_len=256,
+        return Engine(policy, drafter, selector=0 if drafter is None else 2, max_batch=max_batch, max_seq_len=256,
                       verify_rule=rule)
 
     together = engine(len(prompts)).generate(prompts, sp)
@@ -99,7 +99,7 @@ def test_a_cache_allocated_with_garbage_decodes_as_a_zeroed_one(policy):
     sp = [SamplingParams(max_tokens=90 + 10 * i, temperature=1.0, seed=i) for i in range(len(prompts))]
 
     def run(poison: bool):
-        eng = Engine(policy, DraftModelProposer(policy), choose_k=2, max_batch=4, max_seq_len=256)
+        eng = Engine(policy, DraftModelProposer(policy), selector=2, max_batch=4, max_seq_len=256)
         if poison:
             eng.runner._kv_all.fill_(float("nan"))  # noqa: SLF001 - the invariant under test is about this buffer
         return eng.generate(prompts, sp)

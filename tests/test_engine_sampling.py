@@ -77,7 +77,7 @@ def enumerate_joint(model: LlamaForCausalLM, temperature: float, top_p: float = 
 
 
 def engine_samples(target, drafter, k: int, setting: dict, verify_rule: str = "residual", n: int = N) -> np.ndarray:
-    eng = Engine(target, drafter, choose_k=k, max_batch=n, max_seq_len=len(PROMPT) + 3, k_max=k, verify_rule=verify_rule)
+    eng = Engine(target, drafter, selector=k, max_batch=n, max_seq_len=len(PROMPT) + 3, k_max=k, verify_rule=verify_rule)
     params = [SamplingParams(max_tokens=3, seed=i, ignore_eos=True, **setting) for i in range(n)]
     outs = eng.generate([PROMPT] * n, params)
     toks = np.array([o.token_ids for o in outs])
@@ -191,7 +191,7 @@ def test_coupled_acceptance_is_below_residual_and_above_its_bound(target, poor):
     tv = 0.5 * float(np.abs(joint.sum((1, 2)) - q_joint.sum((1, 2))).sum())
     rates = {}
     for rule in ("residual", "coupled"):
-        eng = Engine(target, DraftModelProposer(poor), choose_k=1, max_batch=n, max_seq_len=len(PROMPT) + 2, k_max=1,
+        eng = Engine(target, DraftModelProposer(poor), selector=1, max_batch=n, max_seq_len=len(PROMPT) + 2, k_max=1,
                      verify_rule=rule)
         outs = eng.generate([PROMPT] * n, [SamplingParams(max_tokens=1, seed=i, ignore_eos=True) for i in range(n)])
         rates[rule] = sum(o.stats.accepted for o in outs) / n

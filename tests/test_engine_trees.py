@@ -126,7 +126,7 @@ def drafters(target):
 
 
 def tree_samples(target, drafter, strategy: Strategy, setting: dict, rule: str, n: int = N):
-    eng = Engine(target, Eagle3Proposer(drafter, target), choose_k=lambda b, last: strategy, max_batch=n,
+    eng = Engine(target, Eagle3Proposer(drafter, target), selector=lambda b, last: strategy, max_batch=n,
                  max_seq_len=len(PROMPT) + 3, k_max=strategy.depth, max_tree_nodes=24, verify_rule=rule)
     params = [SamplingParams(max_tokens=3, seed=i, ignore_eos=True, **setting) for i in range(n)]
     with threads(HEAVY_THREADS):
@@ -349,9 +349,9 @@ def big():
     return model, prompts, refs, stops, drafter
 
 
-def greedy_run(big, drafter, choose_k, batch: int, k_max: int = 6):
+def greedy_run(big, drafter, selector, batch: int, k_max: int = 6):
     model, prompts, refs, stops, _ = big
-    eng = Engine(model, Eagle3Proposer(drafter, model), choose_k=choose_k, max_batch=batch, max_seq_len=64,
+    eng = Engine(model, Eagle3Proposer(drafter, model), selector=selector, max_batch=batch, max_seq_len=64,
                  k_max=k_max, max_tree_nodes=128)
     params = [SamplingParams(max_tokens=m, temperature=0.0, stop_token_ids=s) for m, s in zip(MAX_TOKENS, stops)]
     outs = eng.generate(prompts, params)
@@ -402,7 +402,7 @@ def sampled_run(big, drafter, strategy, rule: str = "coupled", settings=({"tempe
     reqs = [(p, SamplingParams(max_tokens=min(m, 24), seed=100 + 10 * i + j, **settings[(i + j) % len(settings)]))
             for j in range(2) for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS))]
     hook = strategy if callable(strategy) else (lambda b, last: strategy)
-    eng = Engine(model, Eagle3Proposer(drafter, model), choose_k=hook, max_batch=batch, max_seq_len=64, k_max=6,
+    eng = Engine(model, Eagle3Proposer(drafter, model), selector=hook, max_batch=batch, max_seq_len=64, k_max=6,
                  max_tree_nodes=128, verify_rule=rule)
     outs = eng.generate([p for p, _ in reqs], [sp for _, sp in reqs])
     return [o.token_ids for o in outs], outs
@@ -548,10 +548,10 @@ def test_expected_accepted_chain_and_tree():
 
 
 def test_engine_refuses_strategies_it_cannot_run(target):
-    eng = Engine(target, DraftModelProposer(small_llama(1)), choose_k=2, k_max=4, max_batch=2, max_seq_len=16)
+    eng = Engine(target, DraftModelProposer(small_llama(1)), selector=2, k_max=4, max_batch=2, max_seq_len=16)
     with pytest.raises(ValueError, match="tree strategy.*draft_model drafter drafts chains only"):
         eng.check_strategy(TREE)
-    eng.configure(choose_k=lambda b, last: TREE)
+    eng.configure(selector=lambda b, last: TREE)
     with pytest.raises(ValueError, match="chains only"):
         eng.generate([PROMPT], SamplingParams(max_tokens=3))
     eagle = Engine(target, Eagle3Proposer(random_eagle3(target, V), target), k_max=2, max_tree_nodes=12,
@@ -564,6 +564,6 @@ def test_engine_refuses_strategies_it_cannot_run(target):
     with pytest.raises(ValueError, match="at most 16"):
         Engine(target, Eagle3Proposer(random_eagle3(target, V), target), k_max=2, max_tree_nodes=64, max_batch=2,
                max_seq_len=16).check_strategy(Strategy.tree((17,), 17))
-    eagle.configure(choose_k=lambda b, last: TREE3)
+    eagle.configure(selector=lambda b, last: TREE3)
     with pytest.raises(ValueError, match="k_max"):
         eagle.generate([PROMPT], SamplingParams(max_tokens=3))

@@ -17,13 +17,12 @@ import pytest
 from fuzz_helpers import FUZZ, Tally, bad, draw_args, either, good, judge
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tailspec.scheduler.client import TailspecClient
-from tailspec.scheduler.client_checks import MAX_SAMPLE_IDS
-from tailspec.scheduler.service import Scheduler
-
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
 from tailspec.core.state import MAX_WORKER_GPUS, NAME_PATTERN, PhaseInfo, Progress, Sample
+from tailspec.scheduler.client import TailspecClient
+from tailspec.scheduler.client_checks import MAX_SAMPLE_IDS
+from tailspec.scheduler.service import Scheduler
 
 CL = "fz"
 NAN, INF = float("nan"), float("inf")

@@ -17,7 +17,6 @@ from fuzz_helpers import FUZZ, Tally
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
-
 from tailspec.core.config import ConfigError, TailspecConfig, dump_config, load_config
 
 CASES = 400

@@ -167,7 +167,7 @@ def run(dash, name: str, strategy: st.SearchStrategy[Case]) -> Tally:
 # -- path traversal ------------------------------------------------------------------------------------------
 TRAVERSAL = ["..", "%2e%2e", "%2E%2E", ".%2e", "%252e%252e", "%25252e%25252e", "..%2f", "..%252f", "..%5c",
              "..\\", "%c0%ae%c0%ae", "....", ".", "%2e", "~", "%00", "\x00", "\\..\\..", "..;", "%u002e%u002e"]
-TARGETS = ["etc/passwd", "server.py", "__init__.py", "../tailspec/core/config.py", "C:\\Windows\\win.ini",
+TARGETS = ["etc/passwd", "server.py", "__init__.py", "../core/config.py", "C:\\Windows\\win.ini",
            "proc/self/environ", "index.html", "dashboard.js", "static", "api/state", ""]
 PREFIXES = ["/static/", "/", "//", "/api/", "/api/state/", "/metrics/", "\\", "/static\\", "/static/%2f",
             "http://localhost/static/", "/static//", "file:///", "C:\\", "/static/index.html/"]

@@ -28,14 +28,13 @@ import torch
 from fuzz_helpers import FUZZ, Tally
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tailspec.core.state import DrafterVersion
 from tailspec.drafter_trainer.checkpoint import load_checkpoint, load_latest, save_checkpoint
 from tailspec.drafter_trainer.export import export, load_export
 from tailspec.drafter_trainer.files import DrafterFileError, file_crc32
 from tailspec.drafter_trainer.lineage import Lineage, LineageError, _read_weights, snapshot
 from tailspec.drafter_trainer.model import CONFIG_NAME, WEIGHTS_NAME, Eagle3Config, Eagle3Module
 from tailspec.drafter_trainer.versions import VersionStore
-
-from tailspec.core.state import DrafterVersion
 
 CASES = 60  # per loader (hypothesis max_examples)
 REFUSED = (DrafterFileError, ValueError, FileNotFoundError, LineageError)

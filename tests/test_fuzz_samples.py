@@ -23,13 +23,12 @@ import torch
 from fuzz_helpers import FUZZ, Tally
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tailspec.dashboards.snapshot import read_state
-from tailspec.drafter_trainer.samples import DROP_PREFIX, SampleBuffer, SampleReader
-from tailspec.drafter_trainer.session import TrainingSession
-from test_trainer_session import frozen_teacher, synthetic_samples
-
 from tailspec.core import state
 from tailspec.core.config import TrainerConfig
+from tailspec.dashboards.snapshot import read_state
+from tailspec.drafter_trainer.samples import DROP_PREFIX, SampleBuffer, SampleReader
+from tailspec.drafter_trainer.training_session import TrainingSession
+from test_trainer_session import frozen_teacher, synthetic_samples
 
 VOCAB, MAX_LEN, VERSION = 64, 48, 5
 _clusters = itertools.count()

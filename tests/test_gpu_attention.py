@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tailspec.core.state import Sample
 from tailspec.drafter_trainer.teacher import Teacher, collate
 from tailspec.rollout.model_runner import ModelRunner
 from transformers import LlamaConfig, LlamaForCausalLM
-
-from tailspec.core.state import Sample
 
 
 def small_llama(vocab: int = 64) -> LlamaForCausalLM:

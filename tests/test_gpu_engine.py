@@ -50,7 +50,7 @@ def pooled_engine(policy, drafter_kind: str, max_batch: int, rule: str = "residu
                   record_states: bool = False) -> tuple[Engine, object]:
     drafter = {"none": None, "draft_model": DraftModelProposer(policy),
                "eagle3": Eagle3Proposer(random_eagle3(policy), target=policy)}[drafter_kind]
-    eng = Engine(policy, drafter, choose_k=0 if drafter is None else 2, max_batch=max_batch, max_seq_len=256,
+    eng = Engine(policy, drafter, selector=0 if drafter is None else 2, max_batch=max_batch, max_seq_len=256,
                  k_max=3, verify_rule=rule, record_states=record_states)
     cost = CostModel(BUCKETS, KS, {(b, k): 0.001 * (1 + b * (k + 1) / 64) for b in BUCKETS for k in KS})
     pool = build_pool(eng, cost, budget_bytes=1 << 34)

@@ -57,7 +57,7 @@ def test_engine_with_eagle3_decodes_the_same_folded(monkeypatch, rule):
     sp = [SamplingParams(max_tokens=30, temperature=1.0, seed=i) for i in range(len(prompts))]
 
     def run():
-        eng = Engine(policy, Eagle3Proposer(random_eagle3(policy), target=policy), choose_k=3, max_batch=4,
+        eng = Engine(policy, Eagle3Proposer(random_eagle3(policy), target=policy), selector=3, max_batch=4,
                      max_seq_len=256, verify_rule=rule)
         return eng.generate(prompts, sp)
 

@@ -157,9 +157,9 @@ def test_engine_through_the_pool_matches_plain_engine():
     def choose(n, last):
         return next(ks)
 
-    ref = Engine(model, NgramProposer(), choose_k=choose, max_batch=8, max_seq_len=64, k_max=2).generate(prompts, params)
+    ref = Engine(model, NgramProposer(), selector=choose, max_batch=8, max_seq_len=64, k_max=2).generate(prompts, params)
     ks = iter([0, 2, 1, 2, 0, 2, 2, 1] * 40)
-    eng = Engine(model, NgramProposer(), choose_k=choose, max_batch=8, max_seq_len=64, k_max=2)
+    eng = Engine(model, NgramProposer(), selector=choose, max_batch=8, max_seq_len=64, k_max=2)
     c = CostModel([1, 2, 4, 8], [0, 1, 2], {(b, k): 0.01 * (1 + b * (k + 1) / 64) for b in (1, 2, 4, 8) for k in (0, 1, 2)})
     pool = build_pool(eng, c, budget_bytes=1 << 40, emulate=True)
     assert eng.verify_forward == pool.forward
@@ -171,7 +171,7 @@ def test_engine_through_the_pool_matches_plain_engine():
 
 def test_pool_disabled_on_cpu_without_emulation():
     model = small_llama()
-    eng = Engine(model, NgramProposer(), choose_k=1, max_batch=4, max_seq_len=32, k_max=2)
+    eng = Engine(model, NgramProposer(), selector=1, max_batch=4, max_seq_len=32, k_max=2)
     c = CostModel([1, 2, 4], [0, 1], {(b, k): 0.01 * (b + k) for b in (1, 2, 4) for k in (0, 1)})
     pool = build_pool(eng, c, budget_bytes=1 << 40)
     assert not pool.enabled and not pool.graphs and eng.verify_forward == eng.runner.forward

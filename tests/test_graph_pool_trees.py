@@ -53,7 +53,7 @@ def cost(buckets=BUCKETS, space=SPACE) -> CostModel:
 
 
 def engine(model, drafter, hook, rule: str = "residual", max_batch: int = 4) -> Engine:
-    return Engine(model, Eagle3Proposer(drafter, model), choose_k=hook, max_batch=max_batch, max_seq_len=48, k_max=3,
+    return Engine(model, Eagle3Proposer(drafter, model), selector=hook, max_batch=max_batch, max_seq_len=48, k_max=3,
                   max_tree_nodes=24, verify_rule=rule)
 
 
@@ -153,7 +153,7 @@ def reference(pair, hook: str, rule: str, temperature: float):
 
 
 def cycling(*strategies):
-    """A maker of strategy hooks that run `strategies` in turn, one per step (a fresh cycle per engine)."""
+    """A maker of selectors that run `strategies` in turn, one per step (a fresh cycle per engine)."""
     def make():
         it = itertools.cycle(strategies)
         return lambda b, last: next(it)
@@ -282,7 +282,7 @@ def test_gpu_pool_bytes_against_the_estimate():
     model = small_llama(0, vocab=32768, hidden=256, layers=2, inter=768)
     drafter = random_eagle3(model, draft_vocab_size=4096)
     model, drafter = model.to("cuda", torch.bfloat16), drafter.to("cuda", torch.bfloat16)
-    eng = Engine(model, Eagle3Proposer(drafter, model), choose_k=0, max_batch=16, max_seq_len=512, k_max=3,
+    eng = Engine(model, Eagle3Proposer(drafter, model), selector=0, max_batch=16, max_seq_len=512, k_max=3,
                  max_tree_nodes=24)
     c = cost(buckets=[1, 2, 4, 8, 16])
     pool = build_pool(eng, c, budget_bytes=1 << 34, margin=100.0)

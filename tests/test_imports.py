@@ -4,63 +4,9 @@ floor, and the roof's projection and integrations are imported only where the ma
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-# source folder -> import name (the four components sit at the repository root; pyproject's package-dir)
-FOLDERS = {
-    "tailspec": "tailspec",
-    "scheduler": "tailspec.scheduler",
-    "drafter_trainer": "tailspec.drafter_trainer",
-    "rollout": "tailspec.rollout",
-    "dashboards": "tailspec.dashboards",
-}
-COMPONENTS = ("scheduler", "drafter_trainer", "rollout", "dashboards")
-
-
-def module_name(path: Path) -> str:
-    for folder, pkg in FOLDERS.items():
-        base = ROOT / folder
-        if path.is_relative_to(base):
-            parts = [p for p in path.relative_to(base).with_suffix("").parts if p != "__init__"]
-            return ".".join([pkg, *parts])
-    raise AssertionError(path)
-
-
-def imports_of(path: Path) -> set[str]:
-    """Every tailspec module `path` imports (`from a import b` counts as a.b when a.b is a module)."""
-    mod = module_name(path)
-    pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("tailspec"))
-        elif isinstance(node, ast.ImportFrom):
-            target = node.module or ""
-            if node.level:
-                base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
-                target = f"{base}.{target}" if target else base
-            if target.startswith("tailspec"):
-                out.update(f"{target}.{a.name}" for a in node.names)  # a.b if b is a module, else a.b(name)
-                out.add(target)
-    return out
-
-
-def layer(mod: str) -> str:
-    parts = mod.split(".")
-    if len(parts) > 1 and parts[1] in ("core", *COMPONENTS):
-        return parts[1]
-    return "roof"
-
-
-def all_sources() -> list[Path]:
-    return sorted(p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py"))
-
-
-GRAPH = {module_name(p): imports_of(p) for p in all_sources()}
+from tests.import_graph import COMPONENTS, GRAPH, layer
 
 
 def violations(rule, graph: dict[str, set[str]] | None = None) -> list[str]:
@@ -96,8 +42,8 @@ def test_the_projection_imports_only_the_selector_cost_model_and_idle_detector()
 
 
 @pytest.mark.parametrize("roof_part, importers", [
-    ("tailspec.simulate", ("tailspec.simulate", "tailspec.commands.simulate", "tailspec.bench.simulate")),
-    ("tailspec.integrations", ("tailspec.integrations", "tailspec.bench")),
+    ("tailspec.simulate", ("tailspec.simulate", "tailspec.commands.simulate", "tailspec.benchmarks.simulate")),
+    ("tailspec.integrations", ("tailspec.integrations", "tailspec.benchmarks")),
 ])
 def test_roof_parts_are_imported_only_by_their_command_and_bench(roof_part, importers):
     bad = violations(lambda m, t: not t.startswith(roof_part) or m.startswith(importers))

@@ -24,12 +24,12 @@ pytest.importorskip("vllm")  # OpenRLHF's engine and generator modules import vL
 
 from openrlhf.trainer.ray import vllm_engine
 from openrlhf.utils.config import hierarchize
+from tailspec.core import state
+from tailspec.core.state import DrafterVersion, PhaseInfo, Progress
 from tailspec.scheduler.attach import node_name
 from tailspec.scheduler.client import TailspecClient
 from test_vllm_checks import write_drafter, write_target
 
-from tailspec.core import state
-from tailspec.core.state import DrafterVersion, PhaseInfo, Progress
 from tailspec.integrations import openrlhf_config as oc
 from tailspec.integrations.openrlhf import (
     TailspecRolloutActor,
@@ -425,9 +425,9 @@ def test_a_tensor_parallel_engine_is_located_by_its_workers(monkeypatch):
     from types import SimpleNamespace
 
     import torch
+    from tailspec.rollout.vllm_worker_ext import TailspecWorkerExtension as Ext
 
     from tailspec.integrations.openrlhf_progress import workers_where
-    from tailspec.rollout.vllm_worker_ext import TailspecWorkerExtension as Ext
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     assert [Ext.tailspec_where(SimpleNamespace(device=torch.device("cuda", i)))["gpu"] for i in (2, 3)] == [6, 7]

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tailspec.bench.attach import local_scheduler, losses, run_trl, scheduler_config
+from tailspec.benchmarks.attach import local_scheduler, losses, run_trl, scheduler_config
 from tailspec.core import state
 from tailspec.core.state import LineageHead, PhaseInfo, Sample, SessionInfo
 
@@ -136,7 +136,7 @@ def test_a_run_hung_in_teardown_after_its_summaries_is_killed_and_used(tmp_path,
     summary the deadline still raises, naming the log."""
     import subprocess
 
-    from tailspec.bench import attach
+    from tailspec.benchmarks import attach
 
     monkeypatch.setattr(attach, "TEARDOWN_GRACE_S", 0.5)
     summary, log = tmp_path / "s.json", tmp_path / "run.log"
@@ -156,8 +156,8 @@ def test_a_killed_run_takes_its_ranks_in_their_own_sessions_along(tmp_path, monk
     import sys
     import time
 
-    from tailspec.bench import attach
-    from tailspec.bench.faults import _alive
+    from tailspec.benchmarks import attach
+    from tailspec.benchmarks.faults import _alive
 
     monkeypatch.setattr(attach, "TEARDOWN_GRACE_S", 0.5)
     summary, log, pid_file = tmp_path / "s.json", tmp_path / "run.log", tmp_path / "rank.pid"
@@ -183,7 +183,7 @@ def test_a_run_that_crashes_in_teardown_after_its_summaries_is_used(tmp_path, mo
     is raised, naming the log. The launcher is replaced by a script that writes the summary and aborts."""
     import sys
 
-    from tailspec.bench import attach
+    from tailspec.benchmarks import attach
 
     out, fake, py = tmp_path / "run.json", tmp_path / "fake_run.py", tmp_path / "py"
     fake.write_text("import json, os, sys\n"

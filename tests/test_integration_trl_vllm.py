@@ -12,12 +12,11 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("vllm")
 
-from transformers import TrainerCallback
-from vllm_helpers import drafters, prompts, tiny
-
 from tailspec.core import state
 from tailspec.core.state import DrafterVersion, Sample
 from tailspec.rollout.vllm_backend import SpecCounters, process_counters
+from transformers import TrainerCallback
+from vllm_helpers import drafters, prompts, tiny
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 CLUSTER, STEPS, K = "trlv", 3, 3
@@ -54,12 +53,12 @@ class PromoteAfterFirstStep(TrainerCallback):
 
 def test_trl_vllm_engine_speculates_and_loads_promoted_drafters(redis_url, redis_client, tmp_path):
     import torch
+    from tailspec.scheduler.client import TailspecClient
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig
 
     from tailspec.integrations.trl import TailspecAttach, TailspecGRPOTrainer
     from tailspec.integrations.trl_example import build_dataset, runsum_reward, tokenizer_with_bos
-    from tailspec.scheduler.client import TailspecClient
 
     d, policy = drafters(), tiny()
     _promote(redis_client, 1, d["untrained"])

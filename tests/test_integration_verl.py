@@ -19,6 +19,8 @@ ray = pytest.importorskip("ray")
 
 import torch
 from omegaconf import OmegaConf
+from tailspec.core import state
+from tailspec.core.state import DrafterVersion, PhaseInfo, Progress
 from tailspec.scheduler.attach import node_name
 from tailspec.scheduler.client import TailspecClient
 from test_vllm_checks import write_drafter, write_target
@@ -27,8 +29,6 @@ from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 from verl.workers.rollout.router import get_router_handle
 
-from tailspec.core import state
-from tailspec.core.state import DrafterVersion, PhaseInfo, Progress
 from tailspec.integrations import verl_config as vc
 from tailspec.integrations.verl import TailspecAgentLoopManager, attach_from_config
 from tailspec.integrations.verl_attach import VerlAttach

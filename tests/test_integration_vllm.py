@@ -8,14 +8,14 @@ import torch
 
 
 def test_export_version_exports_a_tailspec_version_once_for_vllm(tmp_path):
-    from transformers import AutoConfig
-
     from tailspec.core.state import DrafterVersion
     from tailspec.drafter_trainer.export import load_export
     from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
-    from tailspec.integrations.vllm import export_version
     from tailspec.rollout.vllm_checks import DrafterMismatch, eagle3_problems, read_json
     from tailspec.rollout.vllm_live import servable_dir
+    from transformers import AutoConfig
+
+    from tailspec.integrations.vllm import export_version
     from tailspec.tasks.policy import get_policy
 
     policy = get_policy("tiny", progress=False)

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tailspec.core import state
 from tailspec.drafter_trainer.checkpoint import load_checkpoint
 from tailspec.drafter_trainer.lineage import DUPLICATE, FENCED, MERGED, Fence, Lineage, snapshot
 from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
 from tailspec.scheduler.leases import Leases
-
-from tailspec.core import state
 
 torch.set_num_threads(1)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 from tailspec.drafter_trainer.lineage import MERGED, Lineage, snapshot
-from tailspec.drafter_trainer.session import TrainingSession
+from tailspec.drafter_trainer.training_session import TrainingSession
 
 from tests.test_lineage import tiny_drafter
 from tests.test_trainer_session import cfg, frozen_teacher, make_buffer

@@ -16,13 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
-from tailspec.drafter_trainer.checkpoint import load_checkpoint
-from tailspec.scheduler.leases import Leases
-from tailspec.scheduler.session import CONTEXT_ENV, SessionContext
-
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
 from tailspec.core.state import LineageHead, PhaseInfo, SessionInfo
+from tailspec.drafter_trainer.checkpoint import load_checkpoint
+from tailspec.scheduler.leases import Leases
+from tailspec.scheduler.session_process import CONTEXT_ENV, SessionContext
 
 REPO = Path(__file__).resolve().parent.parent
 TTL_S = 15.0  # covers a session's start-up (imports, teacher load) on a busy 2-core machine
@@ -74,7 +73,7 @@ def chaos(redis_client, redis_url, tmp_path: Path, rule: str) -> None:
                    LINEAGE_MARKER=str(marker), LINEAGE_PAUSE_AT_MERGE=str(pause_at_merge), OMP_NUM_THREADS="1")
         env[CONTEXT_ENV] = ctx.to_json()
         log = open(tmp_path / f"{sid}.log", "w")
-        p = subprocess.Popen([sys.executable, "-m", "tailspec.scheduler.session"], env=env, cwd=REPO,
+        p = subprocess.Popen([sys.executable, "-m", "tailspec.scheduler.session_process"], env=env, cwd=REPO,
                              stdout=log, stderr=subprocess.STDOUT)
         procs[sid] = (p, gpu, lease.token)
 

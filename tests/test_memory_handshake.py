@@ -5,17 +5,15 @@ gives its lease back, and the GPU is free again at the scheduler's next tick."""
 from __future__ import annotations
 
 import json
-
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from tailspec.scheduler.idle import IdleDetector
-
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig, TrainerConfig
 from tailspec.core.state import GpuState, GpuStatus, GpuTelemetry, PhaseInfo, Progress, SessionInfo
+from tailspec.scheduler.idle import IdleDetector
 
 GIB = 1 << 30
 
@@ -113,8 +111,9 @@ def test_footprint_is_remembered_per_policy_shape_and_recomputed_when_it_changes
     conf = json.loads((v2 / "config.json").read_text())
     conf["intermediate_size"] *= 2
     (v2 / "config.json").write_text(json.dumps(conf))
-    from tailspec.tasks.policy import load_policy
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tailspec.tasks.policy import load_policy
 
     wider = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(v2)))
     wider.save_pretrained(v2)

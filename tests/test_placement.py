@@ -9,7 +9,7 @@ import time
 import pytest
 from tailspec.scheduler import cpu_quota, placement
 from tailspec.scheduler.dispatch import LocalDispatcher
-from tailspec.scheduler.session import SessionContext
+from tailspec.scheduler.session_process import SessionContext
 
 
 def test_split_gives_each_gpu_an_equal_contiguous_share():
@@ -58,8 +58,8 @@ def test_demo_worker_pins_itself_to_its_gpus_cores():
 
 def test_place_workers_runs_fewer_simulated_gpus_than_asked_on_a_small_machine(monkeypatch):
     import torch
-
     from tailspec.core.config import load_config
+
     from tailspec.demo.services import place_workers
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -81,7 +81,7 @@ def _ctx(redis_url, sid, gpu):
 
 
 def _probe_dispatcher(tmp_path, warm, gpu_cpus=None) -> LocalDispatcher:
-    return LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=warm,
+    return LocalDispatcher("tailspec.scheduler.busy_sessions:env_probe_session", log_dir=str(tmp_path), warm=warm,
                            gpu_cpus=gpu_cpus, extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
 
 
@@ -110,9 +110,8 @@ def test_a_session_lent_on_a_simulated_gpu_runs_on_that_gpus_cores(tmp_path, red
 
 
 def test_service_splits_only_simulated_gpus_that_fit(monkeypatch):
-    from tailspec.scheduler.placement import simulated_gpu_placement
-
     from tailspec.core.config import load_config
+    from tailspec.scheduler.placement import simulated_gpu_placement
 
     def simulated_gpu_cpus(cfg):
         return simulated_gpu_placement(cfg)[0]
@@ -212,9 +211,8 @@ def test_a_quota_holds_a_busy_process_to_its_share_of_a_core(tmp_path):
 
 @needs_quota
 def test_the_scheduler_gives_gpus_sharing_a_core_a_quota_each(monkeypatch):
-    from tailspec.scheduler.placement import simulated_gpu_placement
-
     from tailspec.core.config import load_config
+    from tailspec.scheduler.placement import simulated_gpu_placement
 
     monkeypatch.setattr(placement, "host_cpus", lambda: [0, 1])
     cfg = load_config(overrides=["scheduler.simulated_gpus=4", f"cluster.name=qsvc{os.getpid()}"], environ={})

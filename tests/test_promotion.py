@@ -10,13 +10,13 @@ import threading
 
 import pytest
 import torch
-from tailspec.drafter_trainer.session import TrainingSession
+from tailspec.core import state
+from tailspec.core.state import DrafterHealth, DrafterVersion
 from tailspec.drafter_trainer.teacher import Teacher
+from tailspec.drafter_trainer.training_session import TrainingSession
 from tailspec.drafter_trainer.validation import decide, t_cdf, t_ppf
 from tailspec.drafter_trainer.versions import VersionStore
 
-from tailspec.core import state
-from tailspec.core.state import DrafterHealth, DrafterVersion
 from tests.test_trainer_session import cfg, frozen_teacher, synthetic_samples
 
 torch.set_num_threads(1)

@@ -19,18 +19,18 @@ from urllib.parse import quote
 
 import pytest
 import redis
-from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
-from tailspec.scheduler.client import TailspecClient
-
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
 from tailspec.core.redis_conn import RedisSetupError
 from tailspec.core.state import Sample, SessionInfo
+from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
+from tailspec.scheduler.client import TailspecClient
+
 from tailspec.redis_server import free_port
 
 PASSWORD = "s3cr:t@/pw"  # characters that must be URL-encoded
 WRONG = "b4dPa55"
-ENTRY = "tailspec.scheduler.demo_session:busy_session"
+ENTRY = "tailspec.scheduler.busy_sessions:busy_session"
 REPO = Path(__file__).resolve().parent.parent
 
 

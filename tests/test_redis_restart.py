@@ -5,8 +5,8 @@ import threading
 import time
 
 import pytest
-
 from tailspec.core.redis_conn import connect
+
 from tailspec.redis_server import RedisServerError, start_redis
 
 

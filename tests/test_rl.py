@@ -103,6 +103,7 @@ def test_grpo_ratio_at_temperature_compares_the_sampling_distribution(tmp_path, 
     policy gradient sum(A * grad log p_T) / tokens computed independently. (Raw T = 1 logprobs on one side made
     the ratio p_T / p_1: a different update, and clipped tokens.)"""
     from tailspec.core.config import RolloutConfig
+
     from tailspec.demo.protocol import WorkItem, WorkRequest
     from tailspec.demo.worker import Worker
     from tailspec.tasks.tokenizer import encode_prompt

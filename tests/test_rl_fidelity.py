@@ -62,7 +62,7 @@ def reward_curve(policy, draft, tok, seed: int, spec: bool) -> list[float]:
         params = [SamplingParams(max_tokens=MAX_SEQ - len(p), temperature=1.0, seed=seed * 100_000 + step * 1000 + i)
                   for i, p in enumerate(prompts)]
         make, k = drafters[step % len(drafters)]
-        engine = Engine(model, make() if spec else None, choose_k=k if spec else 0, max_batch=len(prompts),
+        engine = Engine(model, make() if spec else None, selector=k if spec else 0, max_batch=len(prompts),
                         max_seq_len=MAX_SEQ, k_max=k if spec else 0, seed=seed)
         outs = engine.generate(prompts, params)
         rollouts = [

@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import micro_policy, random_eagle3, task_prompts
+from tailspec.core.state import Sample
 from tailspec.drafter_trainer.teacher import Teacher, collate
 from tailspec.rollout.drafters import Eagle3Proposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
-
-from tailspec.core.state import Sample
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +23,7 @@ def test_recorded_states_match_the_teachers_forward(policy, k):
     drafter = random_eagle3(policy)
     prompts = task_prompts(5, seed=11)
     prompts = prompts + prompts[:2] + [prompts[0]]  # repeated prompts: the prefill plan's slot copies
-    eng = Engine(policy, Eagle3Proposer(drafter, target=policy), choose_k=k, max_batch=8, max_seq_len=160,
+    eng = Engine(policy, Eagle3Proposer(drafter, target=policy), selector=k, max_batch=8, max_seq_len=160,
                  k_max=4, record_states=True)
     params = [SamplingParams(max_tokens=20 + 9 * i, temperature=1.0, seed=100 + i) for i in range(len(prompts))]
     outs = eng.generate(prompts, params)  # rows finish at different steps: compaction moves the buffers
@@ -45,6 +44,6 @@ def test_record_states_needs_an_aux_drafter(policy):
 
 
 def test_no_states_unless_asked(policy):
-    eng = Engine(policy, Eagle3Proposer(random_eagle3(policy), target=policy), choose_k=2, max_seq_len=96)
+    eng = Engine(policy, Eagle3Proposer(random_eagle3(policy), target=policy), selector=2, max_seq_len=96)
     (out,) = eng.generate(task_prompts(1), SamplingParams(max_tokens=8, seed=1))
     assert out.states is None and eng.recorder is None

@@ -9,16 +9,15 @@ import shutil
 import pytest
 import torch
 from engine_helpers import micro_policy, random_eagle3, task_prompts
+from tailspec.core.config import TrainerConfig
+from tailspec.core.state import Sample
 from tailspec.drafter_trainer.rollout_targets import load_targets, prune_targets, write_targets
 from tailspec.drafter_trainer.samples import SampleBuffer
-from tailspec.drafter_trainer.session import TrainingSession
 from tailspec.drafter_trainer.teacher import Teacher, collate
+from tailspec.drafter_trainer.training_session import TrainingSession
 from tailspec.rollout.drafters import Eagle3Proposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
-
-from tailspec.core.config import TrainerConfig
-from tailspec.core.state import Sample
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +29,7 @@ def shipped(tmp_path_factory):
     samples = []
     for w in range(2):
         prompts = task_prompts(6, seed=20 + w)
-        eng = Engine(policy, Eagle3Proposer(drafter, target=policy), choose_k=2, max_batch=6, max_seq_len=160,
+        eng = Engine(policy, Eagle3Proposer(drafter, target=policy), selector=2, max_batch=6, max_seq_len=160,
                      record_states=True)
         outs = eng.generate(prompts, [SamplingParams(max_tokens=40, seed=w * 100 + i) for i in range(6)])
         d = write_targets(root, 3, f"w{w}", {str(i): o.states for i, o in enumerate(outs)},

@@ -10,11 +10,11 @@ import threading
 import pytest
 import torch
 from safetensors.torch import load_file
+from tailspec.core import state
 from tailspec.drafter_trainer.checkpoint import load_checkpoint
 from tailspec.drafter_trainer.lineage import Fence, Lineage
-from tailspec.drafter_trainer.session import TrainingSession
+from tailspec.drafter_trainer.training_session import TrainingSession
 
-from tailspec.core import state
 from tests.test_trainer_session import cfg, frozen_teacher, make_buffer
 
 torch.set_num_threads(1)

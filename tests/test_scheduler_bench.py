@@ -61,10 +61,9 @@ def test_real_sessions_train_and_merge_into_the_lineage():
 
 
 def test_renew_many_answers_each_lease_like_renew(redis_client):
-    from tailspec.scheduler.leases import DEPOSED, EXPIRED, RENEWED, REVOKED, STALE, Leases
-
     from tailspec.core import state
     from tailspec.core.state import SchedulerLeader
+    from tailspec.scheduler.leases import DEPOSED, EXPIRED, RENEWED, REVOKED, STALE, Leases
 
     r, c = redis_client, "t-renew-many"
     lz = Leases(r, c)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from tailspec.scheduler.client import TailspecClient
-from tailspec.scheduler.simulate import run_simulated_rollout
-
 from tailspec.core import state
 from tailspec.core.state import DrafterVersion, PhaseInfo, Progress, Sample
+from tailspec.scheduler.client import TailspecClient
+from tailspec.scheduler.scripted_rollout import run_scripted_rollout
 
 
 def test_progress_phase_and_samples_reach_redis(redis_url, redis_client):
@@ -129,7 +128,7 @@ def test_slow_redis_never_stalls_the_caller(redis_url, redis_client):
 
 
 def test_simulated_rollout_ground_truth(redis_url, redis_client):
-    res = run_simulated_rollout(
+    res = run_scripted_rollout(
         redis_url,
         workers=3,
         steps=1,
@@ -150,13 +149,13 @@ def test_simulated_rollout_ground_truth(redis_url, redis_client):
     p = state.get(redis_client, state.key("t", "progress", worker="sim-worker2"), Progress)
     assert p.gpus == [2] and p.active == 0 and p.phase == "train"
     with pytest.raises(ValueError, match="lengths"):
-        run_simulated_rollout(redis_url, lengths=[0], cluster="t")
+        run_scripted_rollout(redis_url, lengths=[0], cluster="t")
 
 
 def test_simulated_cluster_fills_the_dashboard_keys(redis_url, redis_client):
-    from tailspec.scheduler.simulate import run_simulated_cluster
+    from tailspec.scheduler.scripted_rollout import run_scripted_cluster
 
-    res = run_simulated_cluster(
+    res = run_scripted_cluster(
         redis_url,
         workers=2,
         steps=1,

@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tailspec.scheduler.idle import Health, IdleDetector, expected_tail_s
-
 from tailspec.core.state import GpuState, GpuTelemetry, PhaseInfo, Progress
+from tailspec.scheduler.idle import Health, IdleDetector, expected_tail_s
 
 N = "n0"
 

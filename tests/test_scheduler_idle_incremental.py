@@ -15,9 +15,8 @@ from dataclasses import astuple
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tailspec.scheduler.idle import GpuMachine, Health, IdleDetector
-
 from tailspec.core.state import GpuState, GpuTelemetry, PhaseInfo, Progress
+from tailspec.scheduler.idle import GpuMachine, Health, IdleDetector
 
 NODE = "n0"
 WORKERS = {0: [0, 1], 1: [2], 2: [3]}  # worker → its GPUs; GPU 4 has telemetry and no worker

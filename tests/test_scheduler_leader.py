@@ -14,17 +14,16 @@ from itertools import pairwise
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tailspec.core import state
+from tailspec.core.config import TailspecConfig
+from tailspec.core.state import Event, GpuTelemetry, Lease, PhaseInfo, Progress, SessionInfo
 from tailspec.scheduler import leases as L
 from tailspec.scheduler.leader import LeaderElection, current_leader
 from tailspec.scheduler.leases import LeaderLost, Leases
 from tailspec.scheduler.monitor import publish_samples
-from tailspec.scheduler.session import SessionContext
+from tailspec.scheduler.session_process import SessionContext
 
-from tailspec.core import state
-from tailspec.core.config import TailspecConfig
-from tailspec.core.state import Event, GpuTelemetry, Lease, PhaseInfo, Progress, SessionInfo
-
-ENTRY = "tailspec.scheduler.demo_session:busy_session"
+ENTRY = "tailspec.scheduler.busy_sessions:busy_session"
 NODE = "node0"
 
 

@@ -8,11 +8,10 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tailspec.core import state
 from tailspec.scheduler import leases as L
 from tailspec.scheduler.leases import Leases
-from tailspec.scheduler.session import SessionContext
-
-from tailspec.core import state
+from tailspec.scheduler.session_process import SessionContext
 
 
 def _heartbeat(r, cluster="t", px=60_000):
@@ -272,7 +271,7 @@ def test_sigstopped_session_process_wakes_after_expiry_and_stops_without_writing
         cluster="t",
         lease_ttl_s=0.5,
     )
-    d = LocalDispatcher("tailspec.scheduler.demo_session:busy_session", log_dir=str(tmp_path))
+    d = LocalDispatcher("tailspec.scheduler.busy_sessions:busy_session", log_dir=str(tmp_path))
     d.start(ctx)
     key = state.key("t", "session", session_id="paused")
 

@@ -10,13 +10,12 @@ import sys
 import time
 
 import pytest
-from tailspec.scheduler.client import TailspecClient
-
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
 from tailspec.core.state import SessionInfo
+from tailspec.scheduler.client import TailspecClient
 
-ENTRY = "tailspec.scheduler.demo_session:busy_session"
+ENTRY = "tailspec.scheduler.busy_sessions:busy_session"
 
 pytestmark = pytest.mark.slow
 

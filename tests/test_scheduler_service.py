@@ -1,5 +1,5 @@
 """The scheduler end to end in single-node mode: real redis-server, real scheduler loop, real session
-processes (tailspec.scheduler.demo_session:busy_session), simulated GPU telemetry. Failure cases:
+processes (tailspec.scheduler.busy_sessions:busy_session), simulated GPU telemetry. Failure cases:
 SIGKILL of the scheduler process and a stopped Redis while GPUs are lent."""
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ import time
 
 import pytest
 import redis
-from tailspec.scheduler.client import TailspecClient
-
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
 from tailspec.core.state import Event, GpuState, GpuStatus, SessionInfo
+from tailspec.scheduler.client import TailspecClient
 
-ENTRY = "tailspec.scheduler.demo_session:busy_session"
+ENTRY = "tailspec.scheduler.busy_sessions:busy_session"
 CL = "t"  # this test's cluster name; unique per test so a straggling thread of another test cannot interfere
 
 
@@ -230,7 +229,7 @@ def test_redis_stop_sessions_stop_within_one_ttl_and_client_stays_fast(tmp_path)
         pids = [
             p
             for p in _children(os.getpid())
-            if "tailspec.scheduler.session" in open(f"/proc/{p}/cmdline").read()
+            if "tailspec.scheduler.session_process" in open(f"/proc/{p}/cmdline").read()
         ]
         assert len(pids) == 2
         t_stop = time.time()
@@ -265,7 +264,7 @@ def test_redis_stop_sessions_stop_within_one_ttl_and_client_stays_fast(tmp_path)
         server.stop()
         for p in _children(os.getpid()):
             try:
-                if "tailspec.scheduler.session" in open(f"/proc/{p}/cmdline").read():
+                if "tailspec.scheduler.session_process" in open(f"/proc/{p}/cmdline").read():
                     os.kill(p, signal.SIGKILL)
             except OSError:
                 pass
@@ -339,7 +338,7 @@ def test_failing_session_entry_is_recorded_and_not_restarted_in_a_loop(redis_url
     from tailspec.scheduler.service import run_local
 
     cfg = make_cfg(redis_url)
-    cfg.scheduler.session_entry = "tailspec.scheduler.demo_session:no_such_session"
+    cfg.scheduler.session_entry = "tailspec.scheduler.busy_sessions:no_such_session"
     stop = threading.Event()
     th = threading.Thread(target=run_local, args=(cfg, stop), daemon=True)
     th.start()

@@ -11,11 +11,10 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from tailspec.scheduler.monitor import TelemetryMonitor, publish_samples
-from tailspec.scheduler.telemetry import NvmlTelemetry, SimulatedTelemetry, TelemetryError, make_telemetry
-
 from tailspec.core import state
 from tailspec.core.state import Event, GpuTelemetry, NodeHealth, Progress
+from tailspec.scheduler.monitor import TelemetryMonitor, publish_samples
+from tailspec.scheduler.telemetry import NvmlTelemetry, SimulatedTelemetry, TelemetryError, make_telemetry
 
 
 def _nvml_works() -> bool:
@@ -269,10 +268,9 @@ def test_nvml_on_a_real_gpu_util_rises_under_matmul_and_idle_is_detected_fast():
     import threading
 
     import torch
-    from tailspec.scheduler.idle import IdleDetector
-
     from tailspec.core.config import SchedulerConfig
     from tailspec.core.state import PhaseInfo
+    from tailspec.scheduler.idle import IdleDetector
 
     t = NvmlTelemetry("n0")
     sc = SchedulerConfig()

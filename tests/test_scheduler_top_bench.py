@@ -7,9 +7,9 @@ import sys
 import threading
 import time
 
+from tailspec.core.config import TailspecConfig
 from tailspec.scheduler.client import TailspecClient
 
-from tailspec.core.config import TailspecConfig
 from tailspec.top import gather, render_rich, render_text
 
 
@@ -20,7 +20,7 @@ def test_top_shows_states_leases_and_sessions_labelled_simulated(redis_url, redi
     cfg.cluster.name = "t-top"
     cfg.scheduler.telemetry = "simulated"
     cfg.scheduler.simulated_gpus = 2
-    cfg.scheduler.session_entry = "tailspec.scheduler.demo_session:busy_session"
+    cfg.scheduler.session_entry = "tailspec.scheduler.busy_sessions:busy_session"
     cfg.scheduler.session_startup_s = 0.0
     stop = threading.Event()
     th = threading.Thread(target=run_local, args=(cfg, stop), kwargs={"redis_url": redis_url}, daemon=True)

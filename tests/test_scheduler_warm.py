@@ -4,7 +4,7 @@ import json
 import time
 
 from tailspec.scheduler.dispatch import LocalDispatcher, warm_ready
-from tailspec.scheduler.session import SessionContext
+from tailspec.scheduler.session_process import SessionContext
 
 
 def _ctx(redis_url, sid, gpu):
@@ -19,7 +19,7 @@ def _wait_ended(d: LocalDispatcher, sid: str, timeout_s: float = 60) -> None:
 
 
 def test_warm_process_runs_the_assigned_session_with_its_gpu(tmp_path, redis_url):
-    entry = "tailspec.scheduler.demo_session:env_probe_session"
+    entry = "tailspec.scheduler.busy_sessions:env_probe_session"
     d = LocalDispatcher(entry, log_dir=str(tmp_path), warm=1, extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
     try:
         assert len(d._warm) == 1
@@ -39,7 +39,7 @@ def test_warm_process_runs_the_assigned_session_with_its_gpu(tmp_path, redis_url
 
 
 def test_warm_process_exits_quietly_on_eof(tmp_path):
-    d = LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=2)
+    d = LocalDispatcher("tailspec.scheduler.busy_sessions:env_probe_session", log_dir=str(tmp_path), warm=2)
     procs = [p for p, _ in d._warm]
     d.shutdown()
     assert all(p.poll() == 0 for p in procs)
@@ -50,7 +50,7 @@ def test_session_nice_applies_to_warm_and_cold_sessions(tmp_path, redis_url):
     import os
 
     base = os.nice(0)
-    entry = "tailspec.scheduler.demo_session:env_probe_session"
+    entry = "tailspec.scheduler.busy_sessions:env_probe_session"
     for warm in (1, 0):
         d = LocalDispatcher(entry, log_dir=str(tmp_path), warm=warm, nice=7,
                             extra_env={"TAILSPEC_PROBE_DIR": str(tmp_path)})
@@ -67,7 +67,7 @@ def test_session_nice_applies_to_warm_and_cold_sessions(tmp_path, redis_url):
 
 def test_warm_ready_counts_processes_whose_imports_are_done(tmp_path):
     assert warm_ready(tmp_path / "missing") == 0
-    d = LocalDispatcher("tailspec.scheduler.demo_session:env_probe_session", log_dir=str(tmp_path), warm=2)
+    d = LocalDispatcher("tailspec.scheduler.busy_sessions:env_probe_session", log_dir=str(tmp_path), warm=2)
     try:
         deadline = time.time() + 60
         while warm_ready(tmp_path) < 2 and time.time() < deadline:
@@ -81,7 +81,7 @@ def test_a_warm_session_past_its_deadline_gets_a_grace_before_sigterm(tmp_path, 
     """The stop backstop SIGTERMs a cold process at once, but gives a warm one `warm_stop_grace_s` to stop on its
     own lease check: SIGTERM would end the pooled process, and its replacement would import for seconds on the
     lent GPU's compute. Past the grace it is terminated."""
-    entry = "tailspec.scheduler.demo_session:slow_stop_session"
+    entry = "tailspec.scheduler.busy_sessions:slow_stop_session"
     d = LocalDispatcher(entry, log_dir=str(tmp_path), warm=1, extra_env={"TAILSPEC_DEMO_STEP_SLEEP_S": "1.0"})
     try:
         deadline = time.time() + 60

@@ -1,4 +1,4 @@
-"""A session gives its GPU back before its last merge (drafter_trainer/session.py, "Giving the GPU back"): the
+"""A session gives its GPU back before its last merge (drafter_trainer/training_session.py, "Giving the GPU back"): the
 release comes after the last optimizer step and before the merge that lands it, the merge loses nothing, and a
 chunk that ends on `max_seconds` (the session goes on) does not release."""
 
@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tailspec.drafter_trainer.lineage import Lineage
-from tailspec.drafter_trainer.samples import SampleBuffer
-from tailspec.drafter_trainer.session import TrainingSession
-
 from tailspec.core.config import TrainerConfig
 from tailspec.core.state import Sample
+from tailspec.drafter_trainer.lineage import Lineage
+from tailspec.drafter_trainer.samples import SampleBuffer
+from tailspec.drafter_trainer.training_session import TrainingSession
 
 torch.set_num_threads(1)
 

@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-
 from tailspec.core.state import GpuState, GpuTelemetry, PhaseInfo, Progress
 from tailspec.rollout.cost_model import CostModel
 from tailspec.scheduler.idle import IdleDetector
+
 from tailspec.simulate.calibrate import FLUSH_POLL_S, counting_window
 from tailspec.simulate.lending import Latencies, decide
 from tailspec.simulate.step import StepInputs, run_step, validations

@@ -1,7 +1,6 @@
 import time
 
 import pytest
-
 from tailspec.core import state
 from tailspec.core.state import GpuState, GpuStatus, Lease, Sample, StateError
 

@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from tailspec.core.config import TaskConfig
+
 from tailspec.tasks.runsum import Problem, grade, parse_prompt, sample_problems
 from tailspec.tasks.tokenizer import ALPHABET, build_tokenizer, decode_response, encode_prompt, load_tokenizer
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tailspec.drafter_trainer.samples import SampleBuffer
-from tailspec.drafter_trainer.session import TrainingSession
-from tailspec.drafter_trainer.teacher import Teacher
-from tailspec.drafter_trainer.validation import validate
-
 from tailspec.core.config import TrainerConfig
+from tailspec.drafter_trainer.samples import SampleBuffer
+from tailspec.drafter_trainer.teacher import Teacher
+from tailspec.drafter_trainer.training_session import TrainingSession
+from tailspec.drafter_trainer.validation import validate
 
 K = 4
 # (preset, optimizer steps, learning rate): the tiny policy is the figure that matters (slow: its samples

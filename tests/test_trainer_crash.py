@@ -15,7 +15,7 @@ import pytest
 import torch
 from tailspec.drafter_trainer.checkpoint import load_latest
 from tailspec.drafter_trainer.export import export, load_export
-from tailspec.drafter_trainer.session import TrainingSession
+from tailspec.drafter_trainer.training_session import TrainingSession
 
 from tests.test_trainer_session import cfg, make_buffer
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tailspec.drafter_trainer.checkpoint import load_latest
-from tailspec.drafter_trainer.session import TrainingSession
+from tailspec.drafter_trainer.training_session import TrainingSession
 
 from tests.test_trainer_session import cfg, frozen_teacher, make_buffer
 

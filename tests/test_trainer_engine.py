@@ -7,13 +7,13 @@ import random
 
 import pytest
 import torch
+from tailspec.core.state import Sample
 from tailspec.drafter_trainer.export import export, load_export
 from tailspec.drafter_trainer.samples import SampleBuffer
-from tailspec.drafter_trainer.session import TrainingSession
 from tailspec.drafter_trainer.teacher import Teacher
+from tailspec.drafter_trainer.training_session import TrainingSession
 from tailspec.drafter_trainer.validation import validate
 
-from tailspec.core.state import Sample
 from tests.test_trainer_model import make_target
 from tests.test_trainer_session import cfg
 
@@ -32,7 +32,7 @@ def test_engine_decodes_losslessly_with_exported_drafter(tmp_path):
     rng = random.Random(0)
     prompts = [[1] + [rng.randrange(4, 21) for _ in range(rng.randrange(3, 8))] for _ in range(48)]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    plain = Engine(target, None, choose_k=0, max_batch=16, max_seq_len=64, seed=0)
+    plain = Engine(target, None, selector=0, max_batch=16, max_seq_len=64, seed=0)
     ref = [o.token_ids for o in plain.generate(prompts, greedy)]
     # Train on the target's own greedy continuations (a quick session), then export for serving.
     buf = SampleBuffer(capacity=1000, holdout_fraction=0.0)
@@ -47,7 +47,7 @@ def test_engine_decodes_losslessly_with_exported_drafter(tmp_path):
     out = export(s.drafter, tmp_path / "eagle3", "eagle3")
     drafter = load_export(out, target.get_input_embeddings())
     for k in (1, 3):
-        engine = Engine(target, Eagle3Proposer(drafter, target), choose_k=k, max_batch=16, max_seq_len=64, seed=0)
+        engine = Engine(target, Eagle3Proposer(drafter, target), selector=k, max_batch=16, max_seq_len=64, seed=0)
         outs = engine.generate(prompts, greedy)
         assert [o.token_ids for o in outs] == ref, k  # lossless: token-identical to the target alone
         drafted = sum(o.stats.drafted for o in outs)

@@ -1,4 +1,4 @@
-"""`tailspec.sessions.run_session` under a real lease: trains from the cluster's samples, reports, stops on
+"""`tailspec.session_entry.run_session` under a real lease: trains from the cluster's samples, reports, stops on
 revoke within the deadline, checkpoints, and proposes candidates to the version store."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import time
 
 import pytest
 import torch
-from tailspec.scheduler.leases import Leases
-from tailspec.scheduler.session import SessionContext
-
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
 from tailspec.core.state import DrafterVersion, LineageHead, PhaseInfo, Sample, SessionInfo
-from tailspec.sessions import run_session
+from tailspec.scheduler.leases import Leases
+from tailspec.scheduler.session_process import SessionContext
+
+from tailspec.session_entry import run_session
 
 torch.set_num_threads(1)
 # Long enough to cover loading the teacher on a busy 2-core machine (start-up renews between phases).
@@ -111,7 +111,7 @@ def test_run_session_without_policy_says_so(redis_client, redis_url, tmp_path):
 
 
 def test_a_head_is_proposed_once_and_only_with_enough_new_steps():
-    from tailspec.sessions import worth_proposing
+    from tailspec.session_entry import worth_proposing
 
     assert worth_proposing(3, 7, (0, 0), 1)
     assert not worth_proposing(3, 7, (3, 7), 1)  # proposed already
@@ -121,7 +121,8 @@ def test_a_head_is_proposed_once_and_only_with_enough_new_steps():
 
 def test_one_validation_at_a_time_and_only_its_holder_releases_it(redis_client):
     from tailspec.core import state
-    from tailspec.sessions import claim_validation, release_validation
+
+    from tailspec.session_entry import claim_validation, release_validation
 
     assert claim_validation(redis_client, "c", 17, "node0-g1-t4")
     assert not claim_validation(redis_client, "c", 17, "node0-g2-t5")  # the same head: train instead
@@ -137,10 +138,11 @@ def test_one_validation_at_a_time_and_only_its_holder_releases_it(redis_client):
 def test_a_warm_process_reuses_its_teacher_module_with_the_new_weights(tmp_path):
     """A warm session process keeps the last teacher module (on the host) and loads the next policy's weights into
     it: the same outputs as that policy loaded afresh (the independent reference), bit for bit."""
-    from tailspec.bench.vllm import perturbed_policy
+    from tailspec.benchmarks.vllm import perturbed_policy
     from tailspec.drafter_trainer.teacher import Teacher, collate
-    from tailspec.warm import _KEPT, keep_teacher, load_teacher
+
     from tailspec.tasks.policy import get_policy
+    from tailspec.warm import _KEPT, keep_teacher, load_teacher
 
     _KEPT.clear()
     p0 = get_policy("tiny", progress=False)
@@ -162,6 +164,7 @@ def test_weights_that_do_not_fit_are_refused_before_anything_is_copied(tmp_path)
     """A policy file whose tensors differ from the module's (a shape, an unknown name) is refused whole: False, and
     the module keeps every weight it had (the caller then loads the directory afresh)."""
     from safetensors.torch import load_file, save_file
+
     from tailspec.tasks.policy import get_policy, load_policy
     from tailspec.tasks.policy_sync import load_weights_in_place
 
@@ -182,13 +185,13 @@ def test_a_warm_process_builds_the_warm_policy_for_its_first_session(tmp_path, m
     """scheduler.warm_policy reaches a warm process as an environment variable: warm_up() builds that policy's
     modules as the kept teacher, so the first session's load_teacher of another version of it reuses them. A
     relative path is refused by the config; a missing directory costs nothing but the build."""
-    from tailspec.bench.vllm import perturbed_policy
-    from tailspec.scheduler.session import WARM_POLICY_ENV
-    from tailspec.sessions import warm_up
-    from tailspec.warm import _KEPT, load_teacher
-    from tailspec.tasks.policy import get_policy
-
+    from tailspec.benchmarks.vllm import perturbed_policy
     from tailspec.core.config import SchedulerConfig
+    from tailspec.scheduler.session_process import WARM_POLICY_ENV
+
+    from tailspec.session_entry import warm_up
+    from tailspec.tasks.policy import get_policy
+    from tailspec.warm import _KEPT, load_teacher
 
     p0 = get_policy("tiny", progress=False)
     p1 = perturbed_policy(p0, tmp_path / "p1", scale=0.2)

@@ -6,10 +6,9 @@ import math
 import random
 
 import pytest
-from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader, is_holdout, validate_sample
-
 from tailspec.core import state
 from tailspec.core.state import Sample
+from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader, is_holdout, validate_sample
 
 
 def S(prompt=(1, 2, 3), response=(4, 5, 6), reward=1.0, version=0, group=None) -> Sample:
@@ -102,7 +101,8 @@ def test_a_sessions_first_batch_comes_from_the_newest_policy_versions(redis_clie
     """30 policy versions in the stream, oldest first: a new session reads from the newest end, so its first
     batch is of the newest versions (only the newest at weight 0), and it follows new entries afterwards."""
     from tailspec.core.config import TailspecConfig
-    from tailspec.sessions import Contributor, make_buffer
+
+    from tailspec.session_entry import Contributor, make_buffer
     from tests.test_trainer_session import frozen_teacher, synthetic_samples
 
     for v in range(30):

@@ -8,15 +8,15 @@ import time
 
 import pytest
 import torch
-from tailspec.drafter_trainer.checkpoint import list_checkpoints, load_latest
-from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
-from tailspec.drafter_trainer.session import TrainingSession
-from tailspec.drafter_trainer.teacher import Teacher
-from tailspec.drafter_trainer.versions import VersionStore
-
 from tailspec.core import state
 from tailspec.core.config import TrainerConfig
 from tailspec.core.state import DrafterVersion, Sample
+from tailspec.drafter_trainer.checkpoint import list_checkpoints, load_latest
+from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
+from tailspec.drafter_trainer.teacher import Teacher
+from tailspec.drafter_trainer.training_session import TrainingSession
+from tailspec.drafter_trainer.versions import VersionStore
+
 from tests.test_trainer_model import make_target
 
 torch.set_num_threads(1)
@@ -170,7 +170,7 @@ def test_should_continue_false_stops_the_session(tmp_path, teacher):
 def test_should_continue_is_asked_inside_a_step(tmp_path, teacher, monkeypatch):
     """A lease revoked mid-step is noticed at the step's next check point: the step is abandoned (no
     optimizer update) instead of running to its end past the deadline."""
-    import tailspec.drafter_trainer.session as session_mod
+    import tailspec.drafter_trainer.training_session as session_mod
 
     monkeypatch.setattr(session_mod, "ASK_EVERY_S", 0.0)
     calls = 0
@@ -236,9 +236,8 @@ def test_versions_promote_only_better_candidates(tmp_path, teacher, redis_client
 def test_a_loaded_optimizer_state_keeps_this_sessions_hyperparameters():
     """A head's optimizer state carries its writer's lr; the session's own config wins."""
     import torch
-    from tailspec.drafter_trainer.backends import TorchBackend
-
     from tailspec.core.config import TrainerConfig
+    from tailspec.drafter_trainer.backends import TorchBackend
 
     p = [torch.nn.Parameter(torch.ones(3))]
     writer = TorchBackend(p, TrainerConfig(lr=5e-2, beta1=0.5))
@@ -346,7 +345,7 @@ def test_a_stop_after_a_micro_batch_still_takes_the_step(tmp_path, teacher):
         calls += 1
         return calls <= 1
 
-    import tailspec.drafter_trainer.session as session_mod
+    import tailspec.drafter_trainer.training_session as session_mod
 
     old, session_mod.ASK_EVERY_S = session_mod.ASK_EVERY_S, 0.0
     try:

@@ -4,12 +4,12 @@ with, even when the head has moved on meanwhile; the scores kept are not compute
 from __future__ import annotations
 
 import torch
+from tailspec.core import state
+from tailspec.core.config import TailspecConfig
 from tailspec.drafter_trainer.loss import StopRequested
 from tailspec.drafter_trainer.validation import CHECKED_BATCH
 
-from tailspec.core import state
-from tailspec.core.config import TailspecConfig
-from tailspec.sessions import Contributor, make_buffer
+from tailspec.session_entry import Contributor, make_buffer
 from tests.test_trainer_session import frozen_teacher, synthetic_samples
 
 torch.set_num_threads(1)

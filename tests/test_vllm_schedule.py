@@ -63,10 +63,9 @@ def test_same_output_whatever_k(engine):
 
 
 def test_progress_reaches_scheduler(engine, redis_url, redis_client):
+    from tailspec.core import state
     from tailspec.rollout.vllm_backend import client_progress, greedy
     from tailspec.scheduler.client import TailspecClient
-
-    from tailspec.core import state
 
     client = TailspecClient(redis_url, cluster="t")
     seen: list[tuple] = []

@@ -4,10 +4,9 @@ import threading
 import time
 import uuid
 
-from tailspec.scheduler.client import TailspecClient
-
 from tailspec.core import state
 from tailspec.core.state import GpuState, GpuStatus, SessionInfo
+from tailspec.scheduler.client import TailspecClient
 
 
 def _cluster() -> str:
@@ -115,7 +114,7 @@ def test_an_unreachable_redis_returns_at_once_with_the_error():
 
 
 def test_a_session_that_released_its_gpu_is_back_while_it_merges(redis_url, redis_client):
-    """A session frees its GPU before its last merge (drafter_trainer/session.py: Giving the GPU back) and says so
+    """A session frees its GPU before its last merge (drafter_trainer/training_session.py: Giving the GPU back) and says so
     (`released_at`): the trainer does not wait for the merge; the same record without it is waited for."""
     cluster = _cluster()
     _lend(redis_client, cluster, 1, "node0-g1-t1", status="stopping")

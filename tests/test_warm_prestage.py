@@ -10,19 +10,19 @@ import time
 
 import pytest
 import torch
+from tailspec.core import state
+from tailspec.core.config import TailspecConfig
+from tailspec.core.state import PhaseInfo
 from tailspec.drafter_trainer import checkpoint
 from tailspec.drafter_trainer.checkpoint import load_checkpoint, stage_checkpoint
 from tailspec.drafter_trainer.lineage import Lineage
 from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
 from tailspec.scheduler.cpu_quota import CGROUP_ENV
 from tailspec.scheduler.placement import CPUS_ENV
-from tailspec.scheduler.session import SessionContext
+from tailspec.scheduler.session_process import SessionContext
 from tailspec.scheduler.warm_wait import WarmWait
 
 from tailspec import warm
-from tailspec.core import state
-from tailspec.core.config import TailspecConfig
-from tailspec.core.state import PhaseInfo
 
 torch.set_num_threads(1)
 
@@ -40,9 +40,9 @@ def _seed(root, redis, cluster, teacher) -> Eagle3Module:
 
 def test_prestage_reads_the_policy_and_the_head_so_the_next_lend_reads_no_file(tmp_path, redis_client, redis_url,
                                                                             monkeypatch):
+    from tailspec.benchmarks.vllm import perturbed_policy
     from tailspec.drafter_trainer.teacher import Teacher
 
-    from tailspec.bench.vllm import perturbed_policy
     from tailspec.tasks.policy import get_policy
 
     cluster = "wp"

@@ -1,4 +1,4 @@
-"""Test data for the trainer tests: rollout samples of a cached task policy (see tailspec.bench.trainer)."""
+"""Test data for the trainer tests: rollout samples of a cached task policy (see tailspec.benchmarks.trainer)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,6 @@ from tailspec.core.state import Sample
 
 
 def policy_samples(preset: str, n: int, seed: int = 0, max_new_tokens: int | None = 128) -> tuple[Path, list[Sample]]:
-    from tailspec.bench.trainer import policy_samples as make
+    from tailspec.tasks.samples import policy_samples as make
 
     return make(preset, n, seed, max_new_tokens=max_new_tokens)

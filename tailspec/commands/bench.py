@@ -8,8 +8,8 @@ import json
 import os
 import platform
 
-from tailspec.bench import BENCHES
-from tailspec.cli import add_config_args
+from tailspec.benchmarks import BENCHES
+from tailspec.commands.args import add_config_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:

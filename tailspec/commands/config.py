@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tailspec.cli import add_config_args, config_from_args
+from tailspec.commands.args import add_config_args, config_from_args
 from tailspec.core.config import dump_config
 from tailspec.core.state import schema_table
 

@@ -22,7 +22,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from tailspec.cli import add_config_args, config_from_args
+from tailspec.commands.args import add_config_args, config_from_args
 from tailspec.demo.options import DemoOptions
 from tailspec.demo.report import write_report
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from tailspec.cli import add_config_args, config_from_args
+from tailspec.commands.args import add_config_args, config_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:

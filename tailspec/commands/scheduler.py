@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from tailspec.cli import add_config_args, config_from_args
+from tailspec.commands.args import add_config_args, config_from_args
 from tailspec.core.redis_conn import RedisSetupError, check
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tailspec.cli import add_config_args, config_from_args
+from tailspec.commands.args import add_config_args, config_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tailspec.cli import add_config_args, config_from_args
+from tailspec.commands.args import add_config_args, config_from_args
 from tailspec.core.state import Sample
 
 
@@ -65,7 +65,7 @@ def _sample_source(args: argparse.Namespace, cfg, buffer, vocab: int) -> tuple[A
     if args.samples == "redis":
         return redis_lib.Redis.from_url(cfg.cluster.redis_url), {}
     if args.samples.startswith("task:"):
-        from tailspec.bench.trainer import generate_task_samples  # the policy and the task: only for task:N
+        from tailspec.tasks.samples import generate_task_samples
 
         n = int(args.samples.split(":", 1)[1])
         return None, fill_buffer(buffer, generate_task_samples(args.policy, n), vocab, cfg.trainer.max_seq_len)
@@ -83,7 +83,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from tailspec.drafter_trainer.teacher import Teacher
     from tailspec.drafter_trainer.versions import validate
-    from tailspec.sessions import Contributor, device_and_dtype, make_buffer
+    from tailspec.session_entry import Contributor, device_and_dtype, make_buffer
 
     cfg = config_from_args(args)
     if args.out:

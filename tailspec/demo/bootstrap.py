@@ -24,12 +24,12 @@ from tailspec.drafter_trainer.checkpoint import flatten_optimizer_state, unflatt
 from tailspec.drafter_trainer.lineage import Lineage
 from tailspec.drafter_trainer.model import CONFIG_NAME, Eagle3Module
 from tailspec.drafter_trainer.samples import fill_buffer
-from tailspec.drafter_trainer.session import TrainingSession
 from tailspec.drafter_trainer.teacher import Teacher
+from tailspec.drafter_trainer.training_session import TrainingSession
 from tailspec.drafter_trainer.versions import VersionStore
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.sequence import SamplingParams
-from tailspec.sessions import make_buffer
+from tailspec.session_entry import make_buffer
 from tailspec.tasks.policy import load_policy
 from tailspec.tasks.runsum import grade, sample_problems
 from tailspec.tasks.tokenizer import decode_response, encode_prompt

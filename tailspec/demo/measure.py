@@ -18,7 +18,7 @@ from tailspec.demo.protocol import WorkResult
 from tailspec.drafter_trainer.model import Eagle3Module
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.drafter_trainer.validation import validate
-from tailspec.sessions import SESSION_SECONDS
+from tailspec.session_entry import SESSION_SECONDS
 from tailspec.tasks.runsum import ALT
 
 log = logging.getLogger("tailspec.demo")
@@ -59,7 +59,7 @@ class StepRow:
     # per worker: response lengths, engine set-up and decode seconds; k -> [rows, accepted] over the step
     # (what `tailspec simulate --calibrate` replays)
     worker_lengths: dict[str, list[int]] = field(default_factory=dict)
-    # where the lent GPU-seconds went, by the sessions that ended in the step (tailspec.sessions.SESSION_SECONDS):
+    # where the lent GPU-seconds went, by the sessions that ended in the step (tailspec.session_entry.SESSION_SECONDS):
     # ready (start-up), train (whole optimizer steps), validate, and all of it
     session_seconds: dict[str, float] = field(default_factory=dict)
     worker_setup_s: dict[str, float] = field(default_factory=dict)

@@ -60,7 +60,7 @@ class DemoOptions:
 
 # The demo's session settings (also the cotrain bench's), where the user's config does not set them:
 # - batch_size ≤ 8 in micro-batches of 2: a lend is often shorter than a step (0.25-0.6 s against ~0.2-0.4 s a
-#   step), and a revoked step keeps the micro-batches it finished (drafter_trainer/session.py: Stopping);
+#   step), and a revoked step keeps the micro-batches it finished (drafter_trainer/training_session.py: Stopping);
 # - validate every 5 s: tails are seconds long;
 # - merge every 2 steps (~0.03 s against ~0.5 s a step): a session killed past its deadline loses at most one
 #   step, and contributors see each other's work 2 steps late (every 10 steps cost 0.31 of acceptance, every 2 0.20);

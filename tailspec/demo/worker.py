@@ -214,7 +214,7 @@ class Worker:
         drafter = self._drafter(item, rc)
         k_max = rc.k_max if drafter is not None else 0
         eos = self.model.config.eos_token_id
-        engine = Engine(self.model, drafter, choose_k=0, max_batch=max(1, min(rc.max_batch, len(item.requests))),
+        engine = Engine(self.model, drafter, selector=0, max_batch=max(1, min(rc.max_batch, len(item.requests))),
                         max_seq_len=rc.max_seq_len, k_max=k_max, seed=item.step, eos_token_id=eos,
                         verify_rule=rc.verify_rule,
                         record_states=bool(item.states_dir) and drafter is not None and drafter.needs_aux)
@@ -234,11 +234,11 @@ class Worker:
         if wants_pool:
             self._attach_pool(engine, item, rc, on_step)
         if drafter is not None:
-            choose_k = make_selector(rc.model_copy(update={"k": min(rc.k, k_max)}), self.cost,
+            selector = make_selector(rc.model_copy(update={"k": min(rc.k, k_max)}), self.cost,
                                      self.acceptance if adaptive else None, seed=item.step)
             if self.guard is not None and self.drafter_module is not None:
-                choose_k = guarded(choose_k, self.guard, on_verdict=self._on_verdict)
-            engine.configure(choose_k=choose_k)
+                selector = guarded(selector, self.guard, on_verdict=self._on_verdict)
+            engine.configure(selector=selector)
         return engine
 
     def _attach_pool(self, engine, item: WorkItem, rc, on_step=None, emulate: bool = False) -> None:

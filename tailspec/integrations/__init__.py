@@ -9,5 +9,5 @@ directory on a shared filesystem; `progress`: counting finished sequences at eve
 adapters: TRL's `GRPOTrainer` (`trl`, needs the `trl` extra; `trl_vllm`: its colocated vLLM engine with tailspec's
 drafter), verl (`verl*`) and OpenRLHF (`openrlhf*`), with what those two share in `framework`.
 
-Integrations are part of the trunk's roof: they may import every component; no component imports them.
+Integrations are part of the roof: they may import every component; no component imports them.
 """

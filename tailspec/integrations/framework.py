@@ -19,7 +19,6 @@ from tailspec.core.state import DrafterVersion
 from tailspec.integrations.policy import PolicyPublisher
 from tailspec.rollout.health_guard import GuardPolicy
 from tailspec.rollout.vllm_backend import SpecCounters, process_counters
-from tailspec.rollout.vllm_live import LiveVllm
 from tailspec.rollout.vllm_checks import (
     DrafterMismatch,
     DrafterSpec,
@@ -29,6 +28,7 @@ from tailspec.rollout.vllm_checks import (
     safetensors_shapes,
     speculative_config,
 )
+from tailspec.rollout.vllm_live import LiveVllm
 
 log = logging.getLogger(__name__)
 

@@ -42,13 +42,13 @@ from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 from openrlhf.trainer.ray import vllm_engine
 
 from tailspec.integrations.openrlhf_attach import OpenRLHFAttach
-from tailspec.integrations.openrlhf_progress import workers_where
 from tailspec.integrations.openrlhf_config import (
     OPENRLHF_VERSION,
     OpenRLHFSettings,
     engine_kwargs,
     load_settings,
 )
+from tailspec.integrations.openrlhf_progress import workers_where
 from tailspec.scheduler.attach import ray_node_name
 from tailspec.scheduler.client import TailspecClient
 

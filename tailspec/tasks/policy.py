@@ -48,7 +48,6 @@ from tailspec.tasks.tokenizer import (
     save_tokenizer,
 )
 
-
 KIT_VERSION = 3  # bump to invalidate every cached policy when training code changes
 
 

@@ -1,5 +1,5 @@
 """A new policy version's weights synced into a module already built from the same config.json, as an RL framework
-syncs its rollout engine (the demo's workers) or a warm session process reuses its teacher (tailspec/sessions.py)."""
+syncs its rollout engine (the demo's workers) or a warm session process reuses its teacher (tailspec/session_entry.py)."""
 
 from __future__ import annotations
 

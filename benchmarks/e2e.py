@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from tailspec.cli import config_from_args
+from tailspec.commands.args import config_from_args
 from tailspec.demo.options import DemoOptions
 from tailspec.demo.report import lent_in_tail, session_split, tail_idle_share
 from tailspec.tasks.runsum import sample_problems
@@ -223,9 +223,9 @@ def drafter_cost_ratio(demo) -> dict:
         return {"drafter_cost_ratio": None}
     # deferred: torch and the models; the CLI imports every bench module to build its parser
     import torch
-
-    from tailspec.bench.engine import drafter_cost
+    from tailspec.benchmarks.engine import drafter_cost
     from tailspec.drafter_trainer.model import Eagle3Module
+
     from tailspec.tasks.tokenizer import encode_prompt
 
     threads = torch.get_num_threads()

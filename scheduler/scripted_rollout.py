@@ -1,14 +1,14 @@
-"""A simulated long-tail rollout that drives the real scheduler through the real client and Redis.
+"""A scripted long-tail rollout that drives the real scheduler through the real client and Redis.
 
 N workers, each owning GPU i of one node, decode a batch of requests; a request of L tokens finishes
 after L × token_time_s (continuous batching: every active request gains one token per decode step), so
 a worker drains when its longest request is done. Lengths come from the caller (e.g. the task's length
 distribution) or from a log-normal (median, sigma). Each rollout step is framed by set_phase("rollout")
-and set_phase("train"); the simulation records the true drain times, so callers can compare the
+and set_phase("train"); the script records the true drain times, so callers can compare the
 scheduler's view (counters, events) with ground truth.
 
-    from tailspec.scheduler.simulate import run_simulated_rollout
-    result = run_simulated_rollout(redis_url, workers=4, steps=2, cluster="default")
+    from tailspec.scheduler.scripted_rollout import run_scripted_rollout
+    result = run_scripted_rollout(redis_url, workers=4, steps=2, cluster="default")
     result.idle_gpu_seconds  # Σ over workers of (phase end − drain), the true idle GPU time
 
 Only the GPUs are simulated (with SimulatedTelemetry, labelled so); Redis, the client, the scheduler
@@ -24,14 +24,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from tailspec.core.config import TailspecConfig
 from tailspec.scheduler.client import TailspecClient
 from tailspec.scheduler.service import run_local
 
-from tailspec.core.config import TailspecConfig
-
 
 @dataclass
-class StepRecord:
+class ScriptedStep:
     step: int
     started_at: float
     ended_at: float = 0.0
@@ -46,9 +45,9 @@ class StepRecord:
 
 
 @dataclass
-class SimResult:
+class ScriptedResult:
     workers: int
-    steps: list[StepRecord]
+    steps: list[ScriptedStep]
     node: str
     worker_gpus: dict[str, list[int]]  # worker → its GPU indices on its node
     worker_node: dict[str, str] = field(default_factory=dict)
@@ -85,7 +84,7 @@ def node_gpus(node: str, gpus: int, gpus_per_node: int | None = None) -> dict[st
     return {f"{node}-{i}": min(gpus_per_node, gpus - i * gpus_per_node) for i in range(n)}
 
 
-def run_simulated_rollout(
+def run_scripted_rollout(
     redis_url: str,
     workers: int = 4,
     steps: int = 2,
@@ -106,7 +105,7 @@ def run_simulated_rollout(
     report_period_s: float = 0.005,
     client: TailspecClient | None = None,
     stop: threading.Event | None = None,
-) -> SimResult:
+) -> ScriptedResult:
     """Run `steps` rollout steps with `workers` simulated workers (worker i on GPUs i·k … i·k + k − 1 of the
     cluster, k = `gpus_per_worker`, as a tensor-parallel replica; GPUs on one node, or `gpus_per_node` per node:
     see node_gpus); returns ground truth. `lengths` (tokens per request) are consumed in order, cycling;
@@ -119,7 +118,7 @@ def run_simulated_rollout(
     fleet = _Fleet.place(c, workers, gpus_per_worker, gpus_per_node, node, requests_per_worker, token_time_s)
     draw = _length_source(lengths, median_tokens, sigma, rng)
     t_first = time.time()
-    records: list[StepRecord] = []
+    records: list[ScriptedStep] = []
     try:
         for step in range(1, steps + 1):
             if stop is not None and stop.is_set():
@@ -137,7 +136,7 @@ def run_simulated_rollout(
     finally:
         if own_client:
             c.close()
-    return SimResult(workers=workers, steps=records, node=node, worker_gpus=fleet.gpus, worker_node=fleet.node,
+    return ScriptedResult(workers=workers, steps=records, node=node, worker_gpus=fleet.gpus, worker_node=fleet.node,
                      progress_reports=fleet.reports, report_seconds=time.time() - t_first)
 
 
@@ -192,11 +191,11 @@ class _Fleet:
         return cls(c, names, gpus, wnode, requests, token_time_s)
 
     def rollout(self, step: int, lens: dict[str, list[int]], gpus_per_worker: int, report_period_s: float,
-                stop: threading.Event | None) -> StepRecord:
+                stop: threading.Event | None) -> ScriptedStep:
         """Decode every worker's requests in simulated time, reporting each change of its active count, until
         every worker drained (or `stop`)."""
         t0 = time.time()
-        rec = StepRecord(step=step, started_at=t0, lengths=lens, gpus_per_worker=gpus_per_worker)
+        rec = ScriptedStep(step=step, started_at=t0, lengths=lens, gpus_per_worker=gpus_per_worker)
         last_active: dict[str, int] = {}
         while True:
             elapsed = time.time() - t0
@@ -228,19 +227,19 @@ class _Fleet:
             self.reports += 1
 
 
-def run_simulated_cluster(
+def run_scripted_cluster(
     redis_url: str,
     workers: int = 4,
     steps: int = 2,
     *,
     cluster: str = "default",
     node: str = "node0",
-    session_entry: str = "tailspec.scheduler.demo_session:busy_session",
+    session_entry: str = "tailspec.scheduler.busy_sessions:busy_session",
     settle_s: float = 1.5,
     **rollout_kw,
-) -> SimResult:
+) -> ScriptedResult:
     """The whole single-node picture in one call: a scheduler (monitor + loop + session processes, simulated
-    telemetry) in a background thread, driven by `run_simulated_rollout`; every key the dashboards read
+    telemetry) in a background thread, driven by `run_scripted_rollout`; every key the dashboards read
     (telemetry + history, gpu_status + history, lease, session records, counters, events) gets filled.
     Returns the rollout's ground truth once the last revocations are done (after `settle_s`)."""
     cfg = TailspecConfig()
@@ -252,7 +251,7 @@ def run_simulated_cluster(
     th = threading.Thread(target=run_local, args=(cfg, stop), name="tailspec-scheduler", daemon=True)
     th.start()
     try:
-        result = run_simulated_rollout(redis_url, workers, steps, cluster=cluster, node=node, **rollout_kw)
+        result = run_scripted_rollout(redis_url, workers, steps, cluster=cluster, node=node, **rollout_kw)
         time.sleep(settle_s)
     finally:
         stop.set()

@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tailspec.cli import config_from_args
 from tailspec.rollout.sequence import SamplingParams
+
+from tailspec.commands.args import config_from_args
 from tailspec.tasks.runsum import sample_problems
 
 if TYPE_CHECKING:
@@ -179,7 +180,6 @@ def _batch_cost(model, eagle, b: int, prompts, steps: int, calls: int, repeats: 
     """`drafter_cost` at one batch size."""
     # deferred: torch (seconds of `tailspec --help`); the CLI imports every bench module to build its parser
     import torch
-
     from tailspec.rollout.drafters import Eagle3Proposer, _draw
     from tailspec.rollout.engine import Engine
     from tailspec.rollout.sampling import step_uniforms_from
@@ -187,7 +187,7 @@ def _batch_cost(model, eagle, b: int, prompts, steps: int, calls: int, repeats: 
     rows = [prompts[i % len(prompts)] for i in range(b)]
     seq = max(len(p) for p in rows) + 2 * steps + 8  # k = 1: up to 2 tokens a step
     dr = Eagle3Proposer(eagle)
-    eng = Engine(model, dr, choose_k=1, max_batch=b, max_seq_len=seq, k_max=2)
+    eng = Engine(model, dr, selector=1, max_batch=b, max_seq_len=seq, k_max=2)
     for i, p in enumerate(rows):  # ignore_eos: every row stays in the batch for the whole warm-up
         eng.add_request(p, SamplingParams(max_tokens=2 * steps + 4, temperature=temperature, ignore_eos=True, seed=i))
     for _ in range(steps):
@@ -242,6 +242,7 @@ def _cost_section(model, eagle, tok, batches: list[int], args, log) -> dict:
         return empty
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
+
     from tailspec.tasks.tokenizer import encode_prompt
 
     label = f"eagle3:{args.eagle3}"
@@ -291,6 +292,7 @@ def _batch_rows(model, tok, draft_model, make_drafter, drafter_names, ks, b: int
     engine with SD per drafter and k; the median of `args.repeats` interleaved runs each."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.rollout.engine import Engine
+
     from tailspec.tasks.tokenizer import encode_prompt
 
     pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
@@ -304,7 +306,7 @@ def _batch_rows(model, tok, draft_model, make_drafter, drafter_names, ks, b: int
     configs.append(("engine", None, 0, Engine(model, None, max_batch=b, max_seq_len=seq, k_max=0)))
     for name in drafter_names:
         for k in ks:
-            eng = Engine(model, make_drafter(name), choose_k=k, max_batch=b, max_seq_len=seq, k_max=k,
+            eng = Engine(model, make_drafter(name), selector=k, max_batch=b, max_seq_len=seq, k_max=k,
                          verify_rule=args.verify_rule)
             configs.append(("engine", name, k, eng))
     # warm-up: one short run per engine (allocations, first-call overheads)

@@ -6,7 +6,7 @@
 2. vLLM without speculation → reference outputs and tokens/s;
 3. one vLLM with the untrained drafter → acceptance; hot reload of the trained drafter into the SAME
    engine (timed) → acceptance and tokens/s; outputs compared with the reference token by token;
-4. the live engine (tailspec.bench.vllm_live): reload on promotion, guard detection, policy sync in place.
+4. the live engine (tailspec.benchmarks.vllm_live): reload on promotion, guard detection, policy sync in place.
 Acceptance length = 1 + accepted / drafts from vLLM's own counters (`llm.get_metrics()`).
 
 Also the kit the vLLM tests share (policy samples, drafter training, export, cached drafters).
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tailspec.core.config import TaskConfig, TrainerConfig
 from tailspec.core.state import Sample
+
 from tailspec.tasks.runsum import sample_problems
 
 TRAIN_STEPS = 60  # enough for a clear acceptance gain on the tiny policy; a CPU training step is ~0.5 s
@@ -69,8 +70,8 @@ def make_drafters(policy_dir: str | Path, out: str | Path, train_steps: int = TR
     # deferred: torch and the drafter trainer; the CLI imports every bench module to build its parser
     from tailspec.drafter_trainer.export import export
     from tailspec.drafter_trainer.samples import SampleBuffer, fill_buffer
-    from tailspec.drafter_trainer.session import TrainingSession, new_drafter
     from tailspec.drafter_trainer.teacher import Teacher
+    from tailspec.drafter_trainer.training_session import TrainingSession, new_drafter
 
     out = Path(out)
     teacher = Teacher.from_dir(policy_dir)
@@ -194,9 +195,10 @@ def run(args: argparse.Namespace) -> dict:
 
     # deferred: cycles (tailspec.commands.bench imports this module to build its parser, vllm_live imports
     # its kit); the vLLM backend, torch and transformers load when the bench runs, not with the parser
-    from tailspec.bench.vllm_live import run_live
-    from tailspec.commands.bench import machine
+    from tailspec.benchmarks.vllm_live import run_live
     from tailspec.rollout.vllm_backend import DrafterSpec, VllmRollout, greedy
+
+    from tailspec.commands.bench import machine
     from tailspec.tasks.policy import get_policy
 
     out = sys.stderr if getattr(args, "json", False) else sys.stdout

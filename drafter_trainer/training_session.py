@@ -44,17 +44,16 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from tailspec.drafter_trainer.checkpoint import load_latest, save_checkpoint
+from tailspec.core.config import TrainerConfig
 from tailspec.drafter_trainer.backends import make_backend
+from tailspec.drafter_trainer.checkpoint import load_latest, save_checkpoint
+from tailspec.drafter_trainer.fresh import new_drafter
 from tailspec.drafter_trainer.lineage import DUPLICATE, FENCED, Lineage, MergeResult, copy_trainable, snapshot
 from tailspec.drafter_trainer.loss import StopRequested, step_token_counts, ttt_loss
-from tailspec.drafter_trainer.fresh import new_drafter
 from tailspec.drafter_trainer.rollout_targets import load_targets
 from tailspec.drafter_trainer.rounds import Rounds
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
 from tailspec.drafter_trainer.teacher import Teacher, collate
-
-from tailspec.core.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 

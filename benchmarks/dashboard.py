@@ -92,9 +92,9 @@ def _time_get(url: str, repeats: int) -> dict:
 def run(args: argparse.Namespace) -> dict:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import redis
+    from tailspec.dashboards.server import start_dashboard, start_exporter
 
     from tailspec.commands.bench import machine
-    from tailspec.dashboards.server import start_dashboard, start_exporter
     from tailspec.redis_server import start_redis
 
     out = sys.stderr if args.json else sys.stdout

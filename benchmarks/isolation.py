@@ -47,9 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _decode_child(args: argparse.Namespace) -> int:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import torch
-
     from tailspec.rollout.engine import Engine
     from tailspec.rollout.sequence import SamplingParams
+
     from tailspec.tasks.policy import load_policy, resolve_policy
     from tailspec.tasks.runsum import sample_problems
     from tailspec.tasks.tokenizer import encode_prompt
@@ -82,12 +82,12 @@ def _decode_child(args: argparse.Namespace) -> int:
 def _train_child(args: argparse.Namespace) -> int:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import torch
+    from tailspec.drafter_trainer.samples import fill_buffer
+    from tailspec.drafter_trainer.teacher import Teacher
+    from tailspec.drafter_trainer.training_session import TrainingSession
 
     from tailspec.demo.bootstrap import rollout_samples
-    from tailspec.drafter_trainer.samples import fill_buffer
-    from tailspec.drafter_trainer.session import TrainingSession
-    from tailspec.drafter_trainer.teacher import Teacher
-    from tailspec.sessions import make_buffer
+    from tailspec.session_entry import make_buffer
     from tailspec.tasks.policy import resolve_policy
 
     torch.set_num_threads(len(os.sched_getaffinity(0)) if args.cpus else 1)
@@ -111,7 +111,7 @@ def _spawn(kind: str, args: argparse.Namespace, cpus: list[int] | None, cgroup: 
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.scheduler.placement import format_cpus
 
-    cmd = [sys.executable, "-m", "tailspec.bench.isolation", "--child", kind, "--policy", args.policy,
+    cmd = [sys.executable, "-m", "tailspec.benchmarks.isolation", "--child", kind, "--policy", args.policy,
            "--batch", str(args.batch)]
     if cpus is not None:
         cmd += ["--cpus", format_cpus(cpus)]  # the child pins itself, as demo workers and sessions do
@@ -201,8 +201,9 @@ def _pairs(args: argparse.Namespace, mode: str, cpus: list, cgroups: list, out) 
 
 def run(args: argparse.Namespace) -> dict:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.commands.bench import machine
     from tailspec.scheduler import placement
+
+    from tailspec.commands.bench import machine
 
     out = sys.stderr if args.json else sys.stdout
     host = placement.host_cpus()

@@ -8,7 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tailspec.cli import config_from_args
+from tailspec.commands.args import config_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

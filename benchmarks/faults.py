@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tailspec.cli import config_from_args
 from tailspec.core import state
 from tailspec.core.state import Lease, Progress, SchedulerLeader, SessionInfo
+
+from tailspec.commands.args import config_from_args
 from tailspec.demo.options import DemoOptions
 
 KINDS = ("scheduler", "redis", "session", "worker")

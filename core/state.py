@@ -4,8 +4,7 @@ Keys are namespaced `tailspec:{cluster}:…`. Payloads are JSON validated by pyd
 encode and decode — never pickle, so nothing a peer writes can execute code in the reader. A bad
 payload raises `StateError` naming the key and the field; long-running readers count and skip it.
 
-Components import this module (and only this module of the trunk) to agree on names; docs/architecture.md's
-import arrows allow `dashboards → state`, and scheduler / drafter_trainer / rollout use it the same way.
+Components import this module to agree on names; docs/architecture.md's import arrows allow `dashboards → state`, and scheduler / drafter_trainer / rollout use it the same way.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The figures and the printed report of `tailspec bench scheduler` (tailspec/bench/scheduler.py): the result's keys
+"""The figures and the printed report of `tailspec bench scheduler` (benchmarks/scheduler.py): the result's keys
 from the simulation's ground truth, the scheduler's counters, events and session records, and its timed ticks."""
 
 from __future__ import annotations
@@ -7,12 +7,11 @@ import json
 from typing import TYPE_CHECKING
 
 import numpy as np
-
 from tailspec.core import state
 from tailspec.core.state import Event, SessionInfo
 
 if TYPE_CHECKING:
-    from tailspec.bench.scheduler import Rollout, Run
+    from tailspec.benchmarks.scheduler import Rollout, Run
 
 TARGETS = {
     "detect_latency_p99_s": ("<=", 0.5),

@@ -31,11 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from tailspec.cli import config_from_args
 from tailspec.core import state
 from tailspec.core.state import DrafterVersion, Event, PhaseInfo, Sample
-from tailspec.demo.options import DemoOptions
 from tailspec.rollout.sequence import SamplingParams
+
+from tailspec.commands.args import config_from_args
+from tailspec.demo.options import DemoOptions
 from tailspec.tasks.runsum import grade, sample_problems
 
 
@@ -65,8 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def rollouts(model, tok, cfg, n: int, seed: int, version: int, max_seq_len: int = 640) -> tuple[list, list[Sample]]:
     """n graded rollouts of an in-memory policy at T=1 (native engine): (RL rollouts, samples)."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.rl import Rollout
     from tailspec.rollout.engine import Engine
+
+    from tailspec.rl import Rollout
     from tailspec.tasks.tokenizer import decode_response, encode_prompt
 
     problems = sample_problems(-(-n // 4), cfg.task, seed=seed)
@@ -104,9 +106,9 @@ def move_policy(policy_dir: Path, cfg, args, out: Path) -> tuple[Path, list[floa
 
 
 def session_entry(ctx) -> dict:
-    """Session process entry: `tailspec.sessions.run_session` for $TAILSPEC_BENCH_MAX_STEPS steps."""
+    """Session process entry: `tailspec.session_entry.run_session` for $TAILSPEC_BENCH_MAX_STEPS steps."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.sessions import run_session
+    from tailspec.session_entry import run_session
 
     return run_session(ctx, max_steps=int(os.environ["TAILSPEC_BENCH_MAX_STEPS"]))
 
@@ -115,10 +117,10 @@ def run_config(n_sessions: int, args, cfg, boot: str, stream: list[Sample], v1_d
     """Fresh Redis and lineage seeded with the starting drafter; n session processes share args.steps."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import redis
+    from tailspec.drafter_trainer.lineage import Lineage
 
     from tailspec.demo.bootstrap import seed_store
     from tailspec.demo.options import apply_demo_trainer
-    from tailspec.drafter_trainer.lineage import Lineage
     from tailspec.redis_server import start_redis
 
     server = start_redis()
@@ -164,13 +166,13 @@ def run_alternating(n_sessions: int, args, cfg, boot: str, stream: list[Sample],
     commit to the next; one session is the same run either way, bit for bit."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import torch
-
-    from tailspec.demo.bootstrap import load_optimizer, load_samples
     from tailspec.drafter_trainer.lineage import Lineage
     from tailspec.drafter_trainer.model import Eagle3Module
     from tailspec.drafter_trainer.samples import fill_buffer
-    from tailspec.drafter_trainer.session import TrainingSession
-    from tailspec.sessions import make_buffer
+    from tailspec.drafter_trainer.training_session import TrainingSession
+
+    from tailspec.demo.bootstrap import load_optimizer, load_samples
+    from tailspec.session_entry import make_buffer
 
     tc = cfg.trainer
     lineage = Lineage(root / f"alternate-{n_sessions}" / "lineage", None, "alternate", outer_lr=tc.merge_outer_lr)
@@ -204,7 +206,7 @@ def _start_sessions(n_sessions: int, args, c, r, redis_url: str, root: Path) -> 
     """n session processes, each on its own lease (GPUs n0:0..n-1), sharing args.steps."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.scheduler.leases import Leases
-    from tailspec.scheduler.session import CONTEXT_ENV, SessionContext
+    from tailspec.scheduler.session_process import CONTEXT_ENV, SessionContext
 
     leases = Leases(r, c.cluster.name)
     procs = []
@@ -213,11 +215,11 @@ def _start_sessions(n_sessions: int, args, c, r, redis_url: str, root: Path) -> 
         ctx = SessionContext(session_id=f"s{n_sessions}-{g}", node="n0", gpu=g, lease_token=lease.token,
                              redis_url=redis_url, cluster=c.cluster.name, config=c.model_dump(mode="json"),
                              lease_ttl_s=600, require_heartbeat=False)
-        env = dict(os.environ, OMP_NUM_THREADS="1", TAILSPEC_SESSION_ENTRY="tailspec.bench.cotrain:session_entry",
+        env = dict(os.environ, OMP_NUM_THREADS="1", TAILSPEC_SESSION_ENTRY="tailspec.benchmarks.cotrain:session_entry",
                    TAILSPEC_BENCH_MAX_STEPS=str(args.steps // n_sessions))
         env[CONTEXT_ENV] = ctx.to_json()
         log = open(root / f"session-{n_sessions}-{g}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "tailspec.scheduler.session"], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", "tailspec.scheduler.session_process"], env=env,
                                       stdout=log, stderr=subprocess.STDOUT))
     return procs
 
@@ -239,13 +241,13 @@ def run(args: argparse.Namespace) -> dict:
     # deferred: torch and the models (torch alone is seconds of `tailspec --help`); the CLI imports every bench
     # module to build its parser
     import torch
-
-    from tailspec.demo.bootstrap import bootstrap_drafter, load_samples
-    from tailspec.demo.options import apply_demo_trainer
     from tailspec.drafter_trainer.checkpoint import load_checkpoint
     from tailspec.drafter_trainer.model import Eagle3Module
     from tailspec.drafter_trainer.teacher import Teacher
     from tailspec.drafter_trainer.versions import validate
+
+    from tailspec.demo.bootstrap import bootstrap_drafter, load_samples
+    from tailspec.demo.options import apply_demo_trainer
     from tailspec.tasks.policy import load_policy, resolve_policy
 
     if args.sessions < 2 or args.steps % args.sessions:

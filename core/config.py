@@ -92,7 +92,7 @@ class SchedulerConfig(_Section):
                               "simulated GPUs share the host's CPU cores with rollout workers, so a session takes "
                               "only the CPU the tail leaves idle (on real GPUs leave 0)")
     session_entry: str = Field(
-        "tailspec.sessions:run_session",
+        "tailspec.session_entry:run_session",
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
         description="module:function started on a lent GPU",
     )

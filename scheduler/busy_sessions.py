@@ -3,7 +3,7 @@
 It holds the GPU id it was given (and checks CUDA_VISIBLE_DEVICES names it), does a fixed amount of CPU
 work per step, renews its lease through `ctx.should_continue()` and reports its step. The drafter
 trainer's real session is started the same way, through `scheduler.session_entry`
-(default "tailspec.sessions:run_session", wired by the trunk).
+(default "tailspec.session_entry:run_session", wired by the roof).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import os
 import time
 
-from tailspec.scheduler.session import SessionContext
+from tailspec.scheduler.session_process import SessionContext
 
 STEP_ENV = "TAILSPEC_DEMO_STEP_ITERS"
 SLEEP_ENV = "TAILSPEC_DEMO_STEP_SLEEP_S"

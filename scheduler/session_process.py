@@ -26,15 +26,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
+from tailspec.core import state
+from tailspec.core.config import TailspecConfig
+from tailspec.core.state import PhaseInfo, SessionInfo
 from tailspec.scheduler import cpu_quota
 from tailspec.scheduler import leases as L
 from tailspec.scheduler.cpu_quota import CGROUP_ENV
 from tailspec.scheduler.placement import CPUS_ENV, pin_from_env
 from tailspec.scheduler.warm_wait import WarmWait
-
-from tailspec.core import state
-from tailspec.core.config import TailspecConfig
-from tailspec.core.state import PhaseInfo, SessionInfo
 
 CONTEXT_ENV = "TAILSPEC_SESSION_CONTEXT"
 NICE_ENV = "TAILSPEC_SESSION_NICE"
@@ -418,7 +417,7 @@ def main() -> int:
         return 2
     ctx = SessionContext.from_json(raw)
     entry = os.environ.get("TAILSPEC_SESSION_ENTRY") or ctx.config.get("scheduler", {}).get(
-        "session_entry", "tailspec.sessions:run_session"
+        "session_entry", "tailspec.session_entry:run_session"
     )
     return run_context(ctx, entry, handle_sigterm=True)
 

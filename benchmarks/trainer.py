@@ -13,8 +13,6 @@ On the task policy (default `tiny`) and samples it generates at temperature 1 (c
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import sys
@@ -22,56 +20,13 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from tailspec.cli import config_from_args
 from tailspec.core.state import Sample
-from tailspec.tasks.runsum import grade, sample_problems
 
-
-def generate_task_samples(policy_dir: str | Path, n: int, seed: int = 0, temperature: float = 1.0,
-                          max_new_tokens: int | None = None) -> list[Sample]:
-    """n rollout samples of a policy on the built-in task (prompts, sampled responses, exact rewards).
-    `max_new_tokens` caps the responses (a capped response is a prefix of a policy sample: still right
-    for distillation; its reward is that of the unfinished text, 0)."""
-    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.tasks.policy import generate_responses, load_policy
-    from tailspec.tasks.tokenizer import decode_response, encode_prompt
-
-    model, tok = load_policy(policy_dir)
-    problems = sample_problems(n, seed=10_000 + seed)
-    prompts = [encode_prompt(tok, p.prompt) for p in problems]
-    max_new = max(len(p.gold) for p in problems) + 16
-    if max_new_tokens is not None:
-        max_new = min(max_new, max_new_tokens)
-    responses = generate_responses(model, tok, prompts, max_new, temperature=temperature, seed=seed)
-    return [
-        Sample(prompt_ids=pr, response_ids=r, reward=grade(p, decode_response(tok, r)).reward, policy_version=0,
-               group_id=f"{seed}-{i // 4}", ts=0.0)
-        for i, (p, pr, r) in enumerate(zip(problems, prompts, responses))
-    ]
-
-
-def policy_samples(preset: str, n: int, seed: int = 0, temperature: float = 1.0,
-                   max_new_tokens: int | None = None) -> tuple[Path, list[Sample]]:
-    """(policy dir, n rollout samples of the task policy), cached as JSON beside the policy."""
-    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.tasks.policy import get_policy
-
-    path = get_policy(preset, progress=False)
-    cap = f"-m{max_new_tokens}" if max_new_tokens else ""
-    cache = path.parent.parent / "samples" / f"{path.name}-n{n}-s{seed}-t{temperature}{cap}.json"
-    if cache.is_file():
-        return path, [Sample.model_validate(x) for x in json.loads(cache.read_text())]
-    samples = generate_task_samples(path, n, seed, temperature, max_new_tokens)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps([s.model_dump(mode="json") for s in samples]))
-    os.replace(tmp, cache)
-    return path, samples
+from tailspec.commands.args import config_from_args
+from tailspec.tasks.samples import policy_samples
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,7 +51,6 @@ def run(args: argparse.Namespace) -> dict:
     # deferred: the CLI imports every bench module to build its parser (torch alone is seconds of `tailspec
     # --help`); these load when the bench runs
     import torch
-
     from tailspec.drafter_trainer.teacher import Teacher
 
     torch.set_num_threads(args.threads)
@@ -164,7 +118,7 @@ class _MainRun:
 def _main_run(args: argparse.Namespace, teacher, buf, tmp: str) -> _MainRun:
     """--steps optimizer steps, validated on the held-out samples before and every 50 steps, then 5 saves timed."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.drafter_trainer.session import TrainingSession
+    from tailspec.drafter_trainer.training_session import TrainingSession
     from tailspec.drafter_trainer.versions import validate
 
     holdout = list(buf.holdout)
@@ -194,7 +148,7 @@ def _main_run(args: argparse.Namespace, teacher, buf, tmp: str) -> _MainRun:
 def _stop_latencies(args: argparse.Namespace, teacher, buf, tmp: str) -> list[float]:
     """--stops sessions, each asked to stop at a random moment: request -> checkpoint whole, in seconds."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.drafter_trainer.session import TrainingSession
+    from tailspec.drafter_trainer.training_session import TrainingSession
 
     rng = random.Random(0)
     latencies = []
@@ -213,7 +167,7 @@ def _stop_latencies(args: argparse.Namespace, teacher, buf, tmp: str) -> list[fl
 def _reward_vs_uniform(args: argparse.Namespace, teacher, samples: list[Sample], buf, tmp: str) -> dict:
     """A reward-weighted and a uniform drafter, same data, seed and budget, on the high-reward held-out samples."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.drafter_trainer.session import TrainingSession
+    from tailspec.drafter_trainer.training_session import TrainingSession
     from tailspec.drafter_trainer.versions import validate
 
     holdout = list(buf.holdout)

@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import redis
-
-from tailspec.bench.vllm import perturbed_policy, validated_acceptance, zeroed_fc
+from tailspec.benchmarks.vllm import perturbed_policy, validated_acceptance, zeroed_fc
 from tailspec.core import state
 from tailspec.core.config import RolloutConfig
 from tailspec.core.state import DrafterVersion
-from tailspec.redis_server import start_redis
 from tailspec.rollout.health_guard import GuardPolicy
 from tailspec.rollout.vllm_backend import DrafterSpec, VllmRollout, greedy
 from tailspec.rollout.vllm_live import LiveVllm
+
+from tailspec.redis_server import start_redis
 
 
 def run_live(policy: Path, drafters: dict[str, Path], prompts: list[list[int]], params: Any, eng: dict, k: int,

@@ -1,6 +1,6 @@
-"""The processes of `tailspec bench scheduler` (`python -m tailspec.bench.scheduler_procs serve|monitor`): the
+"""The processes of `tailspec bench scheduler` (`python -m tailspec.benchmarks.scheduler_procs serve|monitor`): the
 scheduler with its ticks timed and its Redis traffic counted, and the telemetry monitors of a many-node cluster.
-The bench itself (tailspec/bench/scheduler.py) starts them and reads what `serve` leaves in --stats."""
+The bench itself (benchmarks/scheduler.py) starts them and reads what `serve` leaves in --stats."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import redis
-
 from tailspec.core.config import TailspecConfig
 from tailspec.scheduler import cpu_quota
 from tailspec.scheduler.dispatch import LocalDispatcher
@@ -179,7 +178,7 @@ def monitor_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tailspec.bench.scheduler_procs")
+    p = argparse.ArgumentParser(prog="python -m tailspec.benchmarks.scheduler_procs")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve")
     s.add_argument("--config", required=True)

@@ -1,10 +1,10 @@
 """Adaptive strategy selection: tokens/s per batch size for every fixed strategy (chains and trees), the oracle,
 adaptive over the whole space, adaptive over chains only, BEG, threshold.
 
-Everything runs side by side in one process on the same models: for each batch size and repeat, every policy
+Everything runs side by side in one process on the same models: for each batch size and repeat, every selector
 has its own engine on the same requests, and the engines take turns a few steps at a time (lockstep), so the
 drift of a shared machine reaches them alike; the median over repeats is reported. (With a graph pool, one
-engine per batch size is reconfigured, and the policies run one after another.) The per-batch oracle is the
+engine per batch size is reconfigured, and the selectors run one after another.) The per-batch oracle is the
 best fixed strategy of the whole space, and which one that is gets decided on other repeats than the one it is scored on
 (`held_out_oracle`): the best of several near-tied fixed ks on the same repeats is their noise's maximum, above
 what any of them delivers (the winner's curse). `adaptive_vs_oracle` is the median over repeats of adaptive ÷
@@ -18,8 +18,8 @@ whole responses. Its requests start at their prompts;
 sensitivity check: it weighs the later tokens of a response more than a rollout does).
 
 Then one long-tail rollout: a batch of task prompts whose response lengths follow the task's heavy-tailed
-distribution, run to completion under each policy, end to end, at the main job's temperature (1) under the
-verify rule of the run's config (the main job's: coupled, so every policy emits the identical tokens and the
+distribution, run to completion under each selector, end to end, at the main job's temperature (1) under the
+verify rule of the run's config (the main job's: coupled, so every selector emits the identical tokens and the
 times compare the same work; the output says which rule ran).
 
 `acceptance_length_at_batch1` is each fixed strategy's tokens per verify forward at batch 1 (every fixed
@@ -39,12 +39,13 @@ import sys
 import time
 from collections import Counter
 
-from tailspec.bench.lockstep import repeat_tps
-from tailspec.cli import config_from_args
+from tailspec.benchmarks.lockstep import repeat_tps
 from tailspec.rollout import cost_model
 from tailspec.rollout.schedule_export import schedule_exports
 from tailspec.rollout.sequence import SamplingParams
 from tailspec.rollout.strategy import Strategy
+
+from tailspec.commands.args import config_from_args
 from tailspec.tasks.runsum import sample_problems
 
 
@@ -84,8 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _load(args, cfg):
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import torch
-
     from tailspec.rollout.drafters import DraftModelProposer, Eagle3Proposer, NgramProposer
+
     from tailspec.tasks.policy import load_policy, resolve_policy
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -147,8 +148,8 @@ def _mid_response(make_engine, prompts, max_tokens: int, max_seq: int, temperatu
     return out
 
 
-def _rollout_s(make_engine, choose_k, prompts, params) -> tuple[float, int]:
-    eng = make_engine(len(prompts), choose_k)
+def _rollout_s(make_engine, selector, prompts, params) -> tuple[float, int]:
+    eng = make_engine(len(prompts), selector)
     t0 = time.perf_counter()
     outs = eng.generate(prompts, params)
     return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
@@ -157,7 +158,6 @@ def _rollout_s(make_engine, choose_k, prompts, params) -> tuple[float, int]:
 def _graph_pool_section(target, cost, device: str) -> dict:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import torch
-
     from tailspec.rollout.engine import Engine
     from tailspec.rollout.graph_pool import GraphPool, GraphShape, capture_plan
     from tailspec.rollout.selector import candidate_ks
@@ -192,7 +192,7 @@ def _graph_pool_section(target, cost, device: str) -> dict:
 
 
 def _engine_factory(target, make_drafter, cfg, max_seq: int, k_max: int, planned: dict | None):
-    """make_engine(batch, choose_k). With `planned` (graphs on): once planned["cost"] is set, each batch size gets
+    """make_engine(batch, selector). With `planned` (graphs on): once planned["cost"] is set, each batch size gets
     one engine with a captured graph pool, as the rollout worker attaches one, reused across runs."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.rollout.engine import Engine
@@ -200,11 +200,11 @@ def _engine_factory(target, make_drafter, cfg, max_seq: int, k_max: int, planned
 
     engines: dict[int, Engine] = {}
 
-    def make_engine(batch: int, choose_k):
+    def make_engine(batch: int, selector):
         if batch in engines:
             engines[batch].abort_all()
-            return engines[batch].configure(choose_k=choose_k)
-        eng = Engine(target, make_drafter(), choose_k=choose_k, max_batch=batch, max_seq_len=max_seq, k_max=k_max,
+            return engines[batch].configure(selector=selector)
+        eng = Engine(target, make_drafter(), selector=selector, max_batch=batch, max_seq_len=max_seq, k_max=k_max,
                      verify_rule=cfg.rollout.verify_rule)
         if planned is not None and "cost" in planned:
             build_pool(eng, planned["cost"], cfg.rollout.graph_memory_budget_mb << 20)
@@ -239,13 +239,13 @@ def run(args: argparse.Namespace) -> dict:
     cost, acceptance = _planned_cost_table(make_engine, planned if graphs else None, pool_prompts, batches, ks, k_max,
                                            args, out, t_start)
     starts = _starts(make_engine, pool_prompts, max_seq, args, out)
-    policies = _policies(cost, acceptance, ks, chains, cfg.rollout.epsilon)
-    adaptive, chain_only = policies["adaptive"], policies["adaptive_chain_only"]
+    selectors = _selectors(cost, acceptance, ks, chains, cfg.rollout.epsilon)
+    adaptive, chain_only = selectors["adaptive"], selectors["adaptive_chain_only"]
     accept1: dict = {}
-    per_batch = [_batch_row(make_engine, policies, adaptive, starts, b, ks, args, out, lockstep=not graphs,
+    per_batch = [_batch_row(make_engine, selectors, adaptive, starts, b, ks, args, out, lockstep=not graphs,
                             accept=accept1 if b == 1 else None)
                  for b in batches]
-    longtail = _longtail(make_engine, policies, tok, max_seq, cfg, args, out) if args.longtail_n > 0 else {}
+    longtail = _longtail(make_engine, selectors, tok, max_seq, cfg, args, out) if args.longtail_n > 0 else {}
     result = {
         "device": machine(), "target": args.target, "drafter": drafter_label, "temperature": args.temperature,
         "verify_rule": cfg.rollout.verify_rule,
@@ -269,11 +269,11 @@ def run(args: argparse.Namespace) -> dict:
     }
     if device == "cuda":
         result["graph_pool"] = _graph_pool_section(target, cost, device)
-    _report(result, policies, out)
+    _report(result, selectors, out)
     return result
 
 
-def _policies(cost, acceptance, ks: list, chains: list, epsilon: float) -> dict:
+def _selectors(cost, acceptance, ks: list, chains: list, epsilon: float) -> dict:
     """Every policy the bench runs: each fixed strategy, adaptive over them all, adaptive over the chains alone (on
     its own copies of the estimates: both learn online from their steps), BEG, threshold and the twin."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
@@ -281,17 +281,17 @@ def _policies(cost, acceptance, ks: list, chains: list, epsilon: float) -> dict:
 
     adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=epsilon, seed=0)
     chain_only = AdaptiveSelector(copy.deepcopy(cost), copy.deepcopy(acceptance), ks=chains, epsilon=epsilon, seed=0)
-    policies = {k.label: fixed_selector(k) for k in ks}
+    selectors = {k.label: fixed_selector(k) for k in ks}
     chain_max = max(k.depth for k in chains)
-    policies |= {"adaptive": adaptive, "adaptive_chain_only": chain_only, "beg": beg_selector(max(chain_max, 1)),
+    selectors |= {"adaptive": adaptive, "adaptive_chain_only": chain_only, "beg": beg_selector(max(chain_max, 1)),
                  "threshold": threshold_selector(min(4, chain_max))}
     # a second engine running the smallest speculative k: two identical engines differ only by the machine's noise,
     # which is how finely the ratios of this run can be read
-    policies["twin"] = fixed_selector(min([k for k in chains if k > 0] or [Strategy.none()]))
-    return policies
+    selectors["twin"] = fixed_selector(min([k for k in chains if k > 0] or [Strategy.none()]))
+    return selectors
 
 
-def _report(result: dict, policies: dict, out) -> None:
+def _report(result: dict, selectors: dict, out) -> None:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.commands.bench import machine
 
@@ -299,7 +299,7 @@ def _report(result: dict, policies: dict, out) -> None:
           f"(oracle's k held out; in sample {result['adaptive_vs_oracle_in_sample_min_ratio']:.3f}); adaptive ÷ no SD, "
           f"lowest: {result['adaptive_vs_nospec_min_ratio']:.3f}", file=out)
     lo, hi = result["twin_ratio_range"]
-    print(f"two identical engines (fixed {policies['twin'](1)}) measured {lo:.3f}-{hi:.3f} of each other over the batch "
+    print(f"two identical engines (fixed {selectors['twin'](1)}) measured {lo:.3f}-{hi:.3f} of each other over the batch "
           "sizes: the noise these ratios carry on this machine", file=out)
     print(f"adaptive schedule: {result['adaptive_schedule']}; total {result['seconds']}s on {machine()}", file=out)
 
@@ -345,13 +345,13 @@ def _starts(make_engine, pool_prompts, max_seq: int, args, out) -> list[tuple[li
     return starts
 
 
-def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list, args, out,
+def _batch_row(make_engine, selectors: dict, adaptive, starts, b: int, ks: list, args, out,
                lockstep: bool, accept: dict | None = None) -> dict:
     """Every policy at batch b in each repeat (`_repeat_tps`); medians over repeats, the oracle's k among them (in
     sample, and held out: `held_out_oracle`)."""
     n_req = max(4 * b, b + 8)
     steps = max(args.steps, -(-args.rows // b))
-    runs: dict[str, list[float]] = {name: [] for name in policies}
+    runs: dict[str, list[float]] = {name: [] for name in selectors}
     adaptive_mix: Counter = Counter()
     for rep in range(args.repeats):
         chosen = starts[(rep * n_req) % 256:][:n_req]
@@ -359,9 +359,9 @@ def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list, 
         prompts = [p for p, _ in chosen]
         params = [SamplingParams(max_tokens=max(1, left), temperature=args.temperature, seed=1000 * rep + i)
                   for i, (_, left) in enumerate(chosen)]
-        tps = repeat_tps(make_engine, policies, b, prompts, params, args.warmup, steps, adaptive_mix, lockstep,
+        tps = repeat_tps(make_engine, selectors, b, prompts, params, args.warmup, steps, adaptive_mix, lockstep,
                           accept=accept)
-        for name in policies:
+        for name in selectors:
             runs[name].append(tps[name])
     med = {name: statistics.median(v) for name, v in runs.items()}
     names = [k.label for k in ks]
@@ -373,7 +373,7 @@ def _batch_row(make_engine, policies: dict, adaptive, starts, b: int, ks: list, 
         "oracle_held_out_ks": held_ks, "oracle_held_out_tps": round(statistics.median(held_tps), 1),
         "adaptive_vs_oracle": round(statistics.median(a / o for a, o in zip(runs["adaptive"], held_tps)), 4),
         # the same fixed k on a second engine, paired per repeat like adaptive ÷ oracle: the ratios' noise
-        "twin_ratio": round(statistics.median(t / f for t, f in zip(runs["twin"], runs[policies['twin'](b).label])),
+        "twin_ratio": round(statistics.median(t / f for t, f in zip(runs["twin"], runs[selectors['twin'](b).label])),
                             4),
         "adaptive_vs_chain_only": round(statistics.median(a / c for a, c in zip(runs["adaptive"],
                                                                                  runs["adaptive_chain_only"])), 4),
@@ -408,14 +408,14 @@ def held_out_oracle(runs: dict[str, list[float]], names: list[str]) -> tuple[lis
     return picks, [runs[k][r] for r, k in enumerate(picks)]
 
 
-def _longtail(make_engine, policies: dict, tok, max_seq: int, cfg, args, out) -> dict[str, float]:
+def _longtail(make_engine, selectors: dict, tok, max_seq: int, cfg, args, out) -> dict[str, float]:
     """One long-tail rollout to completion under each policy; speedup of each over no speculation."""
     lt_prompts = _prompts(tok, args.longtail_n, 12345, cfg.task)
     lt_params = [SamplingParams(max_tokens=min(args.max_tokens, max_seq - len(p)), temperature=args.longtail_temperature,
                                 seed=i) for i, p in enumerate(lt_prompts)]
     names = ["nospec", "adaptive", "adaptive_chain_only", "beg", "threshold"]
-    pols = {"nospec": policies["none"], "adaptive": policies["adaptive"], "adaptive_chain_only": policies["adaptive_chain_only"],
-            "beg": policies["beg"], "threshold": policies["threshold"]}
+    pols = {"nospec": selectors["none"], "adaptive": selectors["adaptive"], "adaptive_chain_only": selectors["adaptive_chain_only"],
+            "beg": selectors["beg"], "threshold": selectors["threshold"]}
     times: dict[str, list[float]] = {n: [] for n in names}
     tokens: dict[str, int] = {}
     for _ in range(args.repeats):

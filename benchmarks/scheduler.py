@@ -1,4 +1,4 @@
-"""Scheduler: a simulated long-tail rollout lending drained GPUs to sessions (real Redis, real processes).
+"""Scheduler: a scripted long-tail rollout lending drained GPUs to sessions (real Redis, real processes).
 
 N simulated workers (each a replica over `--gpus`/N GPUs, SIMULATED telemetry) decode requests whose lengths
 are drawn from the built-in task's heavy-tailed length distribution; the real scheduler runs as its own
@@ -6,10 +6,10 @@ process, detects drained GPUs, leases them to session processes and revokes them
 
 Sessions (`--session`):
 - `real` (default up to 16 GPUs): the drafter-training session the scheduler starts by default
-  (`tailspec.sessions:run_session`: teacher loaded from the policy the phase names, samples read from the
+  (`tailspec.session_entry:run_session`: teacher loaded from the policy the phase names, samples read from the
   sample stream, lineage merges), on the cached `micro` policy (`--policy`) and 160 of its cached task
   samples submitted to the stream before the first step; warm session processes (imports done), as the demo;
-- `busy`: `tailspec.scheduler.demo_session:busy_session`, which trains nothing (the scheduler's own overhead);
+- `busy`: `tailspec.scheduler.busy_sessions:busy_session`, which trains nothing (the scheduler's own overhead);
 - `none` (default above 16 GPUs): no process at all; the scheduler does all its own work (leases, records,
   renewals, revokes, events) and a session counts as ended when it is revoked. On this machine a thousand
   GPUs' sessions cannot run; on a cluster they run on their own nodes and cost the scheduler the same.
@@ -42,22 +42,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from tailspec.bench.scheduler_report import print_report, result
+from tailspec.benchmarks.scheduler_report import print_report, result
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig, TaskConfig
+
 from tailspec.tasks.runsum import sample_problems
 
-REAL_ENTRY = "tailspec.sessions:run_session"
-BUSY_ENTRY = "tailspec.scheduler.demo_session:busy_session"
+REAL_ENTRY = "tailspec.session_entry:run_session"
+BUSY_ENTRY = "tailspec.scheduler.busy_sessions:busy_session"
 PROFILE_ENV = "TAILSPEC_BENCH_PROFILE"  # set: the scheduler process is profiled (cProfile) into this file
 SCALE_GPUS = 16  # above this, sessions default to `none`
-PROCS = [sys.executable, "-m", "tailspec.bench.scheduler_procs"]  # the bench's scheduler and monitor processes
+PROCS = [sys.executable, "-m", "tailspec.benchmarks.scheduler_procs"]  # the bench's scheduler and monitor processes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=None,
-                   help="simulated rollout workers (default 4 with real sessions, 8 otherwise)")
+                   help="scripted rollout workers (default 4 with real sessions, 8 otherwise)")
     p.add_argument("--gpus", type=int, default=None,
                    help="simulated GPUs (default one per worker); a multiple of --workers: each worker is a "
                         "tensor-parallel replica over gpus/workers GPUs")
@@ -103,7 +103,7 @@ class Shape:
 
 def shape_of(args: argparse.Namespace) -> Shape:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.scheduler.simulate import node_gpus
+    from tailspec.scheduler.scripted_rollout import node_gpus
 
     workers = args.workers or (4 if args.session in (None, "real") and (args.gpus or 0) <= SCALE_GPUS else 8)
     gpus = args.gpus or workers
@@ -145,7 +145,7 @@ class Run:
 
 @dataclass
 class Rollout:
-    """The simulated rollout against the running scheduler, and what the scheduler spent meanwhile."""
+    """The scripted rollout against the running scheduler, and what the scheduler spent meanwhile."""
 
     sim: Any  # scheduler.simulate's result
     scheduler_cpu_s: float
@@ -196,7 +196,7 @@ def _policy_samples(args: argparse.Namespace, session: str) -> tuple[Path | None
     if session != "real":
         return None, []
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.bench.trainer import policy_samples
+    from tailspec.tasks.samples import policy_samples
 
     return policy_samples(args.policy, 160, seed=1, max_new_tokens=128)
 
@@ -255,11 +255,11 @@ def _print_start(b: Run) -> None:
 
 
 def _rollout(b: Run) -> Rollout:
-    """The scheduler (and, on many nodes, the monitors) as processes, the simulated rollout against them, and the
+    """The scheduler (and, on many nodes, the monitors) as processes, the scripted rollout against them, and the
     scheduler's CPU time over the rollout's wall time."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.scheduler.client import TailspecClient
-    from tailspec.scheduler.simulate import run_simulated_rollout
+    from tailspec.scheduler.scripted_rollout import run_scripted_rollout
 
     args, shape = b.args, b.shape
     cfg_path = _write_config(b)
@@ -278,7 +278,7 @@ def _rollout(b: Run) -> Rollout:
         _print_start(b)
         cpu0, wall0, t_start = _proc_cpu_s(sched.pid), time.monotonic(), time.time()
         sent0 = client.sent["progress"]
-        sim = run_simulated_rollout(
+        sim = run_scripted_rollout(
             b.url, workers=shape.workers, steps=args.steps, gpus_per_worker=shape.per_worker,
             gpus_per_node=shape.per_node, policy_path=str(b.policy_dir) if b.policy_dir else None,
             requests_per_worker=args.requests_per_worker, lengths=b.lengths, token_time_s=args.token_time,
@@ -313,7 +313,7 @@ def _should_continue_cost(r, url: str, cluster: str) -> tuple[float, float]:
     should_continue() as called every step with the default renewal spacing (µs)."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.scheduler.leases import Leases
-    from tailspec.scheduler.session import SessionContext
+    from tailspec.scheduler.session_process import SessionContext
 
     c = f"{cluster}-cost"
     r.set(state.key(c, "scheduler_heartbeat"), "1", px=60_000)

@@ -1,5 +1,5 @@
 """Trunk glue: the entry the scheduler starts on a lent GPU (`scheduler.session_entry`, default
-`tailspec.sessions:run_session`).
+`tailspec.session_entry:run_session`).
 
 `run_session(ctx)` builds a drafter-training session from the cluster state: the teacher is the latest
 policy (`phase.policy_path`), samples come from the cluster's sample stream, checkpoints and versions live
@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tailspec import warm
 from tailspec.core import state
 from tailspec.core.atomic import write_text_atomic
 from tailspec.core.config import TailspecConfig
@@ -36,13 +37,12 @@ from tailspec.drafter_trainer.footprint import GIB, session_footprint
 from tailspec.drafter_trainer.lineage import Fence, Lineage
 from tailspec.drafter_trainer.loss import StopRequested
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
-from tailspec.drafter_trainer.session import SessionResult, TrainingSession
 from tailspec.drafter_trainer.teacher import Teacher
+from tailspec.drafter_trainer.training_session import SessionResult, TrainingSession
 from tailspec.drafter_trainer.versions import VersionStore
-from tailspec.scheduler.session import WARM_POLICY_ENV
+from tailspec.scheduler.session_process import WARM_POLICY_ENV
 from tailspec.scheduler.telemetry import free_memory
 from tailspec.warm import device_and_dtype, keep_teacher, load_teacher, remember
-from tailspec import warm
 
 log = logging.getLogger(__name__)
 PROPOSED = "PROPOSED_HEAD"
