@@ -2,6 +2,9 @@
 `run(args) -> dict`; the command prints the module's own table/progress to stderr-or-stdout and, as the
 very last stdout line with --json, one JSON object. Register a new one in BENCHES."""
 
+import importlib
+from types import ModuleType
+
 BENCHES: dict[str, str] = {
     "task": "tailspec.benchmarks.task",
     "adaptive": "tailspec.benchmarks.adaptive",
@@ -17,3 +20,8 @@ BENCHES: dict[str, str] = {
     "attach": "tailspec.benchmarks.attach",
     "faults": "tailspec.benchmarks.faults",
 }
+
+
+def load(name: str) -> ModuleType:
+    """The module of bench `name` (a key of BENCHES)."""
+    return importlib.import_module(BENCHES[name])

@@ -40,6 +40,7 @@ import time
 from collections import Counter
 
 from tailspec.benchmarks.lockstep import repeat_tps
+from tailspec.benchmarks.machine import machine
 from tailspec.rollout import cost_model
 from tailspec.rollout.schedule_export import schedule_exports
 from tailspec.rollout.sequence import SamplingParams
@@ -218,8 +219,6 @@ def run(args: argparse.Namespace) -> dict:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import torch
 
-    from tailspec.commands.bench import machine
-
     out = sys.stderr if args.json else sys.stdout
     cfg = config_from_args(args)
     torch.set_num_threads(args.threads)
@@ -277,7 +276,8 @@ def _selectors(cost, acceptance, ks: list, chains: list, epsilon: float) -> dict
     """Every policy the bench runs: each fixed strategy, adaptive over them all, adaptive over the chains alone (on
     its own copies of the estimates: both learn online from their steps), BEG, threshold and the twin."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.rollout.selector import AdaptiveSelector, beg_selector, fixed_selector, threshold_selector
+    from tailspec.rollout.selector import AdaptiveSelector
+    from tailspec.rollout.table_selector import beg_selector, fixed_selector, threshold_selector
 
     adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=epsilon, seed=0)
     chain_only = AdaptiveSelector(copy.deepcopy(cost), copy.deepcopy(acceptance), ks=chains, epsilon=epsilon, seed=0)
@@ -292,8 +292,6 @@ def _selectors(cost, acceptance, ks: list, chains: list, epsilon: float) -> dict
 
 
 def _report(result: dict, selectors: dict, out) -> None:
-    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.commands.bench import machine
 
     print(f"adaptive ÷ per-batch oracle, lowest over batch sizes: {result['adaptive_vs_oracle_min_ratio']:.3f} "
           f"(oracle's k held out; in sample {result['adaptive_vs_oracle_in_sample_min_ratio']:.3f}); adaptive ÷ no SD, "

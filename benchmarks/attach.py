@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tailspec.benchmarks.machine import machine
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
 
@@ -210,7 +211,6 @@ def run(args: argparse.Namespace) -> dict:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     import redis
 
-    from tailspec.commands.bench import machine
     from tailspec.redis_server import start_redis
     from tailspec.tasks.policy import cached_policy, resolve_policy
 

@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.request
 
+from tailspec.benchmarks.machine import machine
 from tailspec.core import state as S
 from tailspec.core.state import (
     DrafterVersion,
@@ -94,7 +95,6 @@ def run(args: argparse.Namespace) -> dict:
     import redis
     from tailspec.dashboards.server import start_dashboard, start_exporter
 
-    from tailspec.commands.bench import machine
     from tailspec.redis_server import start_redis
 
     out = sys.stderr if args.json else sys.stdout

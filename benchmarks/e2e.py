@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from tailspec.benchmarks.machine import machine
 from tailspec.commands.args import config_from_args
 from tailspec.demo.options import DemoOptions
 from tailspec.demo.report import lent_in_tail, session_split, tail_idle_share
@@ -140,8 +141,6 @@ def _lending(co: list, timeline: list[dict]) -> dict:
 
 def _result(args: argparse.Namespace, runs: dict, demos: dict, step: dict[str, float]) -> dict:
     """The bench's JSON; `step`: each mode's mean step time over the steps after --skip-first."""
-    # deferred: a cycle (tailspec.commands.bench imports this module to build its parser)
-    from tailspec.commands.bench import machine
 
     third = max(1, len(runs["frozen"]) // 3)
     last_third = {m: statistics.fmean(r.step_time_s for r in rows[-third:]) for m, rows in runs.items()}

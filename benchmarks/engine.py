@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tailspec.benchmarks.machine import machine
 from tailspec.rollout.sequence import SamplingParams
 
 from tailspec.commands.args import config_from_args
@@ -370,8 +371,6 @@ def _summary(rows: list[dict], batches: list[int]) -> dict:
 def run(args: argparse.Namespace) -> dict:
     # deferred: torch (seconds of `tailspec --help`); the CLI imports every bench module to build its parser
     import torch
-
-    from tailspec.commands.bench import machine
 
     if args.threads:
         torch.set_num_threads(args.threads)

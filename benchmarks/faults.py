@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tailspec.benchmarks.machine import machine
 from tailspec.core import state
 from tailspec.core.state import Lease, Progress, SchedulerLeader, SessionInfo
 
@@ -366,7 +367,6 @@ def summarize(injections: list[Injection], kinds: list[str], steps_done: dict[in
 
 def run(args: argparse.Namespace) -> dict:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.commands.bench import machine
     from tailspec.demo.run import DemoOptions
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]

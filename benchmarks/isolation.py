@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 
+from tailspec.benchmarks.machine import machine
 from tailspec.core.config import TailspecConfig, TaskConfig
 
 
@@ -202,8 +203,6 @@ def _pairs(args: argparse.Namespace, mode: str, cpus: list, cgroups: list, out) 
 def run(args: argparse.Namespace) -> dict:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.scheduler import placement
-
-    from tailspec.commands.bench import machine
 
     out = sys.stderr if args.json else sys.stdout
     host = placement.host_cpus()

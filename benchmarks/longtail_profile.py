@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 from tailspec.benchmarks import adaptive as bench
-from tailspec.rollout.selector import fixed_selector
 from tailspec.rollout.sequence import SamplingParams
+from tailspec.rollout.table_selector import fixed_selector
 
 from tailspec.cli import build_parser
 from tailspec.commands.args import config_from_args

@@ -6,7 +6,7 @@ process, detects drained GPUs, leases them to session processes and revokes them
 
 Sessions (`--session`):
 - `real` (default up to 16 GPUs): the drafter-training session the scheduler starts by default
-  (`tailspec.session_entry:run_session`: teacher loaded from the policy the phase names, samples read from the
+  (`tailspec.session_entry:ENTRY`: teacher loaded from the policy the phase names, samples read from the
   sample stream, lineage merges), on the cached `micro` policy (`--policy`) and 160 of its cached task
   samples submitted to the stream before the first step; warm session processes (imports done), as the demo;
 - `busy`: `tailspec.scheduler.busy_sessions:busy_session`, which trains nothing (the scheduler's own overhead);
@@ -22,9 +22,13 @@ latency (revoke → the scheduler counts the GPU reclaimed: session end seen, or
 scheduler's tick time and Redis round trips per tick (measured inside the scheduler process), its CPU time ÷
 wall time, the client's sustained progress-report rate and, with `--sample-hours`, Redis memory while an
 hour-equivalent of samples goes into the (trimmed) sample stream.
+The JSON's `release_latency_p50_s` / `release_latency_p99_s` are aliases of `reclaim_counted_p50_s` /
+`reclaim_counted_p99_s` (the same values: revoke → reclaim counted, not release-to-free), for readers of results
+that use those names.
 Targets: detect p99 ≤ 0.5 s, release-to-free p99 ≤ 1 s, reclaimed ≥ 0.9, CPU ≤ 5%, tick p99 ≤ 100 ms.
 
-The bench's own processes are in scheduler_procs.py, its figures and report in scheduler_report.py.
+The bench's own processes are in scheduler_procs.py, its figures and report in scheduler_report.py, the records of
+a run both read in scheduler_run.py.
 """
 
 from __future__ import annotations
@@ -37,18 +41,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from tailspec.benchmarks.scheduler_report import print_report, result
+from tailspec.benchmarks.scheduler_run import Rollout, Run, Shape
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig, TaskConfig
 
 from tailspec.tasks.runsum import sample_problems
 
-REAL_ENTRY = "tailspec.session_entry:run_session"
+REAL_ENTRY = "tailspec.session_entry:ENTRY"
 BUSY_ENTRY = "tailspec.scheduler.busy_sessions:busy_session"
 PROFILE_ENV = "TAILSPEC_BENCH_PROFILE"  # set: the scheduler process is profiled (cProfile) into this file
 SCALE_GPUS = 16  # above this, sessions default to `none`
@@ -80,27 +83,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", metavar="URL", help="use this Redis instead of a private redis-server")
 
 
-@dataclass
-class Shape:
-    """What the arguments ask for, their defaults resolved."""
-
-    workers: int
-    gpus: int
-    per_worker: int  # GPUs per worker: each worker is a tensor-parallel replica
-    per_node: int | None
-    session: str  # real | busy | none
-    hours: float  # hours' worth of samples written after the rollout
-    nodes: dict[str, int]
-
-    @property
-    def warm(self) -> int:
-        return 0 if self.session == "none" else min(64, self.gpus)
-
-    @property
-    def one_node(self) -> bool:
-        return len(self.nodes) == 1
-
-
 def shape_of(args: argparse.Namespace) -> Shape:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.scheduler.scripted_rollout import node_gpus
@@ -116,44 +98,6 @@ def shape_of(args: argparse.Namespace) -> Shape:
     if session != "none" and gpus > 64:
         raise SystemExit(f"--session {session} starts a process per lent GPU: at most 64 GPUs (use --session none)")
     return Shape(workers, gpus, gpus // workers, per_node, session, hours, nodes)
-
-
-@dataclass
-class Run:
-    """One bench run's fixed parts: the shape, the Redis and cluster it runs in, the task's response lengths, the
-    real sessions' policy and samples, and its temp directory (config, session logs, the scheduler's stats)."""
-
-    args: argparse.Namespace
-    shape: Shape
-    url: str
-    cluster: str
-    r: Any  # redis.Redis
-    lengths: list[int]
-    tmp: Path
-    policy_dir: Path | None
-    samples: list
-    out: Any
-
-    @property
-    def logs(self) -> Path:
-        return self.tmp / "sessions"
-
-    @property
-    def stats_path(self) -> Path:
-        return self.tmp / "ticks.json"
-
-
-@dataclass
-class Rollout:
-    """The scripted rollout against the running scheduler, and what the scheduler spent meanwhile."""
-
-    sim: Any  # scheduler.simulate's result
-    scheduler_cpu_s: float
-    wall: float
-    t_start: float
-    t_end: float
-    progress_written: int
-    monitor_cpu_s: float | None
 
 
 def run(args: argparse.Namespace) -> dict:

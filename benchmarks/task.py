@@ -1,4 +1,5 @@
-"""Task benchmark: pre-train a preset policy from scratch, then accuracy and response-length tail at T=1."""
+"""Task benchmark: pre-train a preset policy from scratch (the demo's, by default), then accuracy and
+response-length tail at T=1."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from tailspec.benchmarks.machine import machine
 from tailspec.commands.args import config_from_args
+from tailspec.demo.options import DemoOptions
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", choices=["micro", "micro4", "tiny", "deep", "small"])
+    p.add_argument("--preset", default=DemoOptions.policy, choices=["micro", "micro4", "tiny", "deep", "small"],
+                   help=f"policy preset (default {DemoOptions.policy}: the one `tailspec demo` runs)")
     p.add_argument("-n", type=int, default=512, help="evaluation problems (default 512)")
     p.add_argument("--cached", action="store_true",
                    help="reuse the cached policy instead of training a fresh one (train_seconds then comes "
@@ -22,7 +26,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
-    from tailspec.commands.bench import machine
     from tailspec.commands.task import eval_policy, print_eval
     from tailspec.tasks.policy import get_policy, policy_meta
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from tailspec.benchmarks.vllm import perturbed_policy, validated_acceptance, zeroed_fc
+from tailspec.benchmarks.vllm_kit import perturbed_policy, validated_acceptance, zeroed_fc
 from tailspec.core import state
 from tailspec.core.config import RolloutConfig
 from tailspec.core.state import DrafterVersion

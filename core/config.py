@@ -92,9 +92,11 @@ class SchedulerConfig(_Section):
                               "simulated GPUs share the host's CPU cores with rollout workers, so a session takes "
                               "only the CPU the tail leaves idle (on real GPUs leave 0)")
     session_entry: str = Field(
-        "tailspec.session_entry:run_session",
+        "tailspec.session_entry:ENTRY",
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
-        description="module:function started on a lent GPU",
+        description="module:attribute of the session entry started on a lent GPU: an object with run(ctx), "
+        "warm_up() and prestage() (scheduler.session_process.SessionEntry), or a plain function of the context "
+        "(nothing to warm up or read ahead)",
     )
     tick_s: float = Field(0.05, gt=0, le=5, description="period of the scheduler's decision loop")
     simulated_gpus: int = Field(4, ge=1, le=64, description="GPUs per node shown by simulated telemetry")
@@ -264,8 +266,8 @@ class TaskConfig(_Section):
     # frozen drafter go stale).
     alt_style_rate: float | None = Field(None, ge=0, le=0.5, description="share of the pre-training corpus in "
                                          "the alternative style (None: the policy preset's)")
-    # 1.0: the demo's GRPO (10 steps, lr 1e-4) moves `deep` to the alternative style in every seed tried; at 0.5
-    # the coupled verify rule's seed-0 trajectory barely moved (BENCHMARKS.md, end to end: drift)
+    # 1.0: enough for the demo's GRPO (10 steps, lr 1e-4) to move `deep` to the alternative style, the drift a
+    # frozen drafter goes stale on; a smaller bonus leaves the coupled verify rule's trajectory nearly in place
     style_bonus: float = Field(1.0, ge=0, le=2, description="reward bonus of a well-formed response in the "
                                "alternative style")
 

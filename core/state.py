@@ -179,8 +179,7 @@ class DrafterVersion(_Payload):
     path: str
     policy_version: int = Field(ge=0)
     acceptance_length: float | None = Field(None, description="expected acceptance length at validation_k")
-    validation_k: int | None = Field(None, ge=1, le=64, description="draft length acceptance_length was measured "
-                                     "at (None: recorded before this field, 4)")
+    validation_k: int | None = Field(None, ge=1, le=64, description="chain k of the validation (None: older, 4)")
     baseline_acceptance_length: float | None = None
     promoted: bool
     created_at: float
@@ -194,6 +193,8 @@ class DrafterVersion(_Payload):
     decision: str | None = Field(None, description="why it was or was not promoted")
     lineage_head: int | None = Field(None, ge=0, description="lineage head number the candidate was taken from")
     lineage_steps: int | None = Field(None, ge=0, description="optimizer steps merged into that head")
+    scored_under: dict[str, float] | None = Field(None, description="strategy → weight (None: chain validation_k)")
+    rank_rates: list[list[float]] | None = Field(None, description="mean rate per [depth][sibling rank] there")
 
 
 class LineageHead(_Payload):
@@ -250,7 +251,7 @@ class RolloutStats(_Payload):
     drafted: int = Field(ge=0)
     accepted: int = Field(ge=0)
     acceptance_length: float = Field(ge=0, description="tokens emitted per target forward")
-    strategy_mix: dict[str, int] = Field(default_factory=dict, description="k → decode steps")
+    strategy_mix: dict[str, int] = Field(default_factory=dict, description="chain k or tree label → decode steps")
     drafter_version: int | None = None
     baseline_tokens_per_s: float | None = Field(
         None, ge=0, description="tokens/s of plain decoding (k=0) on the same worker and batch sizes; "
@@ -326,9 +327,9 @@ KEYS: dict[str, KeySpec] = {
                 "'NUMBER SESSION': the one session validating a lineage head now (SET NX PX, released when its "
                 "validation ends or is cut short); the others train instead of scoring the same head again"),
         KeySpec("drafter_validation", "drafter:validation", "hash", "drafter trainer (versions)", None,
-                "paired scores of the validation in progress: field id = 'HEAD:BASELINE:K', one field "
-                "per held-out sample key = 'CANDIDATE CURRENT ANCHORS' (finished by a later session, on "
-                "the version store's pending copy of HEAD)"),
+                "paired scores of the validation in progress: id = 'HEAD:BASELINE:K', mix = the strategy mix it "
+                "scores under (JSON; none: a chain of K), per held-out sample key 'CANDIDATE CURRENT ANCHORS' "
+                "(finished by a later session, on the version store's pending copy of HEAD)"),
         KeySpec("drafter_health", "history:drafter_health", "stream", "drafter trainer / RL loop", DrafterHealth,
                 "current drafter's acceptance on the newest samples beside its value at promotion"),
         KeySpec("drafter_guard", "drafter:guard", "hash", "rollout worker", GuardStatus,

@@ -1,25 +1,22 @@
 """The EAGLE-3 drafter's building blocks: RMSNorm, RoPE with the target's parameters, the single decoder layer
 (attention over a static per-slot KV cache at inference, and over the unroll's own chain in TTT training),
-and its MLP. The module that assembles them, its config and checkpoint format: drafter_trainer/model.py.
-Parameter names are the EAGLE-3 export format's (vLLM / SGLang `LlamaForCausalLMEagle3`)."""
+and its MLP. The config they are built from: drafter_trainer/eagle3_config.py; the module that assembles them
+and its checkpoint format: drafter_trainer/model.py. Parameter names are the EAGLE-3 export format's (vLLM / SGLang `LlamaForCausalLMEagle3`)."""
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tailspec.drafter_trainer.eagle3_config import Eagle3Config
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-if TYPE_CHECKING:  # annotations only: model.py imports this module
-    from tailspec.drafter_trainer.model import Eagle3Config
-
-
-# cuDNN's SDPA builds an execution plan the first time it meets a shape (45-65 ms on an H100, BENCHMARKS.md,
-# fourth GPU lease), and a session's batches are padded to a new width nearly every time. The same rule as the
+# cuDNN's SDPA builds an execution plan the first time it meets a shape, and a session's batches are padded to a
+# new width nearly every time, so each batch would pay a plan build. The same rule as the
 # rollout engine's forwards (rollout.model_runner.attention_backends; components do not import each other).
 _SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 

@@ -128,6 +128,33 @@ def acceptance_rates(drafter: Eagle3Module, aux: torch.Tensor, teacher_logits: t
     return torch.stack(alphas, dim=-1), valid
 
 
+@torch.no_grad()
+def rank_acceptance_rates(drafter: Eagle3Module, aux: torch.Tensor, teacher_logits: torch.Tensor, ids: torch.Tensor,
+                          lengths: torch.Tensor, prompt_lens: torch.Tensor, depth: int, ranks: int,
+                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-anchor rates of a token tree's nodes along the recorded path, the accept(d, r) of
+    rollout.strategy.expected_accepted: P(the drafter's rank-r child at depth d is the accepted one | its parent
+    was). Rank 0 is acceptance_rates' α_d = Σ_x min(p_d(x), q_d(x)); rank r >= 1 is p_d(x_r), the teacher's
+    probability of the drafter's (r+1)-th most probable token (the chance the target's token is that sibling),
+    0 where the draft vocabulary has fewer tokens. → (rates [B, A, depth, ranks], valid [B, A]); an anchor is
+    valid when all `depth` of its steps predict tokens inside the response."""
+    anchors = ids.shape[1] - 1
+    keep = drafter.draft_ids_in_target()
+    siblings = max(0, min(ranks, keep.numel()) - 1)
+    steps = []
+    for i, logits in unroll(drafter, aux, ids, depth):
+        q = drafter.target_probs(logits, temperature)
+        p = torch.softmax(step_targets(teacher_logits, i, anchors).float() / max(temperature, 1e-6), dim=-1)
+        rates = p.new_zeros(*p.shape[:-1], ranks)
+        rates[..., 0] = torch.minimum(p, q).sum(-1)
+        if siblings:
+            top = logits.topk(siblings + 1, dim=-1).indices[..., 1:]  # draft ids of ranks 1..siblings
+            rates[..., 1 : siblings + 1] = p.gather(-1, keep[top])
+        steps.append(rates)
+    valid = step_mask(lengths.to(ids.device), prompt_lens.to(ids.device), depth - 1, anchors)
+    return torch.stack(steps, dim=-2), valid
+
+
 def expected_length(alpha: torch.Tensor) -> torch.Tensor:
     """E = Σ_{i=0..k} Π_{j<=i} α_j with α_0 = 1: tokens per target forward for chain length k."""
     return 1.0 + torch.cumprod(alpha, dim=-1).sum(-1)

@@ -4,6 +4,9 @@ In-process (`Teacher(model, ...)`, e.g. sharing the engine's model object when c
 a policy directory (`Teacher.from_dir`, the RL framework's latest weights). The aux states are taken with
 `model.capture_aux`, the same hooks the engine uses at inference, so training and drafting read the same
 tensors.
+
+`new_drafter` builds a new drafter for a teacher (a session's first head, or the lineage's seed): the EAGLE-3
+head sized from the teacher's config, reading its aux layers, over its embedding and on its device.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from tailspec.core.config import TrainerConfig
 from tailspec.core.state import Sample
+from tailspec.drafter_trainer.eagle3_config import Eagle3Config, default_aux_layer_ids
 from tailspec.drafter_trainer.layers import attention_backends
-from tailspec.drafter_trainer.model import capture_aux, default_aux_layer_ids
+from tailspec.drafter_trainer.model import Eagle3Module, capture_aux, vocab_maps_from_counts
+from tailspec.drafter_trainer.samples import SampleBuffer
 from torch import nn
 
 
@@ -119,3 +125,23 @@ def checked_layers(model: nn.Module, check: Callable[[], None] | None) -> Iterat
     finally:
         for h in handles:
             h.remove()
+
+
+def token_counts(buffer: SampleBuffer, vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in the buffer's training responses."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for s in buffer.train:
+        counts += torch.bincount(torch.tensor(s.response_ids), minlength=vocab_size).double()
+    return counts
+
+
+def new_drafter(teacher: Teacher, cfg: TrainerConfig, buffer: SampleBuffer) -> Eagle3Module:
+    """A new drafter for `teacher` (the module doc); its draft vocabulary is the buffer's most frequent response
+    tokens when `trainer.draft_vocab_size` is smaller than the policy's."""
+    dcfg = Eagle3Config.from_target(teacher.config, draft_vocab_size=cfg.draft_vocab_size,
+                                    aux_layer_ids=teacher.aux_layer_ids)
+    torch.manual_seed(cfg.seed)
+    drafter = Eagle3Module(dcfg, teacher.embedding())
+    if dcfg.draft_vocab_size < dcfg.vocab_size:
+        drafter.set_vocab_maps(*vocab_maps_from_counts(token_counts(buffer, dcfg.vocab_size), dcfg.draft_vocab_size))
+    return drafter.to(teacher.device)

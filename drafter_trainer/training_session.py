@@ -47,13 +47,12 @@ import torch
 from tailspec.core.config import TrainerConfig
 from tailspec.drafter_trainer.backends import make_backend
 from tailspec.drafter_trainer.checkpoint import load_latest, save_checkpoint
-from tailspec.drafter_trainer.fresh import new_drafter
 from tailspec.drafter_trainer.lineage import DUPLICATE, FENCED, Lineage, MergeResult, copy_trainable, snapshot
 from tailspec.drafter_trainer.loss import StopRequested, step_token_counts, ttt_loss
 from tailspec.drafter_trainer.rollout_targets import load_targets
 from tailspec.drafter_trainer.rounds import Rounds
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
-from tailspec.drafter_trainer.teacher import Teacher, collate
+from tailspec.drafter_trainer.teacher import Teacher, collate, new_drafter
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +80,8 @@ class SessionResult:
         return self.tokens / self.train_seconds if self.train_seconds > 0 else 0.0
 
 
-# should_continue() is a lease renewal: a Redis round trip, ~0.1 ms on an idle host, ~3 ms at the demo's 0.45 of a
-ASK_EVERY_S = 0.02  # core (8% of its step time; BENCHMARKS.md, end to end); how late a revocation is noticed
+# should_continue() renews the lease (a Redis round trip, felt at a simulated GPU's share of a core): a step
+ASK_EVERY_S = 0.02  # asks at most this often, which bounds how late it notices a revocation
 
 
 class TrainingSession:

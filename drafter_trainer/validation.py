@@ -1,7 +1,12 @@
-"""Scoring drafters on held-out samples: the expected acceptance length at chain length k of one drafter
-(`validate`), or of a candidate and the current version on the same samples with one teacher pass (`validate_paired`,
-resumable across sessions by sample key), and the paired test that decides a promotion (`decide`, Student t).
-versions.py's module doc says why the unit is a held-out sample and what the test guarantees."""
+"""Scoring drafters on held-out samples: the expected acceptance length of one drafter (`validate`), or of a
+candidate and the current version on the same samples with one teacher pass (`validate_paired`, resumable across
+sessions by sample key), and the paired test that decides a promotion (`decide`, Student t). versions.py's module
+doc says why the unit is a held-out sample and what the test guarantees.
+
+What a drafter is scored under: a chain of k by default (loss.acceptance_rates / expected_length), or a `score`
+over the per-anchor rates of each (depth, sibling rank) (loss.rank_acceptance_rates), which the roof builds from
+the strategies the rollouts run (`Scoring`; tailspec/mix_score.py): a drafter good at its first choice and one good
+at its later siblings rank differently under trees, and promotion must rank them as the engine spends."""
 
 from __future__ import annotations
 
@@ -13,17 +18,32 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from tailspec.core.state import Sample
-from tailspec.drafter_trainer.loss import acceptance_rates, expected_length
+from tailspec.drafter_trainer.loss import acceptance_rates, expected_length, rank_acceptance_rates
 from tailspec.drafter_trainer.model import Eagle3Module
 from tailspec.drafter_trainer.teacher import Teacher, collate
+
+Rates = Callable[[torch.Tensor], torch.Tensor]  # rates [B, A, depth, ranks] → expected accepted drafts [B, A]
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """A candidate's scoring under the strategies the rollouts run, built in the roof (drafter_trainer knows no
+    strategies): `mix` is what the version records as `scored_under` (strategy label → weight), `score` values
+    loss.rank_acceptance_rates' rates of `depth` x `ranks`."""
+
+    mix: dict[str, float]
+    depth: int
+    ranks: int
+    score: Rates
 
 
 @dataclass
 class Validation:
-    acceptance_length: float  # mean over valid anchors of E_k
-    alpha: list[float]  # mean per-position acceptance probability α_1..α_k
+    acceptance_length: float  # mean over valid anchors of 1 + expected accepted drafts (a chain of k: E_k)
+    alpha: list[float]  # mean per-position acceptance probability α_1..α_k (scored: the depths' rank-0 rates)
     anchors: int
     k: int
+    rank_rates: list[list[float]] | None = None  # scored: mean rate per [depth][rank] over the valid anchors
 
 
 @dataclass
@@ -33,6 +53,8 @@ class Paired:
     weights: list[int]  # anchors per sample
     k: int
     stopped_early: bool = False  # the interim look promoted: not every sample was scored
+    # scored: the candidate's mean rate per [depth][rank] over the anchors this call scored (None: it scored none)
+    rank_rates: list[list[float]] | None = None
 
     @property
     def gains(self) -> list[float]:
@@ -144,6 +166,19 @@ def sample_key(sample: Sample) -> str:
 Score = tuple[float, float, int]  # (candidate, current, anchors) of one held-out sample
 
 
+def _per_anchor(drafter: Eagle3Module, batch: Any, out: Any, k: int, temperature: float, score: Rates | None,
+                depth: int | None, ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(expected tokens per target forward [B, A], valid [B, A], the rates they come from): a chain of k's α
+    [B, A, k] without a score, else the (depth, rank) rates [B, A, depth, ranks] and 1 + score of them."""
+    if score is None:
+        alpha, valid = acceptance_rates(drafter, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
+                                        k, temperature)
+        return expected_length(alpha), valid, alpha
+    rates, valid = rank_acceptance_rates(drafter, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
+                                         depth or k, ranks, temperature)
+    return 1.0 + score(rates), valid, rates
+
+
 def pick_holdout(holdout: Sequence[Sample], done: dict[str, Score], n: int | None) -> list[Sample]:
     """The held-out samples (oldest first in `holdout`) of a validation of `n` samples, `done` of them scored
     already by a resumed validation, here or since gone from the buffer: those still here, then the newest
@@ -162,8 +197,11 @@ def validate_paired(candidate: Eagle3Module, current: Eagle3Module, teacher: Tea
                     k: int = 4, batch_size: int = 32, temperature: float = 1.0,
                     check: Callable[[], None] | None = None, done: dict[str, Score] | None = None,
                     on_batch: Callable[[dict[str, Score]], None] | None = None,
-                    look_at: int = 0, look: Callable[[list[float]], bool] | None = None) -> Paired:
-    """Per held-out sample scores of both drafters from ONE teacher forward per batch (same anchors).
+                    look_at: int = 0, look: Callable[[list[float]], bool] | None = None,
+                    score: Rates | None = None, depth: int | None = None, ranks: int = 1) -> Paired:
+    """Per held-out sample scores of both drafters from ONE teacher forward per batch (same anchors): the mean
+    over its valid anchors of the expected tokens per target forward, at a chain of k, or with `score` 1 + score
+    of the anchors' rates at `depth` (default k) x `ranks` (loss.rank_acceptance_rates).
 
     Resumable: samples whose scores are in `done` (by sample_key) are not scored again, and `on_batch` gets each
     batch's new scores as soon as they exist, so a validation cut short by a stop keeps what it finished.
@@ -178,6 +216,7 @@ def validate_paired(candidate: Eagle3Module, current: Eagle3Module, teacher: Tea
     todo = [x for x, key in zip(samples, keys) if key not in done]
     looking = look is not None and len(_scored(keys, done)) < look_at
     stopped = False
+    table, anchors = None, 0  # the candidate's rates summed over the valid anchors scored here
     modes = (candidate.training, current.training)
     candidate.eval()
     current.eval()
@@ -187,10 +226,12 @@ def validate_paired(candidate: Eagle3Module, current: Eagle3Module, teacher: Tea
             for d in (candidate, current):
                 if check is not None:  # each drafter's unroll costs about what the teacher's forward does
                     check()
-                alpha, valid = acceptance_rates(d, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
-                                                k, temperature)
-                e = expected_length(alpha).double() * valid
+                e, valid, rates = _per_anchor(d, batch, out, k, temperature, score, depth, ranks)
+                e = e.double() * valid
                 scores.append((e.sum(1) / valid.sum(1).clamp(min=1)).tolist())
+                if score is not None and d is candidate:
+                    got = rates[valid].double().sum(0).cpu()
+                    table, anchors = (got if table is None else table + got), anchors + int(valid.sum())
             counts = valid.sum(1).tolist()
             new = {sample_key(x): (a, b, int(c)) for x, a, b, c in zip(part, scores[0], scores[1], counts)}
             done.update(new)
@@ -206,8 +247,9 @@ def validate_paired(candidate: Eagle3Module, current: Eagle3Module, teacher: Tea
         current.train(modes[1])
     rows = _scored(keys, done)
     if not rows:
-        raise ValueError(f"no held-out sample is long enough to validate at k={k}")
-    return Paired([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], k, stopped)
+        raise ValueError(f"no held-out sample is long enough to validate at k={depth or k if score else k}")
+    mean = (table / anchors).tolist() if table is not None and anchors else None
+    return Paired([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], k, stopped, mean)
 
 
 def _scored(keys: Sequence[str], done: dict[str, Score]) -> list[Score]:
@@ -224,22 +266,25 @@ CHECKED_BATCH = 4
 
 @torch.no_grad()
 def validate(drafter: Eagle3Module, teacher: Teacher, samples: Sequence[Sample], k: int = 4,
-             batch_size: int = 32, temperature: float = 1.0, check: Callable[[], None] | None = None) -> Validation:
-    """Expected acceptance length at chain length k on `samples` (see loss.acceptance_rates). `check` is
-    called between batches (a session's stop check: it raises to abandon the validation)."""
+             batch_size: int = 32, temperature: float = 1.0, check: Callable[[], None] | None = None,
+             score: Rates | None = None, depth: int | None = None, ranks: int = 1) -> Validation:
+    """Expected acceptance length on `samples`: at chain length k (see loss.acceptance_rates), or with `score`
+    the mean of 1 + score of the anchors' rates at `depth` (default k) x `ranks` (loss.rank_acceptance_rates).
+    `check` is called between batches (a session's stop check: it raises to abandon the validation)."""
     was_training = drafter.training
     drafter.eval()
-    total_e, total_a, n = 0.0, torch.zeros(k, dtype=torch.float64), 0
+    total_e, total_a, n = 0.0, 0.0, 0
     try:
         for batch, out, _ in _teacher_batches(teacher, samples, batch_size, check):
-            alpha, valid = acceptance_rates(drafter, out.aux, out.logits, batch.ids, batch.lengths,
-                                            batch.prompt_lens, k, temperature)
-            e = expected_length(alpha)
+            e, valid, rates = _per_anchor(drafter, batch, out, k, temperature, score, depth, ranks)
             total_e += float(e[valid].double().sum())
-            total_a += alpha[valid].double().sum(0).cpu()
+            total_a = total_a + rates[valid].double().sum(0).cpu()
             n += int(valid.sum())
     finally:
         drafter.train(was_training)
     if n == 0:
-        raise ValueError(f"no held-out sample is long enough to validate at k={k}")
-    return Validation(total_e / n, (total_a / n).tolist(), n, k)
+        raise ValueError(f"no held-out sample is long enough to validate at k={depth or k if score else k}")
+    mean = total_a / n
+    if score is None:
+        return Validation(total_e / n, mean.tolist(), n, k)
+    return Validation(total_e / n, mean[:, 0].tolist(), n, k, mean.tolist())

@@ -1,8 +1,10 @@
 """Drafter versions: validate a session's candidate, promote it only if it is better than the current one.
 
-Validation = expected acceptance length at chain length k (loss.acceptance_rates / expected_length) on
-held-out recent samples, measured for the candidate and the current version on the SAME samples with
-the CURRENT teacher in one pass (the policy moves, so the current version's old score is stale).
+Validation = expected acceptance length (at chain length k, or under the rollouts' strategy mix when the proposer
+hands a `Scoring`: validation.py) on held-out recent samples, measured for the candidate and the current version
+on the SAME samples with the CURRENT teacher in one pass (the policy moves, so the current version's old score is
+stale). The version records the mix it was scored under (`scored_under`) and the candidate's mean rate per
+(depth, sibling rank) (`rank_rates`), which the rollouts' health guard judges the live gain by.
 
 Promotion is a paired test. The unit is a held-out sample: its mean expected acceptance length over its
 anchors, candidate minus current (anchors of one sample are correlated; samples are not). The candidate
@@ -25,6 +27,7 @@ directory `ROOT/v<N>` in the drafter format plus `version.json`, an entry in the
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -43,6 +46,7 @@ from tailspec.drafter_trainer.validation import (
     CHECKED_BATCH,
     Decision,
     Score,
+    Scoring,
     decide,
     pick_holdout,
     validate,
@@ -55,6 +59,8 @@ log = logging.getLogger(__name__)
 # runs at level / LOOKS, so a candidate no better than the current version is promoted with probability at most
 # `level` over both (Bonferroni: valid whatever the two tests' correlation).
 LOOKS = 2
+# Fields of `drafter:validation` that are not a held-out sample's scores (besides "id").
+_NOT_PAIRS = ("look", "mix")
 
 
 # KEYS: drafter:current. ARGV: expected version (-1 = none), new record. 1 = swapped.
@@ -146,9 +152,26 @@ class VersionStore:
             if ident is None:
                 return None
             head, cur, k = parse_validation_id(ident.decode() if isinstance(ident, bytes) else ident)
-            return head, cur, k, int(self.redis.hlen(self._key("drafter_validation"))) - 1
+            pipe = self.redis.pipeline()
+            for f in _NOT_PAIRS:
+                pipe.hexists(self._key("drafter_validation"), f)
+            pipe.hlen(self._key("drafter_validation"))
+            *marks, fields = pipe.execute()
+            return head, cur, k, int(fields) - sum(map(bool, marks))
         except Exception as e:  # noqa: BLE001 — resuming is an optimisation: start a new validation instead
             log.info("validation progress unreadable: %s", e)
+            return None
+
+    def validation_mix(self) -> dict[str, float] | None:
+        """The strategy mix the validation in progress scores under (None: a chain of its k, or none kept): a
+        session finishing it scores under the same mix, so its pairs stay one comparison."""
+        if self.redis is None:
+            return None
+        try:
+            raw = self.redis.hget(self._key("drafter_validation"), "mix")
+            return None if raw is None else {str(a): float(b) for a, b in json.loads(raw).items()}
+        except Exception as e:  # noqa: BLE001 — unreadable: the resumed validation starts over under its own mix
+            log.info("validation mix unreadable: %s", e)
             return None
 
     def current(self) -> DrafterVersion | None:
@@ -230,9 +253,11 @@ class VersionStore:
                 return drafter, older
             raise
 
-    def _progress(self, identity: str | None) -> tuple[dict[str, Score], Callable[[dict[str, Score]], None] | None]:
-        """The paired scores already computed for validation `identity` (lineage head, baseline version, k) and a
-        callback that adds a batch's: a validation longer than a lend is finished by the next sessions (on any
+    def _progress(self, identity: str | None, mix: dict[str, float] | None = None
+                  ) -> tuple[dict[str, Score], Callable[[dict[str, Score]], None] | None]:
+        """The paired scores already computed for validation `identity` (lineage head, baseline version, k) under
+        `mix` (None: a chain of k; kept beside them, since scores under another mix do not pair) and a callback
+        that adds a batch's: a validation longer than a lend is finished by the next sessions (on any
         GPU) instead of starting over in each. Each pair was scored under one teacher, the policy of its session,
         so a pair stays a fair comparison of the two drafters when the policy has moved on since, and the pairs
         of samples that have left the session's held-out set since (their policy version dropped from the
@@ -245,17 +270,18 @@ class VersionStore:
         fields = {(a.decode() if isinstance(a, bytes) else a): (b.decode() if isinstance(b, bytes) else b)
                   for a, b in raw.items()}
         done: dict[str, Score] = {}
-        if fields.get("id") == identity:
+        kept = json.dumps(mix, sort_keys=True) if mix is not None else None
+        if fields.get("id") == identity and fields.get("mix") == kept:
             for f, v in fields.items():
                 try:
                     c, b, n = v.split()
                     done[f] = (float(c), float(b), int(n))
                 except ValueError:
-                    continue  # the "id" field, or a damaged entry: scored again
+                    continue  # the "id" or "mix" field, or a damaged entry: scored again
         else:
             pipe = self.redis.pipeline()
             pipe.delete(key)
-            pipe.hset(key, "id", identity)
+            pipe.hset(key, mapping={"id": identity, **({"mix": kept} if kept is not None else {})})
             pipe.execute()
             self.drop_pending(keep=parse_validation_id(identity)[0])
 
@@ -285,27 +311,23 @@ class VersionStore:
                 session_id: str | None = None, note: str | None = None,
                 check: Callable[[], None] | None = None, level: float = 0.05, min_pairs: int = 16,
                 lineage_head: int | None = None, lineage_steps: int | None = None,
-                max_samples: int | None = None) -> DrafterVersion:
+                max_samples: int | None = None, scoring: Scoring | None = None) -> DrafterVersion:
         """Score the candidate and the current version on `holdout` (paired), save and record the candidate,
         and promote it if the paired test says it is better — by compare-and-swap against the version it
-        was scored against. Also records the current version's acceptance now (staleness)."""
+        was scored against. Also records the current version's acceptance now (staleness). `scoring`: the
+        rollouts' strategy mix to score under (None: a chain of k)."""
+        how = {} if scoring is None else {"score": scoring.score, "depth": scoring.depth, "ranks": scoring.ranks}
         cur_info = self.current()
-        cur = None
-        if cur_info is not None:
-            try:
-                cur, _ = self.load(cur_info.version, teacher.embedding())
-                cur = cur.to(teacher.device)
-            except (FileNotFoundError, ValueError) as e:  # current version damaged: the candidate may replace it
-                note = f"{note or ''} current version {cur_info.version} unreadable: {e}".strip()
-                cur = None
+        cur, note = self._baseline(cur_info, teacher, note)
         if cur is not None:
             identity = f"{lineage_head}:{cur_info.version}:{k}" if lineage_head is not None else None
-            done, on_batch = self._progress(identity)
+            done, on_batch = self._progress(identity, scoring.mix if scoring is not None else None)
             holdout = pick_holdout(holdout, done, max_samples)
             look = self._interim_look(identity, level, min_pairs)
             paired = validate_paired(candidate, cur, teacher, holdout, k, check=check, done=done, on_batch=on_batch,
-                                     batch_size=CHECKED_BATCH if check is not None else 32, look_at=min_pairs, look=look)
-            cand_len, baseline = paired.mean("candidate"), paired.mean("current")
+                                     batch_size=CHECKED_BATCH if check is not None else 32, look_at=min_pairs, look=look,
+                                     **how)
+            cand_len, baseline, table = paired.mean("candidate"), paired.mean("current"), paired.rank_rates
             d = decide(paired.gains, level / LOOKS, min_pairs)
             if paired.stopped_early:
                 d.reason += f" at the interim look ({d.pairs} of {len(holdout)} held-out samples)"
@@ -315,8 +337,8 @@ class VersionStore:
         else:
             holdout = pick_holdout(holdout, {}, max_samples)
             v = validate(candidate, teacher, holdout, k, check=check,
-                         batch_size=CHECKED_BATCH if check is not None else 32)
-            cand_len, baseline = v.acceptance_length, None
+                         batch_size=CHECKED_BATCH if check is not None else 32, **how)
+            cand_len, baseline, table = v.acceptance_length, None, v.rank_rates
             d = Decision(True, v.anchors, 0.0, 0.0, "no readable current version")
         number = self._next_number()
         info = DrafterVersion(
@@ -326,6 +348,7 @@ class VersionStore:
             baseline_version=cur_info.version if cur is not None else None, pairs=d.pairs,
             gain_mean=d.gain_mean, gain_lcb=d.gain_lcb if math.isfinite(d.gain_lcb) else None, decision=d.reason,
             lineage_head=lineage_head, lineage_steps=lineage_steps,
+            scored_under=dict(scoring.mix) if scoring is not None else None, rank_rates=table,
         )
         cpu = candidate.to("cpu") if teacher.device.type != "cpu" else candidate
         cpu.save(self.path(number), extra={"version": info.model_dump(mode="json")})
@@ -341,6 +364,18 @@ class VersionStore:
         write_text_atomic(self.path(number) / "version.json", info.model_dump_json())
         self._record(info)
         return info
+
+    def _baseline(self, cur_info: DrafterVersion | None, teacher: Teacher, note: str | None
+                  ) -> tuple[Eagle3Module | None, str | None]:
+        """The current version's drafter on the teacher's device to score the candidate against (None: there is
+        none, or it is damaged and the candidate may replace it, which `note` then says)."""
+        if cur_info is None:
+            return None, note
+        try:
+            cur, _ = self.load(cur_info.version, teacher.embedding())
+            return cur.to(teacher.device), note
+        except (FileNotFoundError, ValueError) as e:
+            return None, f"{note or ''} current version {cur_info.version} unreadable: {e}".strip()
 
     def _swap_current(self, expected: int, info: DrafterVersion) -> bool:
         """drafter:current := info if it is still `expected` (-1 = none); the mirror file follows."""

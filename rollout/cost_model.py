@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from tailspec.rollout.sequence import SamplingParams
 from tailspec.rollout.strategy import Strategy
+from tailspec.rollout.table_selector import fixed_selector
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -349,9 +350,6 @@ def _time_bucket(engine, feed: _Feed, b: int, ks: list[Strategy], n_steps: int, 
     in rounds whose order reverses each time (at least two rounds): the batch starts fresh, so its rows grow
     longer and each step dearer as the rounds go on, and a k always timed after the others would be timed dearer
     than it is."""
-    # deferred: a cycle (tailspec.rollout.selector imports this module)
-    from tailspec.rollout.selector import fixed_selector
-
     times: dict[int, list[float]] = {k: [] for k in ks}
     block = max(1, min(block, -(-n_steps // 2)))
     rounds = 0

@@ -34,7 +34,6 @@ import torch
 from tailspec.rollout import prefill, sampling, tree
 from tailspec.rollout.drafters import Proposer
 from tailspec.rollout.model_runner import ModelRunner, check_supported
-from tailspec.rollout.selector import fixed_selector
 from tailspec.rollout.sequence import RequestOutput, RequestStats, SamplingParams, check_request
 from tailspec.rollout.slots import (
     ACCEPTED,
@@ -53,6 +52,7 @@ from tailspec.rollout.slots import (
 )
 from tailspec.rollout.states import StateRecorder
 from tailspec.rollout.strategy import Selector, StepRecord, Strategy
+from tailspec.rollout.table_selector import fixed_selector
 
 NONE = Strategy.none()
 

@@ -8,22 +8,26 @@ sleep/wake cycle (wrong or zeroed weights, a stale vocabulary map). Sampling sta
 guarantees that — so nothing fails; rollouts just run slower than without speculation, for hours. The guard
 turns that into an alert and a fallback within one window of steps.
 
-The guard only counts: `observe(k, rows, accepted)` after each decode step (k = 0 steps are not evidence),
-`arm(...)` at each load or sync event. It never touches an engine; `guarded` wraps an engine's selector
+The guard only counts: `observe(strategy, rows, accepted)` after each decode step (plain decoding is not
+evidence), `arm(...)` at each load or sync event. It never touches an engine; `guarded` wraps an engine's selector
 so that it feeds the guard every step's record and runs k = 0 while the guard is tripped.
 
-A version is validated at one draft length (its acceptance length at `validated_k`), but an adaptive engine
-runs whatever k pays at its batch size. So the guard fits the per-position acceptance α of a chain drafter
-(α + α² + … + α^K = validated − 1) and expects Σ_{j ≤ k} α^j accepted drafts per row at a step of length k:
-live and validated are compared at the window's own mix of k, never k = 1 against a k = 4 figure."""
+An adaptive engine runs whatever strategy pays at its batch size, so live and validated are compared at the
+window's own mix of strategies, never a k = 1 step against a k = 4 figure. A version validated under the
+rollouts' strategy mix carries its validated rate per (depth, sibling rank) (`DrafterVersion.rank_rates`): a
+step's expected accepted drafts per row are then `expected_accepted(step's strategy, that table)`, trees
+included, the same valuation validation scored it by. A version validated at one draft length only (its
+acceptance length at `validated_k`) has the guard fit the per-position acceptance α of a chain drafter
+(α + α² + … + α^K = validated − 1) and expect Σ_{j ≤ depth} α^j accepted drafts per row at a step of that depth."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tailspec.core import state
-from tailspec.rollout.strategy import Selector, StepRecord
+from tailspec.rollout.strategy import Selector, StepRecord, Strategy, expected_accepted
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,8 @@ class HealthGuard:
         self.validated: float | None = None
         self.validated_k = 4
         self._alpha: float | None = None
+        self._table: Callable[[int, int], float] | None = None  # accept(d, r) from the validated rank table
+        self._by_strategy: dict[Strategy, float] = {}  # expected accepted drafts per row, under the table
         self.event = ""
         self.watching = False
         self.tripped_version: int | None = None
@@ -80,24 +86,31 @@ class HealthGuard:
     def speculate(self) -> bool:
         return not self._tripped
 
-    def arm(self, version: int | None, validated: float | None, event: str, validated_k: int = 4) -> None:
+    def arm(self, version: int | None, validated: float | None, event: str, validated_k: int = 4,
+            rank_rates: Sequence[Sequence[float]] | None = None) -> None:
         """A drafter was loaded or reloaded, or the policy weights changed under it: watch the next window.
         `validated`: the version's acceptance length at draft length `validated_k` (None: unknown, only the
-        floor applies). A new version clears a trip; the same version after a policy sync keeps speculation
-        off only if it was already judged broken (a sync does not repair a drafter)."""
+        floor applies). `rank_rates`: its validated rate per [depth][sibling rank], when it was scored under the
+        rollouts' strategy mix; steps are then judged by it (the module doc). A new version clears a trip; the
+        same version after a policy sync keeps speculation off only if it was already judged broken (a sync
+        does not repair a drafter)."""
         if validated_k < 1:
             raise ValueError(f"validated_k must be >= 1, got {validated_k}")
         if version != self.tripped_version:
             self._tripped = False
         self.version, self.validated, self.validated_k, self.event = version, validated, validated_k, event
+        self._table = table_accept(rank_rates) if rank_rates else None
+        self._by_strategy = {}
         self._alpha = chain_alpha(validated, validated_k) if validated is not None else None
         self.watching = not self._tripped
         self._steps = self._rows = self._accepted = 0
         self._expected = 0.0
 
-    def observe(self, k: int, rows: int, accepted: int) -> Verdict | None:
-        """Fold one decode step (k drafts for each of `rows` rows, `accepted` drafts accepted in all); the
-        verdict when this step completes a window, else None."""
+    def observe(self, strategy: Strategy | int, rows: int, accepted: int) -> Verdict | None:
+        """Fold one decode step (`strategy`, or a chain's k, run for `rows` rows, `accepted` drafts accepted in
+        all); the verdict when this step completes a window, else None."""
+        s = Strategy.of(strategy)
+        k = s.depth
         if not self.watching or k <= 0 or rows <= 0:
             return None
         if accepted < 0 or accepted > k * rows:
@@ -105,7 +118,11 @@ class HealthGuard:
         self._steps += 1
         self._rows += rows
         self._accepted += accepted
-        if self._alpha is not None:
+        if self._table is not None:
+            if s not in self._by_strategy:
+                self._by_strategy[s] = expected_accepted(s, self._table)
+            self._expected += rows * self._by_strategy[s]
+        elif self._alpha is not None:
             a = self._alpha
             self._expected += rows * (a * (1 - a**k) / (1 - a) if a < 1 else float(k))
         if self._steps < self.policy.window_steps:
@@ -124,7 +141,11 @@ class HealthGuard:
         self._steps += drafts
         self._rows += drafts
         self._accepted += accepted
-        if self._alpha is not None:
+        if self._table is not None:  # k may be a mean over the call's draft lengths: between its two chains
+            lo = math.floor(k)
+            at = [expected_accepted(Strategy.chain(j), self._table) for j in (lo, lo + 1)]
+            self._expected += drafts * (at[0] + (k - lo) * (at[1] - at[0]))
+        elif self._alpha is not None:
             a = self._alpha  # k may be a mean over the call's draft lengths: the sum's closed form takes it
             self._expected += drafts * (a * (1 - a**k) / (1 - a) if a < 1 else k)
         if self._steps < self.policy.window_steps:
@@ -134,7 +155,7 @@ class HealthGuard:
     def _judge(self) -> Verdict:
         p = self.policy
         live = 1.0 + self._accepted / self._rows
-        expected = 1.0 + self._expected / self._rows if self._alpha is not None else None
+        expected = 1.0 + self._expected / self._rows if self._alpha is not None or self._table is not None else None
         reason = ""
         if live <= p.floor:
             reason = f"{live:.3f} tokens/forward <= floor {p.floor}"
@@ -147,6 +168,29 @@ class HealthGuard:
             self._tripped, self.tripped_version = True, self.version
         self.verdicts.append(v)
         return v
+
+
+def table_accept(rank_rates: Sequence[Sequence[float]]) -> Callable[[int, int], float]:
+    """accept(d, r) of `expected_accepted` from a validated rate table [depth][sibling rank]: a depth past the
+    table takes its deepest row (the engine may run deeper than the mix validation saw), a rank past it 0 (a
+    sibling never scored earns no credit)."""
+    table = [list(row) for row in rank_rates]
+
+    def accept(d: int, r: int) -> float:
+        row = table[min(d, len(table) - 1)]
+        return float(row[r]) if r < len(row) else 0.0
+
+    return accept
+
+
+def validated_alpha(acceptance_length: float, k: int, rank_rates: Sequence[Sequence[float]] | None = None) -> float:
+    """The per-position acceptance α of a chain drafter that stands for a validated version (an acceptance
+    tracker's prior): the chain fit of its acceptance length at draft length k, or, when it carries a rank table
+    (scored under a strategy mix, so its acceptance length is the mix's, trees included), of the table's chain
+    of k."""
+    if rank_rates:
+        return chain_alpha(1.0 + expected_accepted(Strategy.chain(k), table_accept(rank_rates)), k)
+    return chain_alpha(acceptance_length, k)
 
 
 def chain_alpha(acceptance_length: float, k: int) -> float:
@@ -173,7 +217,7 @@ def guarded(selector: Selector, guard: HealthGuard,
     def hook(batch_size: int, last: StepRecord | None) -> int:
         if last is not None and last is not seen[0]:
             seen[0] = last
-            verdict = guard.observe(last.k, last.rows, last.accepted)
+            verdict = guard.observe(last.strategy, last.rows, last.accepted)
             if verdict is not None and on_verdict is not None:
                 on_verdict(verdict)
         k = selector(batch_size, last)

@@ -14,10 +14,7 @@ chains the shape of vLLM's `num_speculative_tokens_per_batch_size`, for the vLLM
   thrashing on noisy timings, per batch bucket. The estimates fold the noted steps in and the pick is
   re-decided every `decide_every` steps, or at once when the batch size changes. An engine's first
   `cold_steps` steps do not time the cost model (they run slow whatever k).
-- `fixed`: one k at every batch size.
-- `beg`: TLT's fixed default table (draft-token groups 48/32/16/8 on batch ranges starting 1, 2, 5, 21, off
-  above 32), mapped onto chain draft lengths as k = round(k_max * tokens / 48).
-- `threshold`: ReSpec's two-state gate: k while the batch is at most `gate`, plain decoding above.
+- `fixed`, `beg`, `threshold`: a fixed batch-size table each (rollout/table_selector.py).
 """
 
 from __future__ import annotations
@@ -30,79 +27,16 @@ from dataclasses import dataclass, field
 from tailspec.rollout.acceptance import AcceptanceTracker
 from tailspec.rollout.cost_model import CostModel
 from tailspec.rollout.strategy import StepRecord, Strategy, expected_accepted
-
-Schedule = list[tuple[int, int, int]]  # (first batch size, last batch size, k), inclusive
-
-
-def merge_schedule(ks_by_batch: Sequence[int]) -> Schedule:
-    """[k for batch 1, 2, ...] -> runs of equal k as (start, end, k)."""
-    out: Schedule = []
-    for b, k in enumerate(ks_by_batch, start=1):
-        if out and out[-1][2] == k:
-            out[-1] = (out[-1][0], b, k)
-        else:
-            out.append((b, b, k))
-    return out
-
-
-# -- table selectors: fixed, beg, threshold ----------------------------------------------------------------
-@dataclass
-class TableSelector:
-    """k from a fixed batch-size table; a batch beyond the table's end takes the last range's k."""
-
-    name: str
-    table: Schedule
-
-    def __post_init__(self) -> None:
-        check_schedule(self.table)
-
-    def __call__(self, batch_size: int, last: StepRecord | None = None) -> int:
-        for start, end, k in self.table:
-            if start <= batch_size <= end:
-                return k
-        return self.table[-1][2]
-
-    def schedule(self, max_batch: int) -> Schedule:
-        return merge_schedule([self(b) for b in range(1, max_batch + 1)])
-
-
-def check_schedule(table: Schedule) -> None:
-    """Raise ValueError unless the ranges start at 1, are contiguous, inclusive and k >= 0 (vLLM's rules)."""
-    if not table:
-        raise ValueError("empty schedule")
-    expect = 1
-    for start, end, k in table:
-        if start != expect or end < start or k < 0:
-            raise ValueError(f"schedule ranges must be contiguous from 1 with k >= 0; bad entry {(start, end, k)} in {table}")
-        expect = end + 1
-
-
-def fixed_selector(k: int) -> TableSelector:
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    return TableSelector(f"fixed_k{k}" if isinstance(k, int) else f"fixed_{k.label}", [(1, 1 << 30, k)])
-
-
-def beg_selector(k_max: int, off_above: int = 32) -> TableSelector:
-    """TLT's BEG default table for chain drafting (see the module docstring)."""
-    if k_max < 1:
-        raise ValueError(f"beg needs k_max >= 1, got {k_max}")
-    ranges = [(1, 1, 48), (2, 4, 32), (5, 20, 16), (21, off_above, 8)]
-    table = [(s, e, max(1, round(k_max * tokens / 48))) for s, e, tokens in ranges if s <= off_above]
-    table[-1] = (table[-1][0], off_above, table[-1][2])
-    table.append((off_above + 1, 1 << 30, 0))
-    return TableSelector("beg", table)
-
-
-def threshold_selector(k: int, gate: int = 32) -> TableSelector:
-    """ReSpec's gate: speculate with k while the running batch is at most `gate`, else plain decoding."""
-    if k < 0 or gate < 1:
-        raise ValueError(f"need k >= 0 and gate >= 1, got k={k}, gate={gate}")
-    return TableSelector("threshold", [(1, gate, k), (gate + 1, 1 << 30, 0)])
-
+from tailspec.rollout.table_selector import (
+    Schedule,
+    beg_selector,
+    fixed_selector,
+    merge_schedule,
+    threshold_selector,
+)
 
 # -- adaptive ------------------------------------------------------------------------------------------------
-ALPHA_MAX = 0.9  # EAGLE-3 drafters reach ~0.7-0.85 per token; beyond this a strategy is not worth a graph
+ALPHA_MAX = 0.9  # above what EAGLE-3 drafters accept per token; beyond this a strategy is not worth a graph
 
 
 def geometric_tokens(alpha: float, k: int) -> float:
@@ -277,10 +211,10 @@ class AdaptiveSelector:
         cost model's shared load level, so the committed strategy's own warm-up error ends up there (cost_model:
         `observe`) and is passed on to every other estimate: a warm-up entry timed low holds its strategy
         committed, whatever the others would do, until an exploration of them says otherwise, and epsilon-rate
-        explorations come too rarely for that (BENCHMARKS.md, Adaptive selection). An estimate is stale once the
+        explorations come too rarely for that. An estimate is stale once the
         load has moved by more than `stale_load` since its strategy last ran here, or since the selector first
         looked at it here: at a bucket not visited before, the load's move so far shifts every estimate alike and
-        ranks none wrong, and exploring each runner-up on arrival slowed every new batch size's first steps. One
+        ranks none wrong, and exploring each runner-up on arrival would slow every new batch size's first steps. One
         exploration run refreshes it, so a stale runner-up costs one run per such move of the load.
         What it does not fix: once the runner-up is committed and its accurate entry brings the load back, the
         mis-measured strategy's factor, learnt relative to the higher load, makes it look better again, and the

@@ -68,6 +68,15 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     return {k: (tuple(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"}
 
 
+def is_eagle3_export(path: str | Path) -> bool:
+    """Whether the directory is an EAGLE-3 export vLLM loads: its config.json names an EAGLE-3 architecture."""
+    try:
+        arch = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        arch = []
+    return any(a in EAGLE3_ARCHITECTURES for a in arch)
+
+
 def aux_layer_ids(drafter_cfg: dict) -> list[int] | None:
     ids = drafter_cfg.get("eagle_aux_hidden_state_layer_ids")
     if ids is None and isinstance(drafter_cfg.get("eagle_config"), dict):

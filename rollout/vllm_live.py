@@ -8,9 +8,10 @@ policy-weight syncs and the drafter health guard.
 - **Promotion watcher** (in the rollout process, no daemon): before every `generate`, `poll` reads
   `drafter:current` (`tailspec.core.state`, the record the version store's compare-and-swap writes) and, when
   it names another version, loads it into the live LLM (`VllmRollout.reload_drafter`) — between two
-  generation calls, never during one. A version directory in tailspec's own format is turned into a servable
-  EAGLE-3 directory by `prepare` (the roof's `tailspec.integrations.vllm.export_version`); an EAGLE-3 export
-  is served as is.
+  generation calls, never during one. What the LLM loads is the directory `prepare` makes of the version:
+  the roof's one drafter loader, `tailspec.drafter_load.load_drafter`, exports a version in tailspec's own
+  format once as an EAGLE-3 directory (this component never imports the trainer that writes that format, so
+  the loader is handed in); without it (`servable_dir`) only an EAGLE-3 export is served, as it is.
 - **Schedule refresh**: after a drafter load, a policy sync, the first call after either (measured acceptance
   replaces the validated prior) and whenever the batch-size mix of a call moves away from the one at the last
   refresh, `num_speculative_tokens_per_batch_size` is recomputed by the engine's adaptive selector
@@ -35,7 +36,6 @@ policy-weight syncs and the drafter health guard.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -47,7 +47,7 @@ from tailspec.core import state
 from tailspec.core.state import DrafterVersion, Event
 from tailspec.rollout.acceptance import AcceptanceTracker
 from tailspec.rollout.cost_model import CostModel, default_buckets, default_ks
-from tailspec.rollout.health_guard import GuardPolicy, HealthGuard, Verdict, chain_alpha, record_verdict
+from tailspec.rollout.health_guard import GuardPolicy, HealthGuard, Verdict, record_verdict, validated_alpha
 from tailspec.rollout.selector import AdaptiveSelector
 from tailspec.rollout.strategy import StepRecord
 from tailspec.rollout.vllm_backend import (
@@ -57,7 +57,7 @@ from tailspec.rollout.vllm_backend import (
     StepFn,
     VllmRollout,
 )
-from tailspec.rollout.vllm_checks import EAGLE3_ARCHITECTURES
+from tailspec.rollout.vllm_checks import is_eagle3_export
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +67,9 @@ MIX_SHIFT = 0.25  # total-variation distance of the batch-bucket mix that trigge
 def servable_dir(info: DrafterVersion) -> Path:
     """The version's own directory when it is an EAGLE-3 export vLLM can load; else DrafterMismatch."""
     path = Path(info.path)
-    try:
-        arch = json.loads((path / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError):
-        arch = []
-    if not any(a in EAGLE3_ARCHITECTURES for a in arch):
+    if not is_eagle3_export(path):
         raise DrafterMismatch(f"drafter version {info.version} at {path} is not an EAGLE-3 export; give LiveVllm "
-                              "prepare=tailspec.integrations.vllm.export_version to export it on promotion")
+                              "prepare=tailspec.drafter_load.load_drafter to export it on promotion")
     return path
 
 
@@ -135,7 +131,7 @@ class LiveVllm:
         self.guard = HealthGuard(guard) if guard is not None else None
         # engines in processes of their own (a framework's): one guard each, fed their counters per call
         self.engine_guards: dict[str, HealthGuard] = {}
-        self._armed: tuple = (None, None, "start", 4)  # what the guards were last armed with
+        self._armed: tuple = (None, None, "start", 4, None)  # what the guards were last armed with
         self.version = version  # the live drafter's record (None: the one it was built with, unversioned)
         self.tracker = AcceptanceTracker(k_max=rollout.k_max)
         self.good_path: Path | None = rollout.drafter_path  # the last drafter the guard found healthy
@@ -192,7 +188,7 @@ class LiveVllm:
         engines woke from sleep): the guards watch the same drafter again and the schedule is refreshed."""
         v = self.version
         self._arm_all(v.version if v else None, v.acceptance_length if v else None, event,
-                      (v.validation_k or 4) if v else 4)
+                      (v.validation_k or 4) if v else 4, v.rank_rates if v else None)
         if event == "policy_sync":  # the same drafter against a moved target: its acceptance counts decay
             self.tracker.set_version(self.tracker.drafter_version, policy_version if policy_version is not None
                                      else (self.tracker.policy_version or 0) + 1)
@@ -250,8 +246,8 @@ class LiveVllm:
             g = self.engine_guards.get(name)
             if g is None:
                 g = self.engine_guards[name] = HealthGuard(self.guard.policy)
-                version, validated, event, k = self._armed
-                g.arm(version, validated, event, validated_k=k)
+                version, validated, event, k, rates = self._armed
+                g.arm(version, validated, event, validated_k=k, rank_rates=rates)
             verdict = g.observe_totals(c.mean_k, c.drafts, c.accepted_tokens)
             if verdict is not None:
                 out.append(verdict)
@@ -307,18 +303,19 @@ class LiveVllm:
 
     # -- the guard --------------------------------------------------------------------------------------
     def _arm(self, info: DrafterVersion, event: str) -> None:
-        self._arm_all(info.version, info.acceptance_length, event, info.validation_k or 4)
+        self._arm_all(info.version, info.acceptance_length, event, info.validation_k or 4, info.rank_rates)
 
-    def _arm_all(self, version: int | None, validated: float | None, event: str, validated_k: int = 4) -> None:
-        self._armed = (version, validated, event, validated_k)
+    def _arm_all(self, version: int | None, validated: float | None, event: str, validated_k: int = 4,
+                 rank_rates: list[list[float]] | None = None) -> None:
+        self._armed = (version, validated, event, validated_k, rank_rates)
         for g in ([self.guard] if self.guard is not None else []) + list(self.engine_guards.values()):
-            g.arm(version, validated, event, validated_k=validated_k)
+            g.arm(version, validated, event, validated_k=validated_k, rank_rates=rank_rates)
 
     @staticmethod
     def _prior(info: DrafterVersion) -> float:
         if info.acceptance_length is None:
             return 0.5
-        return chain_alpha(info.acceptance_length, info.validation_k or 4)
+        return validated_alpha(info.acceptance_length, info.validation_k or 4, info.rank_rates)
 
     def _verdict(self, v: Verdict, worker: str | None = None) -> None:
         worker = worker or self.worker

@@ -1,9 +1,10 @@
 """A small real session for tests, the benchmark and the demo before the drafter trainer is wired in.
 
 It holds the GPU id it was given (and checks CUDA_VISIBLE_DEVICES names it), does a fixed amount of CPU
-work per step, renews its lease through `ctx.should_continue()` and reports its step. The drafter
-trainer's real session is started the same way, through `scheduler.session_entry`
-(default "tailspec.session_entry:run_session", wired by the roof).
+work per step, renews its lease through `ctx.should_continue()` and reports its step. Each is a plain function,
+which `scheduler.session_entry` accepts as an entry with nothing to warm up or read ahead
+(session_process.FunctionEntry). The drafter trainer's real session is started the same way, through the
+roof's entry object (default "tailspec.session_entry:ENTRY").
 """
 
 from __future__ import annotations

@@ -86,9 +86,9 @@ class LocalDispatcher:
     warm_stop_grace_s: float = 10.0
     extra_env: dict[str, str] = field(default_factory=dict)
     warm: int = 0
-    nice: int = 0  # scheduler.session_nice: applied by the session process itself (see session.main)
+    nice: int = 0  # scheduler.session_nice: applied by the session process itself (see session_process.main)
     # Simulated GPUs that own CPU cores (scheduler/placement.py): GPU index → its cores. A session lent on
-    # GPU g pins itself there (session._place), so it trains on g's cores and no other GPU's.
+    # GPU g pins itself there (placement.place_from_env), so it trains on g's cores and no other GPU's.
     gpu_cpus: dict[int, list[int]] | None = None
     # ... and where simulated GPUs share a core, GPU index → its CPU quota's cgroup (scheduler/cpu_quota.py),
     # which the session joins with the GPU's rollout worker

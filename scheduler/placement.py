@@ -30,8 +30,8 @@ from tailspec.scheduler import cpu_quota
 
 log = logging.getLogger("tailspec.scheduler")
 
-# Of each core shared under a CPU quota, what no GPU gets (in the 4-GPU demo's tails the host side used 0.07 of
-# a core while lent GPUs trained at their quotas; BENCHMARKS.md, end to end).
+# Of each core shared under a CPU quota, what no GPU gets: the host side's own work (the RL driver, the scheduler,
+# Redis) runs there while lent GPUs train at their quotas.
 HOST_SHARE = 0.1
 CPUS_ENV = "TAILSPEC_CPUS"  # "0,1": the cores the process pins itself to (session processes)
 
@@ -142,6 +142,37 @@ def pin_from_env() -> list[int] | None:
     cpus = parse_cpus(raw)
     pin(cpus)
     return cpus
+
+
+_AFFINITY_AT_START = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
+def place_from_env() -> bool:
+    """A session process lent on a simulated GPU runs on that GPU's cores only ($TAILSPEC_CPUS, set by the
+    dispatcher), within the GPU's share of its core where GPUs share one ($TAILSPEC_CGROUP): the other GPUs'
+    rollout tail keeps its own compute. True when it pinned itself to cores."""
+    try:
+        cpus = pin_from_env()
+        cgroup = cpu_quota.join_from_env()
+    except (ValueError, OSError) as e:
+        print(f"tailspec session: could not pin to the GPU's cores: {e}", file=sys.stderr)
+        return False
+    if cgroup is not None:
+        print(f"tailspec session: CPU quota {cgroup}", flush=True)
+    if cpus is not None:
+        print(f"tailspec session: pinned to cores {cpus}", flush=True)
+    return cpus is not None
+
+
+def unplace() -> None:
+    """The cores the process started with again, and no CPU quota: a session lent without cores (shared
+    placement), or a warm session process leaving the last GPU's cores between lends."""
+    if _AFFINITY_AT_START is not None and set(os.sched_getaffinity(0)) != _AFFINITY_AT_START:
+        os.sched_setaffinity(0, _AFFINITY_AT_START)
+    try:
+        cpu_quota.leave()
+    except OSError:
+        pass
 
 
 def _shares(cfg: TailspecConfig) -> list[Share] | None:

@@ -6,10 +6,11 @@ last tick costs one more; a payload unchanged since the last tick is not decoded
 (which steps only the machines whose step could decide something new, scheduler/idle_index.py), and executes its
 actions: lend (fenced lease + session start), revoke (revoke flag + lease delete), reclaimed (release, backstop
 stop, final records). However many GPUs the actions concern, they take a fixed number of round trips and commands
-(one bulk lease script per kind and one MGET of the session records, then the new sessions' records), every lease
-the leader renews goes in one script call (Leases.renew_many), and the tick's events, status history and final
-records are written at its end with one command per stream and one MSET (scheduler/tick_writes.py): at 1,024 GPUs
-a tick is about two round trips (`tailspec bench scheduler --gpus 1024`, BENCHMARKS.md). It also keeps the
+(one bulk lease script per kind and one MGET of the session records, then the new sessions' records; the
+term's Lessor, scheduler/lessor.py, owns the leases: grant, renew, revoke, reclaim), every lease the leader renews
+goes in one script call (Leases.renew_many), and the tick's events, status history and final records are written
+at its end with one command per stream and one MSET (scheduler/tick_writes.py), so a tick's round trips stay few
+at a thousand GPUs (`tailspec bench scheduler --gpus 1024` counts them). It also keeps the
 dashboards' keys filled: gpu_status + history:status on every transition, counters (idle/lent
 GPU-seconds, sessions started/stopped/preempted), events, and the heartbeat that sessions' lease
 renewals require — so a dead scheduler means every session stops within one lease TTL.
@@ -24,7 +25,6 @@ and their leases expire within one lease TTL.
 
 from __future__ import annotations
 
-import collections
 import gc
 import logging
 import threading
@@ -37,11 +37,11 @@ from tailspec.core import state
 from tailspec.core.config import TailspecConfig
 from tailspec.core.state import Event, GpuState, GpuStatus, Lease, StateError
 from tailspec.scheduler import cpu_quota
-from tailspec.scheduler.actions import execute_all, finalize_record
 from tailspec.scheduler.dispatch import LocalDispatcher
 from tailspec.scheduler.idle import Action, IdleDetector
 from tailspec.scheduler.leader import LeaderElection
 from tailspec.scheduler.leases import LeaderLost, Leases
+from tailspec.scheduler.lessor import Lessor
 from tailspec.scheduler.monitor import TelemetryMonitor
 from tailspec.scheduler.observe import Observer, Sent
 from tailspec.scheduler.placement import simulated_gpu_placement
@@ -82,7 +82,6 @@ class Scheduler:
     def __post_init__(self) -> None:
         sc = self.cfg.scheduler
         self.c = self.cfg.cluster.name
-        self.detector = self._new_detector()
         self.leases = Leases(self.r, self.c)
         self.election = LeaderElection(
             self.r, self.c, self.cfg.cluster.node, sc.leader_ttl_s, heartbeat_px=self._heartbeat_px(),
@@ -112,13 +111,17 @@ class Scheduler:
 
     def _reset_term_state(self) -> None:
         """What a term's decisions rest on, fresh: a leader starts from what it observes itself."""
+        self.detector = self._new_detector()
+        self.lessor = Lessor(
+            self.cfg, self.r, self.leases, self.dispatcher, self.detector, self._writes, self.live, self.epoch,
+            redis_url=self.redis_url or self.cfg.cluster.redis_url, require_heartbeat=self.require_heartbeat,
+            bad=self._bad, failed=self._failed,
+        )
         self._published: dict[tuple[str, int], tuple[GpuState, float]] = {}
         self._observer = Observer(self.r, self.c, self._bad, self.sent)
         self._last_tick: float | None = None
-        self._last_renew = float("-inf")
         self._last_flush = float("-inf")
         self._idle_acc = self._lent_acc = 0.0
-        self._counts: collections.Counter[str] = collections.Counter()  # this tick's counter increments
 
     def _heartbeat_px(self) -> int:
         # Expires before one lease TTL is over, so sessions' renewals fail within one TTL of the leader's death.
@@ -143,6 +146,9 @@ class Scheduler:
             log.warning(
                 "scheduler: skipping bad payload at %s: %s (%d so far)", where, err, self.bad_payloads
             )
+
+    def _failed(self) -> None:
+        self.errors += 1
 
     # -- leadership ----------------------------------------------------------------------------
     def recover(self) -> Inherited:
@@ -199,12 +205,10 @@ class Scheduler:
         for sid in self.live:
             self.orphans[sid] = now + sc.lease_ttl_s + sc.stop_deadline_s
         self.live.clear()
-        self.detector = self._new_detector()
         self._reset_term_state()
 
     def _take_over(self, now: float) -> None:
         self._reset_term_state()
-        self.detector = self._new_detector()
         found: dict[str, int] = {}
         try:
             found = asdict(self.recover())
@@ -236,12 +240,9 @@ class Scheduler:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def _event(self, kind: str, node: str | None, gpu: int | None, pipe: Any = None, **detail: Any) -> None:
-        """Append an event now, or with `pipe` (the tick's pipeline) with the tick's other writes at its end."""
+    def _event(self, kind: str, node: str | None, gpu: int | None, **detail: Any) -> None:
+        """Append an event now (a tick's events queue on its writes: Lessor)."""
         ev = Event(kind=kind, node=node, gpu=gpu, detail=detail)  # type: ignore[arg-type]
-        if pipe is not None:
-            self._writes.append(state.key(self.c, "events"), state.encode(ev))
-            return
         self.r.xadd(
             state.key(self.c, "events"),
             {"data": state.encode(ev)},
@@ -271,7 +272,6 @@ class Scheduler:
         self._writes.drop()  # what an aborted tick queued was never written, as its pipeline was not
         phase, progress = read or self._observer.read()[:2]  # read with the renewal, or after a take-over
         telemetry = self._observer.telemetry(self.detector.sampled(phase, progress, ended))
-        sc = self.cfg.scheduler
         # GPU-seconds over the interval since the last tick, by the states held during it.
         dt = 0.0 if self._last_tick is None else min(max(0.0, now - self._last_tick), 1.0)
         self._last_tick = now
@@ -281,19 +281,8 @@ class Scheduler:
         actions = self.detector.tick(now, phase, progress, telemetry, ended)
         pipe = self.r.pipeline(transaction=False)
         if actions:
-            execute_all(self, actions, now, pipe)
-        # Leases of live sessions are renewed here too (every quarter TTL): a session whose process is
-        # still starting (imports, model load) must not lose its GPU before its first own renewal.
-        renew = now - self._last_renew >= sc.lease_ttl_s / 4
-        if renew:
-            self._last_renew = now
-        if renew:  # fenced by each lease's epoch: refused once this term is over. One command for all of them.
-            machines = self.detector.machines
-            lent = [(k[0], k[1], machines[k].lease_token) for k in self.detector.keys_in(GpuState.LENT)
-                    if machines[k].lease_token is not None]
-            lent.sort(key=lambda x: self.detector.index.order[(x[0], x[1])])
-            if lent:
-                self.leases.renew_many(lent, sc.lease_ttl_s, require_heartbeat=False, client=pipe)
+            self.lessor.execute(actions, now, pipe)
+        self.lessor.renew(now, pipe)
         self._publish_status(now, pipe)
         self._idle_acc += dt * n_idle
         self._lent_acc += dt * n_lent
@@ -368,15 +357,12 @@ class Scheduler:
                 pipe.execute()
             except Exception:
                 pass
-        for sid, (node, gpu, token) in list(self.live.items() if self.leading else []):
-            try:
-                self.leases.revoke(node, gpu, token, epoch=self.epoch)
-            except Exception:  # deposed or Redis gone: the lease is refused renewal or expires anyway
-                pass
+        if self.leading:
+            self.lessor.revoke_live()
         self.dispatcher.shutdown()
         for sid in [*self.live, *self.orphans]:
             try:
-                finalize_record(self, sid, "scheduler shut down")
+                self.lessor.finalize_record(sid, "scheduler shut down")
             except Exception:
                 pass
         self.live.clear()
@@ -389,10 +375,10 @@ class Scheduler:
 
 def _quiet_gc() -> None:
     """The collector tuned for the scheduler's process (serve runs for the process's life). What exists when the
-    loop starts (modules, schemas, config) lives as long as the process: frozen, out of the full passes that walked
-    all of it and stalled a tick for tens of milliseconds at 1,024 GPUs. A tick there allocates thousands of
-    short-lived objects (decoded payloads, snapshot dicts): the youngest generation is collected every 20,000 net
-    allocations instead of 700, which ran a collection every tick or two."""
+    loop starts (modules, schemas, config) lives as long as the process: frozen, out of the full passes, which
+    would walk all of it and stall a tick. A tick at a thousand GPUs allocates thousands of short-lived objects
+    (decoded payloads, snapshot dicts): the youngest generation is collected every 20,000 net allocations rather
+    than Python's default 700, which would run a collection every tick or two."""
     gc.freeze()
     gc.set_threshold(20_000, 20, 10)
 

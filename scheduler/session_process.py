@@ -2,8 +2,10 @@
 
 The scheduler starts a session process (local subprocess or Ray actor) with the GPU exposed through
 CUDA_VISIBLE_DEVICES and the context as JSON in $TAILSPEC_SESSION_CONTEXT (never pickle). The process
-imports `scheduler.session_entry` ("module:function") and calls fn(ctx); the function trains while
-`ctx.should_continue()` is True and returns when it turns False.
+imports the session entry config names (`scheduler.session_entry`, "module:attribute"), an object with the
+`SessionEntry` protocol declared here, and calls `entry.run(ctx)`; it trains while `ctx.should_continue()` is
+True and returns when it turns False. The scheduler knows no models: the roof implements the protocol
+(tailspec/session_entry.py) and names it in config, so no import arrow points up.
 
 `should_continue()` renews the session's lease with its fencing token. It turns False — for good — when
 the token is stale, the lease was revoked or expired, the scheduler's heartbeat is gone, or Redis has
@@ -23,16 +25,15 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import redis
 from tailspec.core import state
-from tailspec.core.config import TailspecConfig
+from tailspec.core.config import SchedulerConfig, TailspecConfig
 from tailspec.core.state import PhaseInfo, SessionInfo
-from tailspec.scheduler import cpu_quota
 from tailspec.scheduler import leases as L
 from tailspec.scheduler.cpu_quota import CGROUP_ENV
-from tailspec.scheduler.placement import CPUS_ENV, pin_from_env
+from tailspec.scheduler.placement import CPUS_ENV, place_from_env, unplace
 from tailspec.scheduler.warm_wait import WarmWait
 
 CONTEXT_ENV = "TAILSPEC_SESSION_CONTEXT"
@@ -227,19 +228,57 @@ class SessionContext:
             pass
 
 
-def load_entry(spec: str) -> Callable[[SessionContext], Any]:
-    """Resolve "module:function" → the callable, with a clear error naming what is missing."""
+@runtime_checkable
+class SessionEntry(Protocol):
+    """What a session process runs, named in config (`scheduler.session_entry`, "module:attribute"):
+    `run(ctx)` the session, until `ctx.should_continue()` turns False; `warm_up()` once in a pre-started process
+    (`scheduler.warm_sessions`), the first-use costs a lend would otherwise pay; `prestage()` in a warm process
+    between lends, best-effort host work reading ahead what the next lend starts from (scheduler/warm_wait.py).
+    A plain function named in config is accepted too, as a `FunctionEntry`: it runs the session, with nothing to
+    warm up and nothing to read ahead (the small sessions of scheduler/busy_sessions.py and the tests')."""
+
+    def run(self, ctx: SessionContext) -> object: ...
+
+    def warm_up(self) -> None: ...
+
+    def prestage(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class FunctionEntry:
+    """A plain function as a `SessionEntry`: `fn(ctx)` runs the session; nothing to warm up or read ahead."""
+
+    fn: Callable[[SessionContext], object]
+
+    def run(self, ctx: SessionContext) -> object:
+        return self.fn(ctx)
+
+    def warm_up(self) -> None:
+        pass
+
+    def prestage(self) -> None:
+        pass
+
+
+def load_entry(spec: str) -> SessionEntry:
+    """Resolve "module:attribute" → the session entry: an object with the `SessionEntry` protocol, or a plain
+    function (wrapped as a `FunctionEntry`). Anything else is a ValueError naming the value."""
     if ":" not in spec:
-        raise ValueError(f"session entry {spec!r} must look like 'module:function'")
-    mod_name, fn_name = spec.split(":", 1)
+        raise ValueError(f"session entry {spec!r} must look like 'module:attribute'")
+    mod_name, name = spec.split(":", 1)
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
         raise ValueError(f"session entry {spec!r}: cannot import module {mod_name!r} ({e})") from None
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"session entry {spec!r}: module {mod_name!r} has no function {fn_name!r}")
-    return fn
+    obj = vars(mod).get(name)
+    if obj is None:
+        raise ValueError(f"session entry {spec!r}: module {mod_name!r} has no attribute {name!r}")
+    if isinstance(obj, SessionEntry) and not isinstance(obj, type):
+        return obj
+    if callable(obj) and not isinstance(obj, type):
+        return FunctionEntry(obj)
+    raise ValueError(f"session entry {spec!r}: {name!r} is {type(obj).__name__}, neither an object with "
+                     "run(ctx), warm_up() and prestage() (SessionEntry) nor a function of the context")
 
 
 def run_context(ctx: SessionContext, entry: str, handle_sigterm: bool = False) -> int:
@@ -252,9 +291,9 @@ def run_context(ctx: SessionContext, entry: str, handle_sigterm: bool = False) -
         signal.signal(signal.SIGTERM, _term)
     status, reason, code = "stopped", None, 0
     try:
-        fn = load_entry(entry)
+        session = load_entry(entry)
         ctx.report(0)
-        fn(ctx)
+        session.run(ctx)
         reason = ctx.stop_reason or "returned"
     except SystemExit as e:
         reason, code = "terminated", int(e.code or 0)
@@ -275,32 +314,36 @@ READY_ENV = "TAILSPEC_WARM_READY"  # a warm process creates this file when its i
 WARM_POLICY_ENV = "TAILSPEC_WARM_POLICY"  # scheduler.warm_policy: a policy directory warm processes build while waiting
 
 
-def warm_main(entry: str) -> int:
+def warm_main(spec: str) -> int:
     """A pre-started session process that serves one session after another: import the entry (torch, models —
-    seconds on a busy machine) once, then for each line on stdin, {"env": {...}, "context": {...}}, run that
-    session at once and write its exit code to the file `$TAILSPEC_SESSION_DONE` names, then wait for the
-    next line. The GPU is chosen per session: CUDA initialises lazily, so CUDA_VISIBLE_DEVICES set at the
-    first assignment applies (on simulated GPUs only the cores change, and they are re-pinned per session).
-    EOF on stdin (the dispatcher went away) ends the process; so does a session ended by SIGTERM. While no line
-    comes, the entry module's optional `prestage()` reads ahead for the next lend (scheduler/warm_wait.py).
+    seconds on a busy machine) and run its `warm_up()` once, then for each line on stdin, {"env": {...},
+    "context": {...}}, run that session at once and write its exit code to the file `$TAILSPEC_SESSION_DONE`
+    names, then wait for the next line. The GPU is chosen per session: CUDA initialises lazily, so
+    CUDA_VISIBLE_DEVICES set at the first assignment applies (on simulated GPUs only the cores change, and they
+    are re-pinned per session). EOF on stdin (the dispatcher went away) ends the process; so does a session
+    ended by SIGTERM. While no line comes, the entry's `prestage()` reads ahead for the next lend
+    (scheduler/warm_wait.py).
 
     Serving many sessions matters because lends are short and frequent: a process per lend pays its imports
     per lend, seconds of CPU that a short tail does not have and that spill into the RL update."""
-    if not _warm_up(entry):
+    entry = _warm_up(spec)
+    if entry is None:
         return 2
-    wait = WarmWait(entry, leave=_unpin)  # between lends: the entry's optional read-ahead, on the host's share
+    # Between lends the entry reads ahead on the host's share; a plain function has nothing to read ahead, so
+    # its wait is a plain read of stdin.
+    wait = WarmWait(None if isinstance(entry, FunctionEntry) else entry.prestage, leave=unplace)
     while True:
         line = wait.next_line()
         if not line.strip():
             return 0
-        code = _serve(line, entry)
+        code = _serve(line, spec)
         if code is not None:
             return code
 
 
-def _warm_up(entry: str) -> bool:
-    """Import the entry (and run its module's optional `warm_up()`) and say so; False if it cannot load."""
-    if _place():
+def _warm_up(spec: str) -> SessionEntry | None:
+    """Import the entry and run its `warm_up()`, and say so; None if it cannot load."""
+    if place_from_env():
         # Started on the cores of the GPU just lent (dispatch._refill), it imports there beside that GPU's
         # session, for seconds that can outlast the tail and spill into the RL update, whose threads span
         # every core. At nice 10 it yields most of the core to them. It cannot renice back and needs not:
@@ -310,20 +353,16 @@ def _warm_up(entry: str) -> bool:
         except OSError:
             pass
     try:
-        load_entry(entry)
-        # The entry's module may pay its own first-use costs now (e.g. a model library's lazy imports):
-        # an optional `warm_up()` beside the entry function.
-        warm = getattr(importlib.import_module(entry.split(":", 1)[0]), "warm_up", None)
-        if callable(warm):
-            warm()
+        entry = load_entry(spec)
+        entry.warm_up()  # the first-use costs a lend would otherwise pay
     except ValueError as e:
         print(f"tailspec warm session: {e}", file=sys.stderr)
-        return False
+        return None
     ready = os.environ.get(READY_ENV)
     if ready:  # imports done (scheduler.dispatch.warm_ready counts these)
         with open(ready, "w"):
             pass
-    return True
+    return entry
 
 
 def _serve(line: str, entry: str) -> int | None:
@@ -341,9 +380,9 @@ def _serve(line: str, entry: str) -> int | None:
     os.environ.update(env)
     _renice()
     if CPUS_ENV in env:
-        _place()  # the assigned GPU's cores
+        place_from_env()  # the assigned GPU's cores
     else:
-        _unpin()
+        unplace()
     print(f"tailspec session {ctx.session_id} on {ctx.node}:gpu{ctx.gpu}", flush=True)
     code = run_context(ctx, entry, handle_sigterm=True)
     done = env.get(DONE_ENV)
@@ -361,8 +400,8 @@ _reniced = False
 
 
 def _renice() -> None:
-    # When a session is assigned, not before: a warm process imports at normal priority (at 19 it starved
-    # behind busy rollout workers and was still importing when its GPU was lent). Lowering one's own
+    # When a session is assigned, not before: a warm process imports at normal priority (at a high niceness it
+    # starves behind busy rollout workers and is still importing when its GPU is lent). Lowering one's own
     # priority needs no privileges; it cannot be raised back, so it stays for the sessions that follow.
     global _reniced
     n = os.environ.get(NICE_ENV, "")
@@ -374,57 +413,28 @@ def _renice() -> None:
             print(f"tailspec session: could not set niceness {n}: {e}", file=sys.stderr)
 
 
-_AFFINITY_AT_START = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-
-
-def _unpin() -> None:
-    # assigned without cores (shared placement): the cores the process started with again, and no quota
-    if _AFFINITY_AT_START is not None and set(os.sched_getaffinity(0)) != _AFFINITY_AT_START:
-        os.sched_setaffinity(0, _AFFINITY_AT_START)
-    try:
-        cpu_quota.leave()
-    except OSError:
-        pass
-
-
 REFILL_NICE = 10
-
-
-def _place() -> bool:
-    # A session lent on a simulated GPU runs on that GPU's cores only ($TAILSPEC_CPUS, set by the
-    # dispatcher): the other GPUs' rollout tail keeps its own compute.
-    try:
-        cpus = pin_from_env()
-        cgroup = cpu_quota.join_from_env()  # the GPU's share of its core, where GPUs share one
-    except (ValueError, OSError) as e:
-        print(f"tailspec session: could not pin to the GPU's cores: {e}", file=sys.stderr)
-        return False
-    if cgroup is not None:
-        print(f"tailspec session: CPU quota {cgroup}", flush=True)
-    if cpus is not None:
-        print(f"tailspec session: pinned to cores {cpus}", flush=True)
-    return cpus is not None
 
 
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--warm":
         return warm_main(sys.argv[2])
     _renice()
-    _place()
+    place_from_env()
     raw = os.environ.get(CONTEXT_ENV)
     if not raw:
         print(f"tailspec session: ${CONTEXT_ENV} is not set", file=sys.stderr)
         return 2
     ctx = SessionContext.from_json(raw)
     entry = os.environ.get("TAILSPEC_SESSION_ENTRY") or ctx.config.get("scheduler", {}).get(
-        "session_entry", "tailspec.session_entry:run_session"
+        "session_entry", SchedulerConfig().session_entry
     )
     return run_context(ctx, entry, handle_sigterm=True)
 
 
 if __name__ == "__main__":
     code = main()
-    # The final record is written: leave at once instead of spending ~0.2 s in interpreter teardown
+    # The final record is written: leave at once instead of spending time in interpreter teardown
     # while the scheduler waits to see the GPU free.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,17 +1,17 @@
 """A warm session process's wait for its next lend, and what it does meanwhile.
 
 The warm loop (scheduler/session_process.py: `warm_main`) reads one assignment per line on stdin. Between
-lends the entry's module may read ahead what the next lend will start from, through an optional `prestage()`
-beside the entry function (tailspec/warm.py does: the newest policy, the lineage head). That is host work, so
-it runs only after the process has left the last GPU's cores and quota (`leave`), and only where the last
-placement left the host a share of its own: a CPU quota ($TAILSPEC_CGROUP: each core keeps the host's share
-beside its simulated GPUs) or no placement ($TAILSPEC_CPUS unset: real GPUs, the node's CPUs are the host's).
-A simulated GPU that owns whole cores leaves no such share, so nothing is read ahead there.
+lends it calls the session entry's `prestage()` (the `SessionEntry` protocol), which reads ahead what the next
+lend will start from (the roof's entry reads the newest policy and the lineage head: tailspec/warm.py); a plain
+function entry reads nothing ahead and is given no hook. That is host work, so it runs only after the process
+has left the last GPU's cores and quota (`leave`), and only where the last placement left the host a share of
+its own: a CPU quota ($TAILSPEC_CGROUP: each core keeps the host's share beside its simulated GPUs) or no
+placement ($TAILSPEC_CPUS unset: real GPUs, the node's CPUs are the host's). A simulated GPU that owns whole
+cores leaves no such share, so nothing is read ahead there.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import select
 import sys
@@ -26,10 +26,8 @@ MAX_FAILURES = 20  # a head collected while it was read fails once; a hook that 
 
 
 class WarmWait:
-    def __init__(self, entry: str, leave: Callable[[], None], fd: int | None = None):
-        mod = importlib.import_module(entry.split(":", 1)[0])
-        hook = getattr(mod, "prestage", None)
-        self.hook: Callable[[], object] | None = hook if callable(hook) else None
+    def __init__(self, prestage: Callable[[], object] | None, leave: Callable[[], None], fd: int | None = None):
+        self.hook = prestage  # the entry's read-ahead; None: nothing to read ahead, the wait only reads stdin
         self.leave = leave
         self.fd = sys.stdin.fileno() if fd is None else fd
         self.buf = b""

@@ -1,18 +1,18 @@
-"""Trunk glue: the entry the scheduler starts on a lent GPU (`scheduler.session_entry`, default
-`tailspec.session_entry:run_session`).
+"""The session entry the scheduler runs on a lent GPU: `ENTRY` (`scheduler.session_entry`, default
+`tailspec.session_entry:ENTRY`), the roof's one implementation of the scheduler's `SessionEntry` protocol
+(scheduler/session_process.py).
 
-`run_session(ctx)` builds a drafter-training session from the cluster state: the teacher is the latest
-policy (`phase.policy_path`), samples come from the cluster's sample stream, checkpoints and versions live
-under `trainer.checkpoint_dir`. It trains while `ctx.should_continue()` (the lease renewal) holds, reports
-progress through `ctx.report(step, loss, tokens)`, and proposes candidates to the version store:
-- first, a validation another session was stopped in (its scores kept in Redis, its head's weights in the
-  version store's pending copy), else the lineage head if it was never proposed and holds
-  `trainer.propose_min_steps` steps more than the last head proposed (a session that was revoked had no time
-  left to validate; validation needs the GPU, so it runs while a lease is held);
-- then every `trainer.validate_every_s` of training, right after the session's merge.
-Every session contributes to one drafter lineage (drafter_trainer/lineage.py): it starts from the head,
-merges its work into it (fenced by its lease) and proposes heads, not private copies.
-Validation is itself interruptible by the stop check, so the stop deadline holds throughout.
+`ENTRY.run(ctx)` (`run_session`) builds a drafter-training session from the cluster state: the teacher is the
+latest policy (`phase.policy_path`), samples come from the cluster's sample stream, checkpoints and versions
+live under `trainer.checkpoint_dir`. It trains while `ctx.should_continue()` (the lease renewal) holds, reports
+progress through `ctx.report(step, loss, tokens)`, and proposes candidates to the version store
+(drafter_trainer/promotion.py decides which): first a head left to validate, then every
+`trainer.validate_every_s` of training, right after the session's merge. Every session contributes to one
+drafter lineage (drafter_trainer/lineage.py): it starts from the head, merges its work into it (fenced by its
+lease) and proposes heads, not private copies.
+
+`ENTRY.warm_up()` pays a warm process's first-use costs before its first lend; `ENTRY.prestage()` reads ahead
+between lends what the next one starts from (tailspec/warm.py).
 """
 
 from __future__ import annotations
@@ -30,37 +30,28 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tailspec import warm
 from tailspec.core import state
-from tailspec.core.atomic import write_text_atomic
 from tailspec.core.config import TailspecConfig
 from tailspec.core.state import DrafterVersion, PhaseInfo
 from tailspec.drafter_trainer.footprint import GIB, session_footprint
 from tailspec.drafter_trainer.lineage import Fence, Lineage
-from tailspec.drafter_trainer.loss import StopRequested
+from tailspec.drafter_trainer.promotion import Promotion
 from tailspec.drafter_trainer.samples import SampleBuffer, SampleReader
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.drafter_trainer.training_session import SessionResult, TrainingSession
 from tailspec.drafter_trainer.versions import VersionStore
-from tailspec.scheduler.session_process import WARM_POLICY_ENV
+from tailspec.mix_score import scoring_source
+from tailspec.scheduler.session_process import WARM_POLICY_ENV, SessionContext, SessionEntry
 from tailspec.scheduler.telemetry import free_memory
 from tailspec.warm import device_and_dtype, keep_teacher, load_teacher, remember
 
 log = logging.getLogger(__name__)
-PROPOSED = "PROPOSED_HEAD"
-# A validation claim outlives any validation seen here (0.2-1.3 s on half a core) many times over, and a killed
-# holder's claim blocks the others' validations for at most this long.
-VALIDATION_CLAIM_S = 30.0
-# Delete the claim only if this session still holds it (an expired claim may be another session's by now).
-_RELEASE_CLAIM = """
-local v = redis.call('GET', KEYS[1])
-if v and string.sub(v, -string.len(ARGV[1]) - 1) == ' ' .. ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 class Contributor:
-    """A TrainingSession (drafter_trainer.session: the optimizer steps) with what it needs to contribute to the
-    cluster's one drafter lineage: the sample reader, the lineage under `trainer.checkpoint_dir/lineage` and
-    the version store it proposes heads to. Used by run_session (a lent GPU) and `tailspec train` (the CLI)."""
+    """A TrainingSession (drafter_trainer/training_session.py: the optimizer steps) with what it needs to
+    contribute to the cluster's one drafter lineage: the sample reader, the lineage under
+    `trainer.checkpoint_dir/lineage`, the version store and its side of promotion (drafter_trainer/promotion.py:
+    which head it proposes, when; under the rollouts' strategy mix, tailspec/mix_score.py). Used by run_session (a lent GPU) and `tailspec train` (the CLI)."""
 
     def __init__(self, cfg: TailspecConfig, teacher: Teacher, buffer: SampleBuffer, *, redis: Any = None,
                  should_continue: Callable[[], bool] | None = None,
@@ -81,119 +72,23 @@ class Contributor:
         self.root = Path(tc.checkpoint_dir)
         self.store = VersionStore(self.root / "versions", redis, cfg.cluster.name)
         self.lineage = Lineage(self.root / "lineage", redis, cfg.cluster.name, fence=fence, outer_lr=tc.merge_outer_lr)
-        self.validate_s = 0.0  # time spent validating candidates (whole or cut short by a stop)
         self.session = TrainingSession(
             tc, teacher, buffer, checkpoint_dir=self.root / "checkpoints", should_continue=should_continue,
             on_step=on_step, reader=self.reader, session_id=session_id, lineage=self.lineage,
             merge_every_steps=tc.merge_every_steps or None, on_release=on_release)
+        # candidates are scored under the rollouts' published strategy mix (tailspec/mix_score.py)
+        self.promotion = Promotion(tc, self.store, redis, cfg.cluster.name, self.root,
+                                   scoring=scoring_source(redis, cfg.cluster.name) if redis is not None else None)
         self.ready_split = {"stream": t1 - t0, "lineage": time.monotonic() - t1}  # where start-up went
 
-    def proposed_head(self) -> tuple[int, int]:
-        """(number, optimizer steps) of the lineage head last proposed; (0, 0) when none."""
-        try:
-            raw = self.redis.get(state.key(self.cfg.cluster.name, "drafter_proposed")) if self.redis is not None \
-                else (self.root / PROPOSED).read_text()
-            if raw is None:
-                return 0, 0
-            parts = (raw.decode() if isinstance(raw, bytes) else raw).split()
-            return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
-        except (OSError, ValueError):
-            return 0, 0
-
-    def _mark_proposed(self, number: int, steps: int) -> None:
-        value = f"{number} {steps}"
-        if self.redis is not None:
-            self.redis.set(state.key(self.cfg.cluster.name, "drafter_proposed"), value)
-        else:
-            write_text_atomic(self.root / PROPOSED, value)
+    @property
+    def validate_s(self) -> float:
+        """Time spent validating candidates (whole or cut short by a stop)."""
+        return self.promotion.validate_s
 
     def propose(self) -> DrafterVersion | None:
-        """Validate a lineage head as a candidate: the one another session began validating and was stopped in
-        (its scores kept, its weights in the store's pending copy), else this session's own head (its drafter
-        right after its merge) unless that head was proposed already or holds too little training since."""
-        s = self.session
-        tc = self.cfg.trainer
-        holdout = list(self.buffer.holdout)  # the store picks tc.validation_samples of them (pick_holdout)
-        if s.base is None or not holdout:
-            return None
-        cand = self._resumable() or self._own_head()
-        if cand is None:
-            return None
-        number, steps, drafter = cand
-        # Against a current version a candidate needs promotion_min_pairs scored samples to pass (the first version
-        # is taken without a test): with fewer held out it could only be recorded as "too few"; train instead.
-        if drafter is None and len(holdout) < tc.promotion_min_pairs and self.store.current() is not None:
-            return None
-        if not self._claim_validation(number):  # another session is validating: train instead
-            return None
-        t0 = time.monotonic()
-        try:
-            if drafter is None:  # this session's head: kept for whoever finishes the validation
-                self.store.save_pending(number, steps, s.drafter)
-                drafter = s.drafter
-            info = self.store.propose(drafter, self.teacher, holdout, tc.validation_k, session_id=s.session_id,
-                                      note=f"lineage head {number} ({steps} steps)", check=s.check,
-                                      level=tc.promotion_level, min_pairs=tc.promotion_min_pairs,
-                                      lineage_head=number, lineage_steps=steps,
-                                      max_samples=tc.validation_samples)
-        except StopRequested:
-            return None
-        except ValueError as e:  # e.g. no held-out sample long enough yet
-            log.info("candidate not validated: %s", e)
-            return None
-        else:  # marked before the claim is released, so no session validates this head again
-            self._mark_proposed(number, steps)
-            self.store.drop_pending()
-        finally:
-            self.validate_s += time.monotonic() - t0
-            self._release_validation()
-        return info
-
-    def _own_head(self) -> tuple[int, int, None] | None:
-        s, head = self.session, self.session.base
-        if not worth_proposing(head.number, head.steps, self.proposed_head(), self.cfg.trainer.propose_min_steps):
-            return None
-        if s.fenced_out or s.unmerged_steps:  # the drafter is not the head's weights
-            return None
-        return head.number, head.steps, None
-
-    def _resumable(self) -> tuple[int, int, Any] | None:
-        """A validation cut short by its session's stop, to finish here: in lends shorter than a validation,
-        starting over on each session's newer head never finished one (a quarter of the lent time went to
-        validations in the 4-GPU demo, half of it thrown away). Only while its baseline is still the
-        current version, and when it scored at least one pair."""
-        tc = self.cfg.trainer
-        if self._validation_claimed():  # its holder is finishing it: not worth loading the copy
-            return None
-        got = self.store.validation_in_progress()
-        cur = self.store.current()
-        if got is None or cur is None:
-            return None
-        head, baseline, k, pairs = got
-        if baseline != cur.version or k != tc.validation_k or pairs < 1 or head <= self.proposed_head()[0]:
-            return None
-        pending = self.store.load_pending(head, self.teacher.embedding(), map_location=str(self.teacher.device))
-        if pending is None:
-            return None
-        drafter, steps = pending
-        return head, steps, drafter
-
-    def _validation_claimed(self) -> bool:
-        try:
-            return self.redis is not None and bool(
-                self.redis.exists(state.key(self.cfg.cluster.name, "drafter_validating")))
-        except Exception as e:  # noqa: BLE001 — the claim itself decides; this only saves a load
-            log.info("validation claim unreadable: %s", e)
-            return False
-
-    def _claim_validation(self, number: int) -> bool:
-        if self.redis is None:  # one process (`tailspec train`): nothing to race with
-            return True
-        return claim_validation(self.redis, self.cfg.cluster.name, number, self.session.session_id)
-
-    def _release_validation(self) -> None:
-        if self.redis is not None:
-            release_validation(self.redis, self.cfg.cluster.name, self.session.session_id)
+        """Propose a lineage head to the version store, if one is due (drafter_trainer/promotion.py)."""
+        return self.promotion.propose(self.session, self.teacher, list(self.buffer.holdout))
 
     def run(self, max_seconds: float | None = None, max_steps: int | None = None) -> SessionResult:
         every = self.cfg.trainer.validate_every_s
@@ -213,38 +108,6 @@ class Contributor:
         self.session.close()
 
 
-def worth_proposing(number: int, steps: int, proposed: tuple[int, int], min_steps: int) -> bool:
-    """Is lineage head `number` (with `steps` optimizer steps) a candidate, given the head last proposed
-    (`proposed`: number, steps)? Not when it was proposed already, holds no training, or holds fewer than
-    `min_steps` steps more than the last one proposed (trainer.propose_min_steps)."""
-    last_number, last_steps = proposed
-    return steps > 0 and number > last_number and steps - last_steps >= min_steps
-
-
-def claim_validation(redis: Any, cluster: str, number: int, session_id: str) -> bool:
-    """Claim the one validation running cluster-wide (`drafter:validating`, SET NX PX) for lineage head `number`.
-    Concurrent sessions that found the same unproposed head scored it two or three times over (the 4-GPU demo's
-    version history), on lends mostly shorter than one validation; now the others train meanwhile. A killed
-    holder's claim expires by itself (VALIDATION_CLAIM_S); a validation cut short releases it and the next
-    session resumes the scores kept in `drafter:validation`. On a Redis error: True (a duplicate validation
-    costs time, not results)."""
-    try:
-        return bool(redis.set(state.key(cluster, "drafter_validating"), f"{number} {session_id}", nx=True,
-                              px=int(VALIDATION_CLAIM_S * 1000)))
-    except Exception as e:  # noqa: BLE001 — see the docstring
-        log.warning("validation claim failed (%s); validating anyway", e)
-        return True
-
-
-def release_validation(redis: Any, cluster: str, session_id: str) -> bool:
-    """Release this session's claim (only its own: an expired claim may be another session's by now)."""
-    try:
-        return bool(redis.eval(_RELEASE_CLAIM, 1, state.key(cluster, "drafter_validating"), session_id))
-    except Exception as e:  # noqa: BLE001 — the claim expires by itself
-        log.warning("validation claim not released (%s); it expires in %.0f s", e, VALIDATION_CLAIM_S)
-        return False
-
-
 def _merge(a: SessionResult, b: SessionResult) -> SessionResult:
     return SessionResult(b.session_id, a.steps + b.steps, b.total_steps, a.tokens + b.tokens, a.losses + b.losses,
                          b.stop_reason, b.stop_latency_s, b.checkpoint, a.seconds + b.seconds,
@@ -257,27 +120,6 @@ def make_buffer(cfg: TailspecConfig) -> SampleBuffer:
     return SampleBuffer(capacity=tc.buffer_size, keep_policy_versions=tc.keep_policy_versions,
                         holdout_fraction=tc.holdout_fraction, mode=tc.weighting, w_min=tc.weight_min, w_max=tc.weight_max,
                         stale_version_weight=tc.stale_version_weight)
-
-
-def warm_up() -> None:
-    """Run once in a pre-started session process (scheduler.warm_sessions): the first `from_pretrained` in a
-    process pays seconds of lazy imports and set-up (3.3 s vs 0.03 s for the tiny policy on a CPU), which
-    would otherwise come out of the lent GPU's time."""
-    cfg = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1)
-    with tempfile.TemporaryDirectory(prefix="tailspec-warm-") as tmp:
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp)
-        AutoModelForCausalLM.from_pretrained(tmp)
-    # scheduler.warm_policy: build the policy's modules now, as the teacher a session keeps (keep_teacher), so
-    # this process's first session loads only its weights (the deep preset at 0.45 of a core: 0.25-0.45 s of a
-    # first lend otherwise). Only where the teacher lives on the host: a GPU's teacher is never kept.
-    policy = os.environ.get(WARM_POLICY_ENV)
-    device, dtype = device_and_dtype()
-    if policy and device == "cpu":
-        try:
-            keep_teacher(load_teacher(policy, device, dtype, 0))
-        except (OSError, ValueError, RuntimeError) as e:  # a bad hint costs the first session its build, no more
-            log.warning("warm policy %s not built: %s", policy, e)
 
 
 def fits(ctx: Any, cfg: TailspecConfig, policy_path: str, dtype: torch.dtype) -> bool:
@@ -319,12 +161,9 @@ def record_seconds(redis: Any, cluster: str, *, ready: float, train: float, vali
         log.warning("session seconds not counted: %s", e)
 
 
-# The warm loop's hook between lends (scheduler/warm_wait.py: an entry module's optional `prestage`).
-prestage = warm.prestage
-
-
 def run_session(ctx: Any, max_steps: int | None = None) -> dict:
-    """Scheduler entry: train on the lent GPU until `ctx.should_continue()` turns False (or `max_steps`)."""
+    """The session `ENTRY.run` runs: train on the lent GPU until `ctx.should_continue()` turns False (or
+    `max_steps`)."""
     cfg: TailspecConfig = ctx.tailspec_config()
     r = ctx.redis
     phase = state.get(r, state.key(cfg.cluster.name, "phase"), PhaseInfo)
@@ -379,3 +218,36 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
             "stop_reason": res.stop_reason, "stop_latency_s": res.stop_latency_s,
             "merged_steps": res.merged_steps, "merges": res.merges, "head": res.head,
             "shipped_batches": res.shipped_batches}
+
+
+class DrafterTrainingEntry(SessionEntry):
+    """The scheduler's session entry for drafter training (the module doc)."""
+
+    def run(self, ctx: SessionContext) -> dict:
+        return run_session(ctx)
+
+    def warm_up(self) -> None:
+        """Once in a pre-started session process (scheduler.warm_sessions): the first `from_pretrained` in a
+        process pays seconds of lazy imports and set-up, which would otherwise come out of the lent GPU's time."""
+        cfg = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1)
+        with tempfile.TemporaryDirectory(prefix="tailspec-warm-") as tmp:
+            AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp)
+            AutoModelForCausalLM.from_pretrained(tmp)
+        # scheduler.warm_policy: build the policy's modules now, as the teacher a session keeps (keep_teacher), so
+        # this process's first session loads only its weights. Only where the teacher lives on the host: a GPU's
+        # teacher is never kept.
+        policy = os.environ.get(WARM_POLICY_ENV)
+        device, dtype = device_and_dtype()
+        if policy and device == "cpu":
+            try:
+                keep_teacher(load_teacher(policy, device, dtype, 0))
+            except (OSError, ValueError, RuntimeError) as e:  # a bad hint costs the first session its build, no more
+                log.warning("warm policy %s not built: %s", policy, e)
+
+    def prestage(self) -> None:
+        """Between lends: the newest policy into the kept teacher, the lineage head staged (tailspec/warm.py)."""
+        warm.prestage()
+
+
+ENTRY = DrafterTrainingEntry()

@@ -4,9 +4,8 @@ A warm process (`scheduler.warm_sessions`) serves one lend after another. Betwee
 module (built once per config.json; each policy version's weights are loaded into it in place), and while it
 waits for its next lend it reads ahead what that lend will start from (`prestage`): the newest policy's weights
 into the kept teacher, the lineage head's checkpoint (drafter_trainer/checkpoint.py: `stage_checkpoint`), and the
-session's memory footprint. A lend then begins with its start-up in host memory already; the read ahead was a
-lend's start-up on the deep preset: the teacher's weights about 30 ms and the head about 35 ms of every lend
-at a simulated GPU's 0.45 of a core (BENCHMARKS.md, end to end).
+session's memory footprint. A lend then begins with its start-up in host memory already, instead of reading
+the teacher's weights and the head at the start of every lend.
 
 Reading ahead is host work, as it is on a GPU node, where a process reads checkpoints on the node's own CPUs
 while the GPU rolls out: the warm loop (scheduler/session_process.py, scheduler/warm_wait.py) calls `prestage` only after leaving the
@@ -25,9 +24,9 @@ import torch
 from tailspec.core import state
 from tailspec.core.state import PhaseInfo
 from tailspec.drafter_trainer.checkpoint import stage_checkpoint
+from tailspec.drafter_trainer.eagle3_config import default_aux_layer_ids
 from tailspec.drafter_trainer.footprint import session_footprint
 from tailspec.drafter_trainer.lineage import Lineage
-from tailspec.drafter_trainer.model import default_aux_layer_ids
 from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.tasks.policy_sync import load_weights_in_place
 
@@ -56,8 +55,8 @@ def load_teacher(path: str | Path, device: str, dtype: torch.dtype, policy_versi
     """The policy at `path` as this session's teacher. A warm session process serves one lend after another,
     each with the newest policy: when the previous session's teacher module has the same config.json, only the
     new weights are loaded into it (in place, so tied weights stay tied), and none when it holds that file's
-    already (read ahead by `prestage`). Building the modules is most of a small policy's `from_pretrained` (the
-    deep preset on one core: 87 ms of it, the weights 12 ms), and that came out of every lend; a large policy's
+    already (read ahead by `prestage`). Building the modules is most of a small policy's `from_pretrained`, and
+    it would come out of every lend; a large policy's
     load is its weights either way (and on a GPU nothing is kept: `keep_teacher`). A checkpoint in several
     files, or one whose tensors do not match the module, is loaded by `from_pretrained`."""
     path = Path(path)

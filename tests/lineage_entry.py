@@ -1,5 +1,5 @@
-"""Session entry for tests/test_lineage_sessions.py: `tailspec.session_entry:run_session` with a fault hook and its
-result written to a file. With $LINEAGE_PAUSE_AT_MERGE=N the session pauses for good at the N-th merge's
+"""Session entry for tests/test_lineage_sessions.py, a plain function (nothing to warm up or read ahead):
+`tailspec.session_entry.run_session` with a fault hook and its result written to a file. With $LINEAGE_PAUSE_AT_MERGE=N the session pauses for good at the N-th merge's
 commit point (directory written, compare-and-swap not yet done) after touching $LINEAGE_MARKER, so the test
 can SIGKILL it there."""
 

@@ -15,17 +15,15 @@ import pytest
 from tailspec.core.config import RolloutConfig
 from tailspec.rollout.acceptance import AcceptanceTracker
 from tailspec.rollout.cost_model import CostModel, default_buckets, default_ks
-from tailspec.rollout.selector import (
-    AdaptiveSelector,
+from tailspec.rollout.selector import AdaptiveSelector, candidate_ks, make_selector
+from tailspec.rollout.strategy import StepRecord
+from tailspec.rollout.table_selector import (
     beg_selector,
-    candidate_ks,
     check_schedule,
     fixed_selector,
-    make_selector,
     merge_schedule,
     threshold_selector,
 )
-from tailspec.rollout.strategy import StepRecord
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 KS = [0, 1, 2, 3, 4, 6, 8]

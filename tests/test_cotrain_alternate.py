@@ -10,7 +10,7 @@ import torch
 from tailspec.benchmarks.cotrain import run_alternating
 from tailspec.core.config import TailspecConfig
 from tailspec.drafter_trainer.checkpoint import load_checkpoint
-from tailspec.drafter_trainer.training_session import new_drafter
+from tailspec.drafter_trainer.teacher import new_drafter
 
 from tests.test_trainer_session import frozen_teacher, make_buffer, synthetic_samples
 

@@ -564,7 +564,7 @@ def test_worker_syncs_a_new_policy_version_into_its_loaded_module(micro_policy, 
     """A new policy version of the same config is loaded into the worker's module (as an RL framework syncs its
     rollout engine's weights): the same module object, the new version's weights exactly (the reference: the
     directory loaded afresh); a policy of another config is built anew."""
-    from tailspec.benchmarks.vllm import perturbed_policy
+    from tailspec.benchmarks.vllm_kit import perturbed_policy
 
     from tailspec.tasks.policy import load_policy
 

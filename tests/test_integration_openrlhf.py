@@ -31,14 +31,9 @@ from tailspec.scheduler.client import TailspecClient
 from test_vllm_checks import write_drafter, write_target
 
 from tailspec.integrations import openrlhf_config as oc
-from tailspec.integrations.openrlhf import (
-    TailspecRolloutActor,
-    TailspecSamplesGenerator,
-    TailspecTrainerMixin,
-    engine_actor_class,
-    install_engines,
-)
+from tailspec.integrations.openrlhf import TailspecRolloutActor, engine_actor_class, install_engines
 from tailspec.integrations.openrlhf_attach import OpenRLHFAttach, newest_hf_checkpoint
+from tailspec.integrations.openrlhf_mixin import TailspecSamplesGenerator, TailspecTrainerMixin
 
 pytestmark = [pytest.mark.openrlhf, pytest.mark.timeout(300)]
 CLUSTER = "orlhf"

@@ -18,8 +18,8 @@ from tailspec.rollout.schedule_export import (
     vllm_k,
     vllm_schedule,
 )
-from tailspec.rollout.selector import beg_selector, fixed_selector, threshold_selector
 from tailspec.rollout.strategy import Strategy
+from tailspec.rollout.table_selector import beg_selector, fixed_selector, threshold_selector
 from tailspec.rollout.vllm_checks import check_schedule
 
 TREE = Strategy.tree([4, 2, 1], 12)  # depth 3, widest branching 4, 12 nodes verified

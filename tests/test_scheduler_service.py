@@ -334,7 +334,7 @@ def test_only_drained_gpus_samples_are_read_and_a_malformed_one_is_not_lent(redi
 
 
 def test_failing_session_entry_is_recorded_and_not_restarted_in_a_loop(redis_url, redis_client):
-    from tailspec.scheduler.actions import FAILED_BACKOFF_S
+    from tailspec.scheduler.lessor import FAILED_BACKOFF_S
     from tailspec.scheduler.service import run_local
 
     cfg = make_cfg(redis_url)
@@ -350,7 +350,7 @@ def test_failing_session_entry_is_recorded_and_not_restarted_in_a_loop(redis_url
         first = wait_for(
             lambda: [s for s in sessions(redis_client).values() if s.status == "failed"], 30, "failure"
         )
-        assert "has no function 'no_such_session'" in first[0].stop_reason
+        assert "has no attribute 'no_such_session'" in first[0].stop_reason
         time.sleep(min(3.0, FAILED_BACKOFF_S - 1))
         assert len(sessions(redis_client)) == 1  # backed off instead of relaunching every tick
         events, _ = state.read_stream(redis_client, state.key(CL, "events"), Event)

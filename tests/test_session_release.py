@@ -64,7 +64,7 @@ def test_a_chunk_that_ends_on_time_keeps_the_gpu(redis_client, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_release_frees_the_device_memory_before_the_merge(tmp_path):
-    from tailspec.drafter_trainer.model import default_aux_layer_ids
+    from tailspec.drafter_trainer.eagle3_config import default_aux_layer_ids
     from tailspec.drafter_trainer.teacher import Teacher
 
     from tailspec.tasks.policy import build_model

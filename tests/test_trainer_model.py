@@ -5,15 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tailspec.drafter_trainer.model import (
-    DrafterCache,
-    Eagle3Config,
-    Eagle3Module,
-    TTTState,
-    capture_aux,
-    default_aux_layer_ids,
-    vocab_maps_from_counts,
-)
+from tailspec.drafter_trainer.eagle3_config import Eagle3Config, default_aux_layer_ids
+from tailspec.drafter_trainer.layers import DrafterCache, TTTState
+from tailspec.drafter_trainer.model import Eagle3Module, capture_aux, vocab_maps_from_counts
 from transformers import LlamaConfig, LlamaForCausalLM
 
 torch.set_num_threads(1)

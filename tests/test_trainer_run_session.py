@@ -1,5 +1,5 @@
-"""`tailspec.session_entry.run_session` under a real lease: trains from the cluster's samples, reports, stops on
-revoke within the deadline, checkpoints, and proposes candidates to the version store."""
+"""`tailspec.session_entry.run_session` (what `ENTRY.run` runs) under a real lease: trains from the cluster's
+samples, reports, stops on revoke within the deadline, checkpoints, and proposes candidates to the version store."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_run_session_without_policy_says_so(redis_client, redis_url, tmp_path):
 
 
 def test_a_head_is_proposed_once_and_only_with_enough_new_steps():
-    from tailspec.session_entry import worth_proposing
+    from tailspec.drafter_trainer.promotion import worth_proposing
 
     assert worth_proposing(3, 7, (0, 0), 1)
     assert not worth_proposing(3, 7, (3, 7), 1)  # proposed already
@@ -121,8 +121,7 @@ def test_a_head_is_proposed_once_and_only_with_enough_new_steps():
 
 def test_one_validation_at_a_time_and_only_its_holder_releases_it(redis_client):
     from tailspec.core import state
-
-    from tailspec.session_entry import claim_validation, release_validation
+    from tailspec.drafter_trainer.promotion import claim_validation, release_validation
 
     assert claim_validation(redis_client, "c", 17, "node0-g1-t4")
     assert not claim_validation(redis_client, "c", 17, "node0-g2-t5")  # the same head: train instead
@@ -138,7 +137,7 @@ def test_one_validation_at_a_time_and_only_its_holder_releases_it(redis_client):
 def test_a_warm_process_reuses_its_teacher_module_with_the_new_weights(tmp_path):
     """A warm session process keeps the last teacher module (on the host) and loads the next policy's weights into
     it: the same outputs as that policy loaded afresh (the independent reference), bit for bit."""
-    from tailspec.benchmarks.vllm import perturbed_policy
+    from tailspec.benchmarks.vllm_kit import perturbed_policy
     from tailspec.drafter_trainer.teacher import Teacher, collate
 
     from tailspec.tasks.policy import get_policy
@@ -182,14 +181,14 @@ def test_weights_that_do_not_fit_are_refused_before_anything_is_copied(tmp_path)
 
 
 def test_a_warm_process_builds_the_warm_policy_for_its_first_session(tmp_path, monkeypatch):
-    """scheduler.warm_policy reaches a warm process as an environment variable: warm_up() builds that policy's
-    modules as the kept teacher, so the first session's load_teacher of another version of it reuses them. A
-    relative path is refused by the config; a missing directory costs nothing but the build."""
-    from tailspec.benchmarks.vllm import perturbed_policy
+    """scheduler.warm_policy reaches a warm process as an environment variable: ENTRY.warm_up() builds that
+    policy's modules as the kept teacher, so the first session's load_teacher of another version of it reuses
+    them. A relative path is refused by the config; a missing directory costs nothing but the build."""
+    from tailspec.benchmarks.vllm_kit import perturbed_policy
     from tailspec.core.config import SchedulerConfig
     from tailspec.scheduler.session_process import WARM_POLICY_ENV
 
-    from tailspec.session_entry import warm_up
+    from tailspec.session_entry import ENTRY
     from tailspec.tasks.policy import get_policy
     from tailspec.warm import _KEPT, load_teacher
 
@@ -197,12 +196,12 @@ def test_a_warm_process_builds_the_warm_policy_for_its_first_session(tmp_path, m
     p1 = perturbed_policy(p0, tmp_path / "p1", scale=0.2)
     _KEPT.clear()
     monkeypatch.setenv(WARM_POLICY_ENV, str(p0))
-    warm_up()
+    ENTRY.warm_up()
     kept = _KEPT["teacher"][1]
     assert load_teacher(p1, "cpu", torch.float32, 1).model is kept
     with pytest.raises(ValueError, match="absolute"):
         SchedulerConfig(warm_policy="policies/v0")
     _KEPT.clear()
     monkeypatch.setenv(WARM_POLICY_ENV, str(tmp_path / "gone"))
-    warm_up()
+    ENTRY.warm_up()
     assert "teacher" not in _KEPT

@@ -23,7 +23,7 @@ K = 3
 def policy_v1() -> Path:
     """The next policy version: the tiny policy's weights moved by 25% noise (the tiny policy's greedy outputs
     on the test prompts first differ at about this size; 5% left them all unchanged)."""
-    from tailspec.benchmarks.vllm import perturbed_policy
+    from tailspec.benchmarks.vllm_kit import perturbed_policy
 
     from tailspec.tasks.policy import default_cache_dir
 
@@ -33,7 +33,7 @@ def policy_v1() -> Path:
 @cache
 def validated() -> dict[str, float]:
     """The trained drafter's validated acceptance at k=3 (the version store's measure, greedy) per policy."""
-    from tailspec.benchmarks.vllm import validated_acceptance
+    from tailspec.benchmarks.vllm_kit import validated_acceptance
 
     return {"v0": validated_acceptance(drafters()["trained"], tiny(), K),
             "v1": validated_acceptance(drafters()["trained"], policy_v1(), K)}
@@ -140,7 +140,7 @@ def test_policy_sync_in_place_and_drafter_reload_accept_as_validated(refs, redis
 
 def test_corrupted_drafter_trips_the_guard_outputs_exact_speculation_off_until_a_good_version(
         refs, redis_client, caplog, tmp_path):
-    from tailspec.benchmarks.vllm import zeroed_fc
+    from tailspec.benchmarks.vllm_kit import zeroed_fc
     from tailspec.core import state
     from tailspec.core.state import Event
     from tailspec.rollout.health_guard import GuardPolicy

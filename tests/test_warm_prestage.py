@@ -19,7 +19,7 @@ from tailspec.drafter_trainer.lineage import Lineage
 from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module
 from tailspec.scheduler.cpu_quota import CGROUP_ENV
 from tailspec.scheduler.placement import CPUS_ENV
-from tailspec.scheduler.session_process import SessionContext
+from tailspec.scheduler.session_process import FunctionEntry, SessionContext, SessionEntry, load_entry
 from tailspec.scheduler.warm_wait import WarmWait
 
 from tailspec import warm
@@ -40,7 +40,7 @@ def _seed(root, redis, cluster, teacher) -> Eagle3Module:
 
 def test_prestage_reads_the_policy_and_the_head_so_the_next_lend_reads_no_file(tmp_path, redis_client, redis_url,
                                                                             monkeypatch):
-    from tailspec.benchmarks.vllm import perturbed_policy
+    from tailspec.benchmarks.vllm_kit import perturbed_policy
     from tailspec.drafter_trainer.teacher import Teacher
 
     from tailspec.tasks.policy import get_policy
@@ -112,15 +112,57 @@ def test_a_staged_checkpoint_is_not_served_once_its_directory_changed(tmp_path, 
         load_checkpoint(path)
 
 
+ENTRY_MODULE = """
+calls = []
+
+class Entry:
+    def run(self, ctx):
+        return {}
+
+    def warm_up(self):
+        calls.append("w")
+
+    def prestage(self):
+        calls.append("p")
+        if calls.count("p") == 2:
+            raise OSError("a head collected while it was read")
+
+ENTRY = Entry()
+
+def session(ctx):
+    return {}
+"""
+
+
 def _entry(tmp_path, monkeypatch, name: str) -> list[str]:
-    """A session entry module whose prestage() records its calls."""
-    (tmp_path / f"{name}.py").write_text(
-        "calls = []\ndef run(ctx):\n    return {}\ndef prestage():\n    calls.append('p')\n"
-        "    if len(calls) == 2:\n        raise OSError('a head collected while it was read')\n")
+    """A session entry module: `ENTRY` records its warm_up and prestage calls; `session` is a plain function."""
+    (tmp_path / f"{name}.py").write_text(ENTRY_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     import importlib
 
     return importlib.import_module(name).calls
+
+
+def test_config_names_an_entry_object_or_a_plain_function(tmp_path, monkeypatch):
+    """`scheduler.session_entry` names an object with the SessionEntry protocol, taken as it is, or a plain
+    function, wrapped as an entry with nothing to warm up or read ahead; anything else is refused naming the
+    value."""
+    calls = _entry(tmp_path, monkeypatch, "entry_kinds")
+    entry = load_entry("entry_kinds:ENTRY")
+    assert isinstance(entry, SessionEntry) and not isinstance(entry, FunctionEntry)
+    entry.warm_up()
+    assert calls == ["w"]
+    plain = load_entry("entry_kinds:session")
+    assert isinstance(plain, FunctionEntry) and plain.run(None) == {}
+    plain.warm_up()
+    plain.prestage()
+    assert calls == ["w"]
+    for spec, said in [("entry_kinds", "module:attribute"), ("entry_kinds_gone:ENTRY", "cannot import"),
+                       ("entry_kinds:nothing", "no attribute 'nothing'"), ("entry_kinds:calls", "neither"),
+                       ("entry_kinds:Entry", "neither")]:
+        with pytest.raises(ValueError, match=said) as e:
+            load_entry(spec)
+        assert repr(spec) in str(e.value)
 
 
 @pytest.mark.parametrize("placement", ["quota", "whole cores", "none"])
@@ -128,7 +170,8 @@ def test_the_warm_wait_reads_ahead_between_lends_only_on_the_hosts_share(tmp_pat
     calls = _entry(tmp_path, monkeypatch, f"entry_{placement.replace(' ', '_')}")
     left = []
     r, w = os.pipe()
-    wait = WarmWait(f"entry_{placement.replace(' ', '_')}:run", leave=lambda: left.append(1), fd=r)
+    wait = WarmWait(load_entry(f"entry_{placement.replace(' ', '_')}:ENTRY").prestage, leave=lambda: left.append(1),
+                    fd=r)
     monkeypatch.delenv(CPUS_ENV, raising=False)
     monkeypatch.delenv(CGROUP_ENV, raising=False)
     os.write(w, b'{"first": 1}\n')

@@ -27,20 +27,20 @@ def micro() -> Path:
 @cache
 def drafters() -> dict[str, Path]:
     """Untrained and trained EAGLE-3 drafters of the tiny policy, exported by the trainer's export code."""
-    from tailspec.benchmarks.vllm import cached_drafters
+    from tailspec.benchmarks.vllm_kit import cached_drafters
 
     return cached_drafters(tiny())
 
 
 @cache
 def prompts(n: int = N_PROMPTS) -> list[list[int]]:
-    from tailspec.benchmarks.vllm import task_prompts
+    from tailspec.benchmarks.vllm_kit import task_prompts
 
     return task_prompts(tiny(), n)
 
 
 def engine_kwargs(**kw) -> dict:
-    from tailspec.benchmarks.vllm import in_process_engine
+    from tailspec.benchmarks.vllm_kit import in_process_engine
 
     return {"max_model_len": 256, "max_num_seqs": 8, "dtype": "float32", "seed": 0, **in_process_engine(), **kw}
 

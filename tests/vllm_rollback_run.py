@@ -14,7 +14,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # before in_process_engine()
 
 def main(redis_url: str, out_dir: str) -> dict:
     import redis
-    from tailspec.benchmarks.vllm import zeroed_fc
+    from tailspec.benchmarks.vllm_kit import zeroed_fc
     from tailspec.core import state
     from tailspec.core.state import DrafterVersion
     from tailspec.rollout.health_guard import GuardPolicy

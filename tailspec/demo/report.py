@@ -171,6 +171,31 @@ def lent_split(rows: list[dict], idle: float) -> str:
             f"{s['other']:.1f} merging and stopping")
 
 
+def scoring_line(run_dir: Path) -> str | None:
+    """Under which strategy mix each promoted, validated version was scored (the demo's version store keeps its
+    history under run_dir/drafter/versions): the rollouts' mix when one was published, else a chain of the
+    validation k. None when the run promoted none."""
+    f = Path(run_dir) / "drafter" / "versions" / "history.jsonl"
+    versions = []
+    for line in f.read_text().splitlines() if f.is_file() else ():
+        try:
+            v = state.DrafterVersion.model_validate_json(line)
+        except ValueError:
+            continue  # a damaged record: the version store's own history says so
+        if v.promoted and v.acceptance_length is not None:
+            versions.append(v)
+    if not versions:
+        return None
+
+    def mix(v: state.DrafterVersion) -> str:
+        if not v.scored_under:
+            return f"chain{v.validation_k or 4} (no rollout strategy mix published yet)"
+        return " + ".join(f"{w:.2f} {label}" for label, w in sorted(v.scored_under.items(), key=lambda x: -x[1]))
+
+    return "- promoted versions were scored under (share of decode steps, strategy): " + "; ".join(
+        f"v{v.version} {mix(v)}" for v in versions)
+
+
 def write_report(run_dir: Path, rows: list[dict], timeline: list[dict], meta: dict) -> Path:
     run_dir = Path(run_dir)
     plots = {
@@ -194,6 +219,7 @@ def write_report(run_dir: Path, rows: list[dict], timeline: list[dict], meta: di
         *([lent_split(rows, idle)] if any(r.get("session_seconds") for r in rows) else []),
         f"- long-tail idle share of the rollouts' GPU-seconds (workers' clocks): "
         f"{tail_idle_share(rows):.2f}",
+        *([line] if (line := scoring_line(run_dir)) else []),
     ]
     if meta.get("dashboard"):
         lines.append(f"- live dashboard while the run went on: {meta['dashboard']} (read-only; gone with the run)")

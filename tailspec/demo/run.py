@@ -112,10 +112,10 @@ class Demo:
         c.scheduler.telemetry = "simulated"
         c.scheduler.simulated_gpus = self.o.workers
         c.scheduler.lend = self.o.mode == "cotrained"
-        c.scheduler.session_entry = "tailspec.session_entry:run_session"
-        # A pooled session process still loads the teacher (0.1 s for deep) and pulls the lineage head: lend
-        # only when the remaining tail is longer than that (the user's value wins). At 1.0 s (before the pool)
-        # the reclaimed share was 0.41-0.51; at 0.3 s 0.59 in one run (BENCHMARKS.md, e2e).
+        c.scheduler.session_entry = "tailspec.session_entry:ENTRY"
+        # A pooled session process still loads the teacher and pulls the lineage head: lend only when the
+        # remaining tail is longer than that (the user's value wins); a longer threshold leaves the short tails
+        # of a step unlent.
         if "session_startup_s" not in c.scheduler.model_fields_set:
             c.scheduler.session_startup_s = DEMO_SESSION_STARTUP_S
         # Pre-started session processes (torch imported), one per GPU, all started before the first rollout:

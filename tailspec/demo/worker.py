@@ -29,7 +29,7 @@ from tailspec.core.config import RolloutConfig
 from tailspec.core.redis_conn import connect
 from tailspec.core.state import DrafterVersion, Event
 from tailspec.demo.protocol import WorkItem, WorkOutput, WorkResult, results_key, work_key
-from tailspec.drafter_trainer.model import Eagle3Module
+from tailspec.drafter_load import load_drafter
 from tailspec.drafter_trainer.rollout_targets import write_targets
 from tailspec.rollout import cost_model
 from tailspec.rollout.acceptance import AcceptanceTracker
@@ -37,7 +37,7 @@ from tailspec.rollout.cost_model import CostModel
 from tailspec.rollout.drafters import Eagle3Proposer, NgramProposer
 from tailspec.rollout.engine import Engine
 from tailspec.rollout.graph_pool import build_pool
-from tailspec.rollout.health_guard import GuardPolicy, HealthGuard, chain_alpha, guarded, record_verdict
+from tailspec.rollout.health_guard import GuardPolicy, HealthGuard, guarded, record_verdict, validated_alpha
 from tailspec.rollout.selector import make_selector
 from tailspec.rollout.sequence import SamplingParams
 from tailspec.scheduler import cpu_quota
@@ -96,18 +96,19 @@ def attach_graph_pool(engine, rc, cost, emulate: bool = False):
     return build_pool(engine, cost, rc.graph_memory_budget_mb << 20, ks=ks, emulate=emulate)
 
 
-def validated_acceptance(drafter_path: str | None) -> tuple[float | None, int]:
-    """A version's validated acceptance length and the draft length it was measured at, from the version.json
-    the version store writes beside its weights; (None, 4) when there is none or it does not parse."""
+def validated_version(drafter_path: str | None) -> DrafterVersion | None:
+    """A version's record as the version store writes it beside its weights (version.json: its validated
+    acceptance, the draft length or strategy mix it was scored under, its rank table); None when there is none
+    or it does not parse."""
     f = Path(drafter_path) / "version.json" if drafter_path else None
     if f is None or not f.is_file():
-        return None, 4
+        return None
     try:
-        info = DrafterVersion.model_validate_json(f.read_text())
+        return DrafterVersion.model_validate_json(f.read_text())
     except (OSError, ValueError) as e:
         log.warning("drafter guard: %s unreadable (%s); judging by the floor only", f, e)
-        return None, 4
-    return info.acceptance_length, info.validation_k or 4
+        return None
+
 
 
 def worker_device(gpu: int) -> torch.device:
@@ -150,8 +151,8 @@ class Worker:
         if key == self.policy_key:
             return
         # A new policy version of the same architecture is synced into the loaded module, as an RL framework
-        # syncs its rollout engine's weights each step; building the modules anew (from_pretrained) took 0.1-0.2
-        # s of every rollout at half a core, where a GPU cluster's weight sync is ~1% of a rollout.
+        # syncs its rollout engine's weights each step: building the modules anew (from_pretrained) would cost a
+        # rollout on a simulated GPU's share of a core far more than a GPU cluster's weight sync costs its own.
         config = (Path(item.policy_path) / "config.json").read_text()
         same = self.model is not None and self.policy_config == (config, rc.dtype, str(self.device))
         if not (same and load_weights_in_place(self.model, item.policy_path)):
@@ -169,8 +170,7 @@ class Worker:
             return
         self.drafter_module = None
         if item.drafter_path and rc.drafter == "eagle3":
-            self.drafter_module = Eagle3Module.load(item.drafter_path, target_embedding=self.model.get_input_embeddings(),
-                                                    map_location=self.device).to(dtype=getattr(torch, rc.dtype))
+            self.drafter_module = load_drafter(item.drafter_path, self.model, dtype=getattr(torch, rc.dtype))
         self.drafter_key = key
 
     def _drafter(self, item: WorkItem, rc):
@@ -225,8 +225,9 @@ class Worker:
             if self.acceptance is None or self.acceptance.k_max != k_max:
                 self.acceptance = AcceptanceTracker(k_max=k_max)
             # a promoted version starts from what it was validated at (as LiveVllm's tracker does), not blind
-            validated, validated_k = validated_acceptance(item.drafter_path)
-            prior = chain_alpha(validated, validated_k) if validated is not None else None
+            info = validated_version(item.drafter_path)
+            prior = None if info is None or info.acceptance_length is None else validated_alpha(
+                info.acceptance_length, info.validation_k or 4, info.rank_rates)
             self.acceptance.set_version(item.drafter_version, item.policy_version, prior=prior, carry=rc.drafter_carry)
         on_step = self.acceptance.observe if adaptive else None
         if adaptive or wants_pool:
@@ -299,8 +300,9 @@ class Worker:
 
     def _arm_guard(self, item: WorkItem, rc, policy_before: tuple | None, drafter_before: tuple | None) -> None:
         """Arm the health guard when a trained drafter was loaded (a new version: load / reload) or the policy
-        weights under the same version changed (policy_sync). The version's validated acceptance comes from
-        its version.json, when the version store wrote one."""
+        weights under the same version changed (policy_sync). The version's validated acceptance (and, scored
+        under the rollouts' strategy mix, its rank table, which the guard then judges every strategy by) comes
+        from its version.json, when the version store wrote one."""
         if not rc.guard or self.drafter_module is None:
             return
         policy = GuardPolicy(rc.guard_window_steps, rc.guard_floor, rc.guard_min_gain_share)
@@ -313,8 +315,12 @@ class Worker:
             event = "load" if drafter_before is None and self.guard.version is None else "reload"
         else:
             event = "policy_sync"
-        validated, k = validated_acceptance(item.drafter_path)
-        self.guard.arm(item.drafter_version, validated, event, validated_k=k)
+        info = validated_version(item.drafter_path)
+        if info is None:
+            self.guard.arm(item.drafter_version, None, event)
+        else:
+            self.guard.arm(item.drafter_version, info.acceptance_length, event, validated_k=info.validation_k or 4,
+                           rank_rates=info.rank_rates)
 
     def _on_verdict(self, v) -> None:
         d = asdict(v)

@@ -1,8 +1,9 @@
-"""What the verl and OpenRLHF adapters share: their vLLM engines as one reload target for `LiveVllm`, the checks
-before a reload, publishing the newest HF checkpoint as a policy version, the promoted record the engines were
-started with, the reclaim wait's record, and the settings files' refusal of unknown keys. Each adapter keeps
-only what its framework differs in: how a reload reaches an engine, where the checkpoints are, how samples are
-read from its batch."""
+"""What the TRL, verl and OpenRLHF adapters share: their vLLM engines as one reload target for `LiveVllm`, the
+checks before a reload, the promotion watcher over those engines (`follow_promotions`: each promoted version
+loaded through the roof's one drafter loader, `tailspec.drafter_load.load_drafter`), publishing the newest HF
+checkpoint as a policy version, the promoted record the engines were started with, the reclaim wait's record,
+and the settings files' refusal of unknown keys. Each adapter keeps only what its framework differs in: how a
+reload reaches an engine, where the checkpoints are, how samples are read from its batch."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 from tailspec.core import state
 from tailspec.core.atomic import link_or_copy
 from tailspec.core.state import DrafterVersion
+from tailspec.drafter_load import load_drafter
 from tailspec.integrations.policy import PolicyPublisher
 from tailspec.rollout.health_guard import GuardPolicy
 from tailspec.rollout.vllm_backend import SpecCounters, process_counters
@@ -220,6 +222,15 @@ def started_version(client: Any, cluster: str, version: int | None) -> DrafterVe
         return None
     cur = state.get(client.r, state.key(cluster, "drafter_current"), DrafterVersion)
     return cur if cur is not None and cur.version == version else None
+
+
+def follow_promotions(engines: RemoteEngines, client: Any, cluster: str, started: int | None, worker: str,
+                      guard: GuardPolicy | None) -> LiveVllm:
+    """The promotion watcher over a framework's engines: `LiveVllm`, each promoted version loaded through
+    `load_drafter` (its EAGLE-3 export, written once) and the version the engines were started with (`started`,
+    while it is still the promoted one) not loaded again. `worker` names the guard's verdicts."""
+    return LiveVllm(engines, redis=client.r, cluster=cluster, prepare=load_drafter,
+                    version=started_version(client, cluster, started), worker=worker, guard=guard)
 
 
 def wait_reclaimed(client: Any, timeout_s: float, step: int, stats: AttachStats) -> None:

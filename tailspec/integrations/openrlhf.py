@@ -14,7 +14,8 @@ is monkey-patching, the only way in; no OpenRLHF function or method body is repl
   `tailspec_reload_drafter` (`collective_rpc` into the engine's workers, then a prefix-cache reset) and
   `tailspec_where` (its node and GPUs, read before OpenRLHF's constructor changes `CUDA_VISIBLE_DEVICES`;
   with tensor parallelism, where vLLM's Ray executor placed its workers, asked through `collective_rpc`);
-- the PPO trainer (`openrlhf_trainer.TailspecPPOTrainer` = `TailspecTrainerMixin` + `PPOTrainer`'s class) builds
+- the PPO trainer (`openrlhf_trainer.TailspecPPOTrainer` = `TailspecTrainerMixin` + `PPOTrainer`'s class; the
+  mixin and its generator in openrlhf_mixin.py) builds
   an `OpenRLHFAttach` and replaces its `SamplesGenerator` with `TailspecSamplesGenerator`, whose
   `generate_samples` and `_generate_vllm` call OpenRLHF's unchanged between `before_rollout` (after OpenRLHF woke
   the engines: policy, drafter reload, phase "rollout", per-engine progress) and `after_rollout` (after it put
@@ -28,7 +29,6 @@ runs OpenRLHF's launcher as `__main__` with the remaining flags.
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import os
 import runpy
@@ -38,10 +38,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import ray
-from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 from openrlhf.trainer.ray import vllm_engine
 
-from tailspec.integrations.openrlhf_attach import OpenRLHFAttach
 from tailspec.integrations.openrlhf_config import (
     OPENRLHF_VERSION,
     OpenRLHFSettings,
@@ -50,10 +48,8 @@ from tailspec.integrations.openrlhf_config import (
 )
 from tailspec.integrations.openrlhf_progress import workers_where
 from tailspec.scheduler.attach import ray_node_name
-from tailspec.scheduler.client import TailspecClient
 
-__all__ = ["OPENRLHF_VERSION", "TailspecRolloutActor", "TailspecSamplesGenerator", "TailspecTrainerMixin",
-           "engine_actor_class", "install_engines", "main"]
+__all__ = ["OPENRLHF_VERSION", "TailspecRolloutActor", "engine_actor_class", "install_engines", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -109,67 +105,6 @@ def install_engines(settings: OpenRLHFSettings, model_dir: str | Path) -> Any:
     actor = engine_actor_class(settings, model_dir)
     vllm_engine.RolloutRayActor = actor
     return actor
-
-
-class TailspecSamplesGenerator(SamplesGenerator):
-    """OpenRLHF's `SamplesGenerator` with tailspec's calls around each training batch's generation (module
-    doc). It generates through the attachment's counted engine handles (per-engine progress)."""
-
-    def __init__(self, strategy: Any, prompts_dataloader: Any, eval_dataloader: Any, tokenizer: Any,
-                 vllm_engines: list | None, *, tailspec: OpenRLHFAttach):
-        self.tailspec = tailspec
-        engines = tailspec.counted_engines() if vllm_engines else vllm_engines
-        super().__init__(strategy, prompts_dataloader, eval_dataloader, tokenizer, engines)
-        self._tailspec_batch = False
-
-    def generate_samples(self, **generate_kwargs: Any) -> Any:
-        self._tailspec_batch = True
-        try:
-            out = super().generate_samples(**generate_kwargs)
-        finally:
-            self._tailspec_batch = False
-        self.tailspec.after_rollout(out[0])  # nothing when the batch came from OpenRLHF's buffer
-        return out
-
-    def _generate_vllm(self, dataloader_iter: Any, num_prompts: int, dynamic_filtering: Any,
-                       **generate_kwargs: Any) -> Any:
-        # OpenRLHF's private method (hence the exact pin): called after the engines were woken, before the
-        # first request goes out — the one moment a drafter reload reaches awake engines between batches
-        if self._tailspec_batch:
-            first = next(dataloader_iter, None)  # an epoch's end draws no prompt: no rollout to announce
-            if first is not None:
-                dataloader_iter = itertools.chain([first], dataloader_iter)
-                self.tailspec.before_rollout()
-            else:
-                dataloader_iter = iter(())
-        return super()._generate_vllm(dataloader_iter, num_prompts, dynamic_filtering, **generate_kwargs)
-
-
-class TailspecTrainerMixin:
-    """tailspec's part of the PPO trainer, put before OpenRLHF's `PPOTrainer` class (openrlhf_trainer.py). The
-    settings are a class attribute of the per-run subclass the launcher makes."""
-
-    tailspec_settings: ClassVar[dict] = {}
-
-    def __init__(self, pretrain: str, strategy: Any, *groups: Any, **generate_kwargs: Any):
-        super().__init__(pretrain, strategy, *groups, **generate_kwargs)
-        args, engines = strategy.args, self.vllm_engines
-        settings = OpenRLHFSettings.from_mapping(dict(self.tailspec_settings))
-        client = TailspecClient(settings.redis_url, cluster=settings.cluster, node=ray_node_name())
-        self.tailspec = OpenRLHFAttach(settings, client, model_dir=pretrain, checkpoint_root=args.ckpt.path,
-                                       engines=engines, slept=bool(args.vllm.enable_sleep))
-        self.samples_generator = TailspecSamplesGenerator(strategy, self.prompts_dataloader, self.eval_dataloader,
-                                                          self.tokenizer, engines, tailspec=self.tailspec)
-
-    def fit(self, global_step: int = 0) -> None:
-        # a resumed run starts from its checkpoint's step (OpenRLHF reads it again inside fit)
-        self.tailspec.updated(self.init_checkpoint_states()["global_step"] or global_step)
-        return super().fit(global_step)
-
-    def train_step(self, rollout_samples: Any, global_step: int) -> Any:
-        status, step = super().train_step(rollout_samples, global_step)
-        self.tailspec.updated(step)
-        return status, step
 
 
 def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:

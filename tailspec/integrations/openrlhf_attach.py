@@ -10,7 +10,7 @@ OpenRLHF's experiences by their fields), so its logic runs anywhere.
   policy version M (`PolicyPublisher`; hard links where the filesystem allows); before the first checkpoint,
   the base model (`--actor.model_name_or_path`) is version 0. The teacher lags the actor by up to `save_steps`.
 - **Drafter reload.** `LiveVllm` (rollout.vllm_live) is the promotion watcher, over `OpenRLHFEngines`: a promoted
-  version is exported once (`export_version`), checked against the live drafter and loaded into every engine
+  version is exported once (`load_drafter`), checked against the live drafter and loaded into every engine
   actor (`tailspec_reload_drafter`: `collective_rpc` into its vLLM workers, then a prefix-cache reset) — after
   OpenRLHF woke the engines for the batch and before its first request, never during one. The engine core runs
   in its own process, so the k schedule stays as started.
@@ -40,15 +40,14 @@ from tailspec.integrations.framework import (
     BatchWatch,
     RemoteCall,
     RemoteEngines,
+    follow_promotions,
     guard_policy,
     publish_newest,
-    started_version,
     wait_reclaimed,
 )
 from tailspec.integrations.openrlhf_config import OpenRLHFSettings
 from tailspec.integrations.openrlhf_progress import EngineProgress, locate
 from tailspec.integrations.policy import PolicyPublisher
-from tailspec.integrations.vllm import export_version
 from tailspec.rollout.vllm_live import LiveVllm
 
 log = logging.getLogger(__name__)
@@ -130,9 +129,8 @@ class OpenRLHFAttach:
         if settings.drafter_path is not None and self.engines:
             target = OpenRLHFEngines(self.engines, self.call, self.model_dir, settings.drafter_path,
                                      settings.drafter_k, prefix=settings.worker_prefix)
-            self.live = LiveVllm(target, redis=client.r, cluster=settings.cluster, prepare=export_version,
-                                 version=started_version(client, settings.cluster, settings.drafter_version),
-                                 worker=settings.worker_prefix, guard=guard_policy(settings))
+            self.live = follow_promotions(target, client, settings.cluster, settings.drafter_version,
+                                          worker=settings.worker_prefix, guard=guard_policy(settings))
             self.watch = BatchWatch(self.live, target, synced=self.updates)  # the PPO updates the engines hold
 
     def counted_engines(self) -> list[Any]:

@@ -3,7 +3,8 @@ under OpenRLHF's `@ray.remote PPOTrainer`, and the monkey-patch that makes OpenR
 hook exists for it in 0.11.2; tailspec.integrations.openrlhf says why).
 
 OpenRLHF's trainer module imports DeepSpeed and flash-attn, so this module is imported only where a real job
-runs (the launcher, on a GPU cluster); the mixin's logic lives, and is tested, in tailspec.integrations.openrlhf.
+runs (the launcher, on a GPU cluster); the mixin's logic lives, and is tested, in
+tailspec.integrations.openrlhf_mixin.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import ray
 from openrlhf.trainer import ppo_trainer
 
-from tailspec.integrations.openrlhf import TailspecTrainerMixin
+from tailspec.integrations.openrlhf_mixin import TailspecTrainerMixin
 
 
 class TailspecPPOTrainer(TailspecTrainerMixin, ppo_trainer.PPOTrainer.__ray_actor_class__):

@@ -47,11 +47,10 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from tailspec.integrations.framework import BatchWatch, started_version
+from tailspec.integrations.framework import BatchWatch, follow_promotions
 from tailspec.integrations.policy import PolicyPublisher
 from tailspec.integrations.progress import FinishedCounter
 from tailspec.integrations.trl_vllm import TrlVllm, cpu_weight_sync, engine_arguments
-from tailspec.integrations.vllm import export_version
 from tailspec.rollout.health_guard import GuardPolicy
 from tailspec.rollout.vllm_live import LiveVllm
 from tailspec.scheduler.client import ReclaimWait, TailspecClient
@@ -173,8 +172,7 @@ class TailspecGRPOTrainer(GRPOTrainer):
         target = TrlVllm(lambda: gen.llm, self.model.name_or_path, ts.drafter_path, ts.drafter_k,
                          max_num_seqs=int(getattr(self.args, "vllm_max_num_seqs", None) or 256), name=name)
         c = ts.client
-        self.live = LiveVllm(target, redis=c.r, cluster=c.cluster, prepare=export_version,
-                             version=started_version(c, c.cluster, ts.drafter_version), worker=name, guard=ts.guard)
+        self.live = follow_promotions(target, c, c.cluster, ts.drafter_version, worker=name, guard=ts.guard)
         self._watch = BatchWatch(self.live, target, synced=self.state.global_step)
 
     # -- policy -------------------------------------------------------------------------------------

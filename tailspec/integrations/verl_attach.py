@@ -11,7 +11,7 @@ import (it reads verl's output batch by its documented keys), so its logic runs 
   session); before the first checkpoint, the base model (`actor_rollout_ref.model.path`) is version 0. The
   teacher therefore lags the actor by up to `trainer.save_freq` steps.
 - **Drafter reload.** `LiveVllm` (rollout.vllm_live) is the promotion watcher, over `VerlReplicas`: a
-  promoted version is exported once (`export_version`), checked against the live drafter, and loaded into every
+  promoted version is exported once (`load_drafter`), checked against the live drafter, and loaded into every
   replica through tailspec's vLLM worker extension (`collective_rpc("tailspec_reload_drafter")` on verl's
   server actor), then each replica's prefix cache is reset — before the batch's first request, never during
   one. verl's engine core runs in its own process, so the k schedule stays as started.
@@ -42,14 +42,13 @@ from tailspec.integrations.framework import (
     BatchWatch,
     RemoteCall,
     RemoteEngines,
+    follow_promotions,
     guard_policy,
     publish_newest,
-    started_version,
     wait_reclaimed,
 )
 from tailspec.integrations.policy import PolicyPublisher
 from tailspec.integrations.verl_config import VerlSettings
-from tailspec.integrations.vllm import export_version
 from tailspec.rollout.vllm_live import LiveVllm
 
 log = logging.getLogger(__name__)
@@ -105,9 +104,8 @@ class VerlAttach:
         if settings.drafter_path is not None and balancer is not None:
             replicas = VerlReplicas(self._servers, self.call, self.model_dir, settings.drafter_path,
                                     settings.drafter_k, max_num_seqs)
-            self.live = LiveVllm(replicas, redis=client.r, cluster=settings.cluster, prepare=export_version,
-                                 version=started_version(client, settings.cluster, settings.drafter_version),
-                                 worker=settings.worker_prefix, guard=guard_policy(settings))
+            self.live = follow_promotions(replicas, client, settings.cluster, settings.drafter_version,
+                                          worker=settings.worker_prefix, guard=guard_policy(settings))
             self.watch = BatchWatch(self.live, replicas)
 
     def _servers(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from tailspec.core.atomic import write_dir_atomic
+from tailspec.core.atomic import file_lock, write_dir_atomic
 from tailspec.core.config import TaskConfig
 from tailspec.tasks.runsum import ALT, MAIN, Problem, grade, sample_problems
 from tailspec.tasks.tokenizer import (
@@ -416,6 +416,16 @@ def get_policy(
     path = _preset_dir(p, task, cache_dir)
     if _built(path):
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Processes that start together on a cold cache (torchrun's ranks, a demo's workers) build the policy once:
+    # the first takes the lock and builds, the others wait for it and find the entry built.
+    with file_lock(path.parent / f".{path.name}.lock"):
+        if _built(path):
+            return path
+        return _build_policy(p, task, path, progress, device, eval_n)
+
+
+def _build_policy(p: Preset, task: TaskConfig, path: Path, progress: bool, device: str | None, eval_n: int) -> Path:
     tokenizer = build_tokenizer()
     model = build_model(p, tokenizer)
     if device:
