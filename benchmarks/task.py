@@ -1,5 +1,7 @@
-"""Task benchmark: pre-train a preset policy from scratch (the demo's, by default), then accuracy and
-response-length tail at T=1."""
+"""Task benchmark: pre-train a policy preset from scratch, then accuracy and response-length tail at T=1.
+
+The preset defaults to the main job's (`tailspec demo`'s DemoOptions.policy), so the figures are those of the
+policy the demo runs; `--preset` picks another."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import time
 from pathlib import Path
 
 from tailspec.benchmarks.machine import machine
+
 from tailspec.commands.args import config_from_args
 from tailspec.demo.options import DemoOptions
 

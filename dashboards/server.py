@@ -151,7 +151,7 @@ class App:
         return Response(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
 
     def schema(self, query) -> Response:
-        if self._schema is None:  # constant; building it takes pydantic ~50 ms
+        if self._schema is None:  # constant, and slow for pydantic to build
             self._schema = _json(200, json_schema())
         return self._schema
 

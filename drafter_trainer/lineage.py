@@ -47,7 +47,7 @@ the same total steps. Two things depend on it, and neither on anything else:
   first moment changes nothing else: the second moment (the step's scale) is kept, and the moments a merge
   writes load into the next session with that session's configured β1.
 With one contributor no merge is delayed, so both rules are inert and the lineage is plain sequential
-training, bit for bit. What the rules recover is measured in BENCHMARKS.md ("Co-training into one lineage").
+training, bit for bit.
 
 The merge is built here on Redis + safetensors rather than on torchft: torchft's LocalSGD/DiLoCo
 synchronise a fixed replica group through a lighthouse and collective all-reduce at every outer step,

@@ -2,8 +2,8 @@
 
 The asynchronous lineage (lineage.py) lets each session take its own AdamW steps and merge deltas; a delta that
 lands after another contributor's is computed on weights that miss that work, and each contributor's step is
-normalised on its own batch. Two contributors then end below one session at the same total steps (BENCHMARKS.md,
-"Co-training into one lineage"), while one step on both batches at twice the lr gains as much as two steps. Rounds
+normalised on its own batch. Two contributors then end below one session at the same total steps, while one step
+on both batches at twice the lr gains as much as two steps. Rounds
 take that step: every member computes a gradient at the same weights, the round combines them, and every member
 applies the same AdamW step, so members hold the same weights and moments at all times.
 

@@ -10,26 +10,24 @@ For a chain drafter the proposal at position j does not depend on k, so alpha_j 
 Per strategy k: the decayed mean of accepted drafts per row actually seen at k, shrunk toward that position
 model by `k_weight` rows. It catches what the chain formula misses: stop-token truncation, and on structured
 text the regime of the drafts. Where a step starts depends on k (after an all-accepted k = 1 step every other
-token was the target's own bonus token), so the positions' rates measured while running one k mis-predict
-another: on the task, alpha_0 measured while running k = 2 is 0.89, while running k = 1 0.97. A strategy's
+token was the target's own bonus token), so the positions' rates seen while running one k mis-predict
+another (on the task, alpha_0 is lower while running k = 2 than while running k = 1). A strategy's
 own mean forgets by rows as steps at its k arrive (it holds about `memory_rows` of its own rows), and by
 steps while other strategies run (`other_memory_steps`): what the warm-up and exploration measured for a
-strategy run rarely must survive a stretch of another one. Counting those in rows instead wiped a strategy's
-warm-up out within a few batch-64 steps of the others (its estimate then rested on a few dozen rows, 3% low).
-The first `settle_steps` steps after a change of k are still settling into its regime (on the task, after a
-stretch of k = 2, k = 1 accepts 0.89, 0.80, 0.84 drafts per row in its first three steps, then 0.955; k = 2
-after k = 1: 1.59, 1.37, 1.48, then 1.50): they update the position rates but not the strategy's own mean.
-The selector explores in runs of `settle_steps` + 2 steps for this reason; counting the second step of a
-two-step run measured an explored k = 1 8% short of its tokens per step, and the selector kept k = 2 where
-k = 1 was 6-8% faster.
+strategy run rarely must survive a stretch of another one: counted in rows, a few large-batch steps of the
+others would wipe a strategy's warm-up out and leave its estimate on a few dozen rows.
+The first `settle_steps` steps after a change of k are still settling into its regime (their acceptance is off
+the settled one's, after a change either way): they update the position rates but not the strategy's own mean.
+The selector explores in runs of `settle_steps` + 2 steps for this reason: a shorter run would count unsettled
+steps, underrate the explored k and keep a slower one.
 
 A strategy run only in explorations holds few rows of its own, so its estimate leans on the position model,
 measured in the regime of the strategy that runs most (the counts' `regime`). The regime ratio corrects that
 fallback: for each (strategy, regime), what the strategy's settled steps accepted over what the position model
 predicted for them, kept over `regime_memory_rows` of the strategy's own rows (it is a property of the drafter
-on the text, not of the moment) and shrunk toward 1 by `regime_prior_rows`. Explored beside a committed k = 2
-on the task, k = 1 came out at 1.85-1.89 tokens per row from a handful of own rows and the 0.86-0.89 of the
-position model, against 1.96 measured; with the ratio, 1.94-1.97. The regime's own strategy takes no ratio
+on the text, not of the moment) and shrunk toward 1 by `regime_prior_rows`: without it a k = 1 explored beside
+a committed k = 2 rests on a handful of own rows and the k = 2 regime's position rates, and comes out short of
+what it accepts. The regime's own strategy takes no ratio
 (the counts are its own regime's). The ratio multiplies a model that follows the drafter within `memory_rows`,
 so a drop in acceptance still reaches every estimate at once.
 

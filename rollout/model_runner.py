@@ -27,18 +27,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
-# cuDNN's attention builds an execution plan the first time it meets a shape: 45-65 ms on an H100 for every new
-# row count or attended length, which a long tail meets at every finished request (BENCHMARKS.md, fourth GPU
-# lease: 1.67 s of a 2.5 s cold rollout). The memory-efficient kernel takes the same mask without a per-shape
-# build; flash and math stay allowed so a CPU picks what it always picked.
+# cuDNN's attention builds an execution plan the first time it meets a shape: tens of milliseconds for every new
+# row count or attended length, which a long tail meets at every finished request, so the builds would be much
+# of a cold rollout. The memory-efficient kernel takes the same mask without a per-shape build; flash and math
+# stay allowed so a CPU picks what it always picked.
 _SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 # The memory-efficient kernel needs as many key/value heads as query heads, so with grouped-query attention
-# (`enable_gqa`) and cuDNN excluded SDPA falls back to the math kernel: on an H100 that made the deep preset's
-# replayed forward 1.6x slower than cuDNN's and its eager one 2.5x (BENCHMARKS.md, fifth lease). A group's query
-# heads are folded into the query length instead (`attention_mask`, `gqa_attention`), which every kernel takes
-# without copying the cache's keys and values. On a CPU, where the flash kernel takes `enable_gqa`, the fold made
-# the forward 7-12% faster at decode shapes but attention no longer cost what `tailspec simulate`'s calibration
-# prices it at (the matmuls' seconds per FLOP): the CPU miniature keeps `enable_gqa` (BENCHMARKS.md, "End to end").
+# (`enable_gqa`) and cuDNN excluded SDPA falls back to the math kernel, far slower than cuDNN's on a GPU. A
+# group's query heads are folded into the query length instead (`attention_mask`, `gqa_attention`), which every
+# kernel takes without copying the cache's keys and values. On a CPU, where the flash kernel takes `enable_gqa`,
+# the fold makes the forward a little faster at decode shapes but attention then no longer costs what
+# `tailspec simulate`'s calibration prices it at (the matmuls' seconds per FLOP): the CPU miniature keeps
+# `enable_gqa`.
 FOLD_GQA_DEVICES = ("cuda",)
 
 
@@ -210,11 +210,11 @@ class ModelRunner:
         # One cache tensor per layer, k heads then v heads: a forward writes a layer's k and v with one
         # index_put (the qkv projection already lays k and v out side by side). k_cache / v_cache are views.
         # The layers' tensors are views of one allocation, so compaction moves every layer's slots in one copy
-        # (a copy per layer was ~20 launches a finishing step on the deep preset, where a replayed step is ~2 ms).
+        # (a copy per layer is a launch per layer at every finish, a cost next to a replayed step's).
         shape = (max_slots, 2 * self.num_kv_heads, cache_len, self.head_dim)
         # Attention reads masked positions too, which must hold finite numbers (0 x NaN = NaN). On a GPU the
-        # cache is zeroed at allocation (microseconds of HBM); on a CPU that memset is 0.05 s of a core for the
-        # deep preset (105 MB at batch 16), built per rollout, so there positions are zeroed as attention first
+        # cache is zeroed at allocation (microseconds of HBM); on a CPU that memset of the whole cache (105 MB for
+        # the deep preset at batch 16) is paid per rollout, so there positions are zeroed as attention first
         # reaches them (`_zeroed`: the positions below it are finite in every slot).
         lazy = self.device.type == "cpu"
         self._kv_all = (torch.empty if lazy else torch.zeros)((len(self.layers), *shape), device=self.device,

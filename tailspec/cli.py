@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 
-from tailspec import __version__
+from tailspec import __version__, logs
 from tailspec.core.config import ConfigError
 
 # Order = order in `tailspec --help`.
@@ -42,8 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logs.configure(verbose=args.verbose)
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

@@ -9,6 +9,7 @@ directory with report.md, metrics.jsonl, plots and the exported drafter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -25,6 +26,7 @@ from rich.text import Text
 from tailspec.commands.args import add_config_args, config_from_args
 from tailspec.demo.options import DemoOptions
 from tailspec.demo.report import write_report
+from tailspec.logs import FORMAT, RunLog, ours_or_warning
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -106,7 +108,8 @@ def intro_lines(placement_note: str, meta: dict) -> list[str]:
 
 class _ConsoleLog:
     """Log records through the rich console while the live table is up: printed above it, each on lines of
-    their own (a plain stderr handler would write into the middle of the table's last line)."""
+    their own (a plain stderr handler would write into the middle of the table's last line); like the CLI's
+    console, only tailspec's records and other libraries' warnings (tailspec.logs.ours_or_warning)."""
 
     def __init__(self, console):
         class Handler(logging.Handler):
@@ -117,7 +120,8 @@ class _ConsoleLog:
                     self.handleError(record)
 
         self.handler = Handler()
-        self.handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        self.handler.setFormatter(logging.Formatter(FORMAT))
+        self.handler.addFilter(ours_or_warning)
         self.saved: list = []
 
     def __enter__(self):
@@ -135,6 +139,19 @@ class _ConsoleLog:
             root.addHandler(h)
 
 
+@contextlib.contextmanager
+def live_display(console: Console, render):
+    """The live display of `render()` with log records above it, its last frame ending its line on exit: rich
+    ends it only on a terminal, and in a file or a pipe the next line would continue it."""
+    try:
+        with Live(get_renderable=render, console=console, refresh_per_second=4, transient=False) as live, \
+                _ConsoleLog(console):
+            yield live
+    finally:
+        if not console.is_terminal:
+            console.line()
+
+
 def announcing_demo(opts, cfg, on_started):
     """A Demo that calls `on_started(demo)` as soon as its services are up (the live dashboard's address is
     known then), before the first drafter is trained and the first step runs."""
@@ -150,12 +167,8 @@ def announcing_demo(opts, cfg, on_started):
 
 
 def _demo(args: argparse.Namespace) -> int:
-    # deferred: transformers, torch and the models (seconds of imports); the CLI imports every command to build
-    # its parser
+    # deferred: transformers (seconds of imports); the CLI imports every command to build its parser
     from transformers.utils import logging as hf_logging
-
-    from tailspec.demo.services import place_workers
-    from tailspec.tasks.policy import policy_meta, resolve_policy
 
     console = Console()
     cfg = config_from_args(args)
@@ -165,6 +178,20 @@ def _demo(args: argparse.Namespace) -> int:
     if problem:
         console.print(f"[red]{problem}")
         return 2
+    # transformers' records through the root logger like every library's: the console's filter and the run log
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+    with RunLog() as run_log:
+        _demo_logged(console, cfg, opts, run_log)
+    return 0
+
+
+def _demo_logged(console: Console, cfg, opts, run_log: RunLog) -> None:
+    """The demo with every log record kept for the run directory's demo.log (from before the directory is made)."""
+    # deferred: torch and the models (seconds of imports); the CLI imports every command to build its parser
+    from tailspec.demo.services import place_workers
+    from tailspec.tasks.policy import policy_meta, resolve_policy
+
     console.rule(f"[bold]tailspec demo — {opts.mode}")
     if not Path(opts.policy).is_dir():
         console.print(policy_line(opts.policy, cfg.task.name), overflow="fold")
@@ -174,12 +201,11 @@ def _demo(args: argparse.Namespace) -> int:
     for line in intro_lines(placement.note, policy_meta(path)):
         console.print(line, overflow="fold")
     opts.policy = str(path)
-    rows, demo = _run_live(console, opts, cfg)
+    rows, demo = _run_live(console, opts, cfg, run_log)
     _summary(console, demo, opts, rows)
-    return 0
 
 
-def _run_live(console: Console, opts, cfg) -> tuple[list, Any]:
+def _run_live(console: Console, opts, cfg, run_log: RunLog) -> tuple[list, Any]:
     """The demo run under the live step table and a status line below it; its rows and the demo."""
     table = step_table()
     status = {"text": "starting services…"}
@@ -196,10 +222,10 @@ def _run_live(console: Console, opts, cfg) -> tuple[list, Any]:
                           "training the first drafter (cached after the first run)…")
 
     demo = announcing_demo(opts, cfg, on_started)
+    run_log.open(demo.run_dir / "demo.log")
     console.print(f"run directory: {demo.run_dir}", overflow="fold")
 
-    with Live(get_renderable=render, console=console, refresh_per_second=4, transient=False) as live, \
-            _ConsoleLog(console):
+    with live_display(console, render) as live:
         def on_progress(step, results):
             what = "engine warm-up (policy, drafter, cost model)" if step == "warm-up" else f"step {step}: rollout"
             status["text"] = f"{what} — {len(results)}/{opts.workers} workers done"

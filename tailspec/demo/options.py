@@ -13,8 +13,8 @@ Mode = Literal["cotrained", "frozen", "nospec"]
 @dataclass
 class DemoOptions:
     # 10 steps at lr 1e-4: enough for GRPO to move the deep policy from its main scratchpad style toward the one
-    # the reward's style bonus (task.style_bonus, 1.0) favours (10% -> most of the responses), the drift a frozen
-    # drafter does not follow (BENCHMARKS.md, "Drift"). At 6 steps and lr 3e-5 the frozen drafter moved by under 1%.
+    # the reward's style bonus (task.style_bonus) favours, the drift a frozen drafter does not follow; fewer steps
+    # at a lower lr leave the policy where the frozen drafter still fits it.
     steps: int = 10
     workers: int = 4
     mode: Mode = "cotrained"
@@ -38,9 +38,9 @@ class DemoOptions:
     #   longest — a guaranteed tail, for tests on policies too small to have one of their own.
     deal: Literal["chunk", "round_robin", "by_length"] = "chunk"
     bootstrap_samples: int = 256
-    # The first drafter's budget: optimizer steps (166: what 60 s gave on a quiet 2-core machine with `deep`), and
-    # seconds as a cap only, so a busy machine trains the same drafter as a quiet one (60 s of a machine shared
-    # five ways gave 38 steps and an acceptance length of 1.34, a drafter with nothing left to go stale).
+    # The first drafter's budget: optimizer steps (166: about a minute of `deep` on a quiet 2-core machine), and
+    # seconds as a cap only, so a busy machine trains the same drafter as a quiet one: a time budget would leave
+    # a busy machine a drafter too weak to go stale, and the run nothing to show.
     bootstrap_steps: int | None = 166
     bootstrap_seconds: float = 600.0
     validation_samples: int = 32  # held-out samples of a promotion's paired test (trainer.validation_samples)
@@ -59,25 +59,22 @@ class DemoOptions:
 
 
 # The demo's session settings (also the cotrain bench's), where the user's config does not set them:
-# - batch_size ≤ 8 in micro-batches of 2: a lend is often shorter than a step (0.25-0.6 s against ~0.2-0.4 s a
-#   step), and a revoked step keeps the micro-batches it finished (drafter_trainer/training_session.py: Stopping);
+# - batch_size ≤ 8 in micro-batches of 2: a lend is often shorter than a step, and a revoked step keeps the
+#   micro-batches it finished (drafter_trainer/training_session.py: Stopping);
 # - validate every 5 s: tails are seconds long;
-# - merge every 2 steps (~0.03 s against ~0.5 s a step): a session killed past its deadline loses at most one
-#   step, and contributors see each other's work 2 steps late (every 10 steps cost 0.31 of acceptance, every 2 0.20);
-# - propose a head once it holds 12 more steps than the last one proposed: a paired validation (~1.3 s on a core)
-#   outlasts most lends, so proposing every head spent the lent time validating (4.7 lent GPU-s merged 4 steps).
-#   At 5 (steps on the teacher's forward took ~0.8 s at 0.45 of a core) the 5-6-step head of policy version 2 was
-#   proposed in every run and never passed; on shipped targets a step takes ~0.3 s, and 12 are about the same
-#   seconds of training per candidate (BENCHMARKS.md, end to end);
+# - merge every 2 steps (a merge is a small fraction of a step): a session killed past its deadline loses at most
+#   one step, and contributors see each other's work 2 steps late (the later they see it, the lower the acceptance);
+# - propose a head once it holds 12 more steps than the last one proposed: a paired validation outlasts most
+#   lends, so proposing every head would spend the lent time validating, and a head of a few steps is too little
+#   trained to pass;
 # - lr 2e-4: sessions fine-tune the bootstrap drafter (trained offline at bootstrap_lr 6e-4) with three or four
-#   contributors at once, and at 6e-4 their merged deltas made the lineage worse than its start (BENCHMARKS.md,
-#   end to end); two contributors at 2e-4 lose 0.06 of acceptance against one (cotrain);
+#   contributors at once, and at the bootstrap's lr their merged deltas make the lineage worse than its start;
 # - hold out a quarter of the samples: a session validates on its buffer's held-out share of ~2 policy
-#   versions' 64 samples each, and at 0.1 that was 12-18 samples, below the paired test's 16; training is
-#   short of seconds, not of samples;
-# - synchronous rounds (drafter_trainer/rounds.py): the contributors' gradients make one step a round, which two
-#   asynchronous contributors' merged deltas fell 0.12-0.18 short of (bench cotrain). Their exchange is files on
-#   the lineage's filesystem, sized for the miniature's drafters, so the library default stays `async`.
+#   versions' 64 samples each, and a smaller share falls below the paired test's 16; training is short of
+#   seconds, not of samples;
+# - synchronous rounds (drafter_trainer/rounds.py): the contributors' gradients make one step a round, which
+#   asynchronous contributors' merged deltas fall short of. Their exchange is files on the lineage's filesystem,
+#   sized for the miniature's drafters, so the library default stays `async`.
 DEMO_TRAINER = {"batch_size": 8, "micro_batch_size": 2, "validate_every_s": 5.0, "merge_every_steps": 2,
                 "holdout_fraction": 0.25, "propose_min_steps": 12, "lr": 2e-4, "bootstrap_lr": 6e-4,
                 "merge_rule": "rounds"}

@@ -127,8 +127,8 @@ class Demo:
         if src is not None and "warm_policy" not in c.scheduler.model_fields_set:
             c.scheduler.warm_policy = str(src.resolve())
         # scheduler.session_nice (default 0) is left to the user's config: at 19 a session takes only the CPU
-        # the tail leaves idle, but on 2 cores it is also starved while the RL step runs, and with this
-        # policy's short tails it often finished no step at all (`--set scheduler.session_nice=19` to try).
+        # the tail leaves idle, but on 2 cores it is also starved while the RL step runs, and this policy's short
+        # tails then often leave it no time to finish a step (`--set scheduler.session_nice=19` to try).
         c.trainer.checkpoint_dir = str(self.run_dir / "drafter")
         apply_demo_trainer(c.trainer, self.o.validation_samples)
         return c
@@ -275,7 +275,7 @@ class Demo:
     def wait_warm_sessions(self, timeout_s: float = 120.0) -> None:
         """Let the pre-started session processes finish importing before the workers time their cost model:
         imports on the workers' cores would skew the model the adaptive selector picks k from for the whole
-        run (co-trained rollouts ran 5-10% slower than frozen ones with the same drafter)."""
+        run (co-trained rollouts would run slower than frozen ones with the same drafter)."""
         want, deadline = self.cfg.scheduler.warm_sessions, time.time() + timeout_s
         while warm_ready(self.run_dir / "sessions") < want and time.time() < deadline:
             time.sleep(0.1)

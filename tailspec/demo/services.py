@@ -66,10 +66,9 @@ def place_workers(requested: int, cfg: TailspecConfig) -> Placement:
 
 def trainer_threads(p: Placement) -> int:
     """The RL update's CPU threads: every simulated GPU's cores. Between rollouts the trainer owns all the GPUs
-    (their workers wait for work and every lent GPU is back), as a cluster's update runs on every GPU; at one
-    thread the deep preset's GRPO step took 2.9 s where two took 1.9 s, so the update was a third of a plain-decoding
-    step against the field's 14-25% (generation is 75-86% of an RL step: ReSpec). On CUDA devices (nothing
-    pinned) the host's cores, torch's own default."""
+    (their workers wait for work and every lent GPU is back), as a cluster's update runs on every GPU; on one
+    thread the update would take a far larger share of the RL step than the field's 14-25% (generation is 75-86%
+    of an RL step: ReSpec). On CUDA devices (nothing pinned) the host's cores, torch's own default."""
     if p.cpus is None:
         return len(placement.host_cpus())
     return len({c for cpus in p.cpus for c in cpus})

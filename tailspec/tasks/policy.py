@@ -5,17 +5,17 @@ supervised learning on gold traces of the task, cache it, and load it back with 
 Presets:
 - `micro` (~0.1M params, 2 layers): for unit tests; trains in seconds.
 - `micro4` (~0.15M params, 4 layers): for tests that export a servable EAGLE-3 drafter.
-- `tiny`  (~3.4M params, ≤ 5M): the demo's and CPU benchmarks' policy; trains in ≤ 3 min on 2 cores.
+- `tiny`  (~3.4M params, ≤ 5M): for CPU tests and benchmarks; trains in ≤ 3 min on 2 cores.
 - `small` (~60M params): for GPU benchmarks (bf16); trains on a GPU in minutes, on a CPU in hours.
-- `deep`  (~3.0M params, 20 layers at hidden size 128, 4 heads / 2 KV heads, MLP 256): a miniature with a GPU
-  deployment's cost ratios. An EAGLE-3 drafter is one decoder layer at the target's hidden size; beside the
-  4-layer `tiny` it costs ~0.39 of a target forward (speculation can hardly pay), beside these 20 layers
-  ~0.08-0.09 (1/11-1/13 at batch 1-16 on a 2-core CPU, `tailspec bench engine --policy deep`), as an EAGLE-3
-  layer beside a 28-64-layer model on a GPU. Pre-training: 300 steps on short problems (<= 6 numbers) then 300
-  on the task's distribution, with a scaled residual init and the lr decayed to 0. 10% of its corpus is written
+- `deep`  (~3.0M params, 20 layers at hidden size 128, 4 heads / 2 KV heads, MLP 256): the demo's policy, a
+  miniature with a GPU deployment's cost ratios. An EAGLE-3 drafter is one decoder layer at the target's hidden
+  size; beside the 4-layer `tiny` it costs ~0.39 of a target forward (speculation can hardly pay), beside these
+  20 layers under a tenth (`tailspec bench engine --policy deep` times it), as an EAGLE-3 layer beside a
+  28-64-layer model on a GPU. Pre-training: 300 steps on short problems (<= 6 numbers) then 300 on the task's
+  distribution, with a scaled residual init and the lr decayed to 0. 10% of its corpus is written
   in the task's alternative scratchpad style (`Preset.alt_style_rate`; tailspec/tasks/runsum.py), so it writes
   that style about as often, and the reward's style bonus gives GRPO a drift to follow; the others see only the
-  main style. Its accuracy, tail and training time: BENCHMARKS.md (Task).
+  main style. `tailspec bench task` reports its accuracy, tail and training time.
 
 The training budget is chosen so the policy is imperfect on purpose (accuracy between 20% and 80% at
 temperature 1.0): RL then has something to improve and the policy keeps moving during RL, which is
@@ -65,8 +65,8 @@ class Preset:
     lr: float = 2e-3
     seed: int = 0
     # GPT-2-style init of the layers' residual outputs (o_proj, down_proj): std = initializer_range /
-    # sqrt(2 * layers), so the residual stream of a deep stack starts near the embeddings. On short problems
-    # 24 x 128 formed the copy of the previous total by ~150 steps with it, ~200 without (see `deep` below).
+    # sqrt(2 * layers), so the residual stream of a deep stack starts near the embeddings and forms the copy of
+    # the previous total sooner (see `deep` below).
     scaled_residual_init: bool = False
     # A curriculum: the first `short_steps` of the train_steps see only problems of at most `short_numbers`
     # numbers (cheap, and where the copy / lookup / add mechanisms form), the rest the task's distribution.
@@ -76,7 +76,7 @@ class Preset:
     # per problem; `task.alt_style_rate` overrides it. The reward's style bonus makes GRPO move toward it.
     alt_style_rate: float = 0.0
     # The cosine schedule's floor, a share of lr. `deep` decays to 0: at a tenth of its lr the last steps still
-    # move it more than its remaining errors (single sums and look-ups) allow it to settle (BENCHMARKS.md, Task).
+    # move it more than its remaining errors (single sums and look-ups) allow it to settle.
     lr_floor: float = 0.1
 
 
@@ -93,13 +93,13 @@ PRESETS: dict[str, Preset] = {
     "micro": Preset("micro", 64, 2, 2, 1, 128, train_steps=60, batch_size=16, lr=3e-3),
     # 4 layers: the smallest target whose EAGLE-3 aux layers (1, 2, 3) vLLM / SGLang can serve
     "micro4": Preset("micro4", 64, 4, 2, 1, 128, train_steps=60, batch_size=16, lr=3e-3),
-    # lr 1e-3: at 2e-3 and above the 4-layer model never learns to copy the previous total (diagnosed per
-    # token kind: it stays at chance on every computed digit); at 1e-3 it learns the tag lookup by ~400 steps.
+    # lr 1e-3: from 2e-3 up the 4-layer model never learns to copy the previous total (it stays at chance on
+    # every computed digit); at 1e-3 it learns the tag lookup within its training steps.
     "tiny": Preset("tiny", 256, 4, 4, 2, 768, train_steps=500, batch_size=24, lr=1e-3),
     "small": Preset("small", 768, 8, 12, 4, 2304, train_steps=1500, batch_size=64, lr=6e-4),
-    # deep and narrow: a GPU deployment's cost ratios (see the module docstring). With the scaled init but no
-    # curriculum, 500 steps of the task's distribution left it at 14% accuracy (the copy of the previous total
-    # formed only after ~300 steps); with the curriculum it forms in ~100 short steps. This recipe at lr 2e-3: 9%.
+    # deep and narrow: a GPU deployment's cost ratios (see the module docstring). The curriculum: on the task's
+    # distribution alone the copy of the previous total forms late and leaves too few steps for the rest; on
+    # short problems it forms early. lr 1e-3: a higher one leaves it less accurate.
     # 10% of its corpus in the alternative style: what the demo's reward bonus shifts it toward (the drift).
     "deep": Preset("deep", 128, 20, 4, 2, 256, train_steps=600, batch_size=24, lr=1e-3, scaled_residual_init=True,
                    short_steps=300, short_numbers=6, alt_style_rate=0.1, lr_floor=0.0),
@@ -419,10 +419,13 @@ def get_policy(
     path.parent.mkdir(parents=True, exist_ok=True)
     # Processes that start together on a cold cache (torchrun's ranks, a demo's workers) build the policy once:
     # the first takes the lock and builds, the others wait for it and find the entry built.
-    with file_lock(path.parent / f".{path.name}.lock"):
-        if _built(path):
-            return path
-        return _build_policy(p, task, path, progress, device, eval_n)
+    # The lock file goes once the entry is built: later callers find the entry and never take the lock.
+    lock = path.parent / f".{path.name}.lock"
+    with file_lock(lock):
+        if not _built(path):
+            _build_policy(p, task, path, progress, device, eval_n)
+        lock.unlink(missing_ok=True)
+    return path
 
 
 def _build_policy(p: Preset, task: TaskConfig, path: Path, progress: bool, device: str | None, eval_n: int) -> Path:
