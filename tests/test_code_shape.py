@@ -95,7 +95,7 @@ def test_the_sources_were_found():
 
 def test_size_report():
     """Prints the report (shown with `pytest -s`, or `-rA` as this test's captured output); fails only if it
-    found no sources or lists them out of order."""
+    found no sources, lists them out of order or names a file that is not there."""
     report = size_report()
     print("\n" + report)
     for lengths in (module_lengths(), function_lengths()):
@@ -104,6 +104,7 @@ def test_size_report():
         assert [n for _, n in top] == sorted((n for _, n in top), reverse=True), top
         assert top[-1][1] >= max(n for name, n in lengths.items() if name not in dict(top)), "a longer one left out"
         assert all(f"  {n:5d}  {name}" in report for name, n in top), report
+        assert all((ROOT / name.split(":")[0]).is_file() for name, _ in top), top
     assert longest({"a": 1, "b": 3, "c": 2}, 2) == [("b", 3), ("c", 2)]
 
 

@@ -195,6 +195,16 @@ def test_cli_task_sample(capsys):
     assert len(rows) == 2 and all(grade(parse_prompt(r["prompt"], 10), r["gold"]).correct for r in rows)
 
 
+def test_bench_task_defaults_to_the_demos_policy():
+    """`tailspec bench task` measures the policy the main job runs unless told otherwise."""
+    from tailspec.cli import build_parser
+    from tailspec.demo.options import DemoOptions
+
+    parser = build_parser()
+    assert parser.parse_args(["bench", "task"]).preset == DemoOptions.policy == "deep"
+    assert parser.parse_args(["bench", "task", "--preset", "tiny"]).preset == "tiny"
+
+
 def test_deep_preset_is_deep_narrow_and_small():
     """`deep`: a GPU deployment's shape in miniature. Built, not pre-trained (that takes ~3 min)."""
     from tailspec.drafter_trainer.model import Eagle3Config, Eagle3Module

@@ -38,9 +38,9 @@ class DemoOptions:
     #   longest — a guaranteed tail, for tests on policies too small to have one of their own.
     deal: Literal["chunk", "round_robin", "by_length"] = "chunk"
     bootstrap_samples: int = 256
-    # The first drafter's budget: optimizer steps (166: about a minute of `deep` on a quiet 2-core machine), and
-    # seconds as a cap only, so a busy machine trains the same drafter as a quiet one: a time budget would leave
-    # a busy machine a drafter too weak to go stale, and the run nothing to show.
+    # The first drafter's budget: optimizer steps (few, since the user waits for them before the first RL step),
+    # and seconds as a cap only, so a busy machine trains the same drafter as a quiet one: a time budget would
+    # leave a busy machine a drafter too weak to go stale, and the run nothing to show.
     bootstrap_steps: int | None = 166
     bootstrap_seconds: float = 600.0
     validation_samples: int = 32  # held-out samples of a promotion's paired test (trainer.validation_samples)
