@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tailspec.benchmarks.machine import machine
 from tailspec.commands.args import config_from_args
-from tailspec.demo.options import DemoOptions
+from tailspec.demo.options import GPU_POLICY, DemoOptions, policy_for
 from tailspec.demo.report import lent_in_tail, session_split, tail_idle_share
 from tailspec.tasks.runsum import sample_problems
 
@@ -35,11 +35,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "core under a CPU quota where one can be set)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=4)
-    p.add_argument("--policy", default=d.policy, help=f"policy preset or directory (default {d.policy})")
+    p.add_argument("--policy", default=None,
+                   help=f"policy preset or directory (default {d.policy}; {GPU_POLICY} with --device cuda)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device,
+                   help="where the three runs' rollouts, sessions and updates run (default auto: CUDA where torch "
+                        "sees a device); cuda: the simulated GPUs are devices or shares of one (MPS where it starts, "
+                        "else time-sliced), one plan for all three modes")
+    p.add_argument("--no-mps", action="store_true", help="with --device cuda: time-slice a shared device, no MPS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-first", type=int, default=1,
                    help="steps left out of the step-time mean (default 1: the first runs on cold caches; the engines' "
                         "warm-up runs before step 0 and is in no step)")
+    p.add_argument("--bootstrap-samples", type=int, default=d.bootstrap_samples,
+                   help=f"the first drafter's rollouts (default {d.bootstrap_samples}, the demo's)")
+    p.add_argument("--bootstrap-steps", type=int, default=d.bootstrap_steps,
+                   help=f"the first drafter's optimizer steps (default {d.bootstrap_steps}, the demo's)")
     p.add_argument("--out", metavar="DIR", help="keep the three run directories here (default: a temp dir)")
 
 
@@ -90,15 +100,24 @@ def _run_modes(args: argparse.Namespace, cfg, root: Path, out, print_to) -> tupl
     """The demo's RL loop with no SD, a frozen drafter and co-training, same seeds, in lockstep (module
     docstring): each mode's rows and demo. Each demo's services stay up between its own steps, idle."""
     # deferred: the RL loop loads torch and every component; the CLI imports every bench module to build its parser
+    from tailspec.demo.device_share import share_devices
     from tailspec.demo.run import Demo
+    from tailspec.demo.services import resolve_device
 
     demos = {}
+    device = resolve_device(args.device)
     with contextlib.ExitStack() as stack:
+        # one plan of the simulated GPUs on the device(s), and one MPS daemon, for the three modes alike
+        shares = share_devices(args.workers, mps=not args.no_mps) if device == "cuda" else None
+        if shares is not None:
+            stack.callback(shares.stop)
         for mode in MODES:
-            opts = DemoOptions(steps=args.steps, workers=args.workers, mode=mode, seed=args.seed, policy=args.policy,
+            opts = DemoOptions(steps=args.steps, workers=args.workers, mode=mode, seed=args.seed,
+                               policy=policy_for(args.policy, device), device=device,
                                prompts_per_step=args.prompts, group_size=args.group, run_dir=root / mode,
-                               dashboard=False, export=False)
-            demo = demos[mode] = Demo(opts, cfg)
+                               dashboard=False, export=False, bootstrap_samples=args.bootstrap_samples,
+                               bootstrap_steps=args.bootstrap_steps)
+            demo = demos[mode] = Demo(opts, cfg, shares)
             stack.enter_context(demo.opened())
             print(f"== {mode}: {args.steps} steps; {demo.placement.note}", file=out)
         for step in range(args.steps):
@@ -151,10 +170,10 @@ def _result(args: argparse.Namespace, runs: dict, demos: dict, step: dict[str, f
     placement = demos["cotrained"].placement
     return {
         "device": machine(),
-        "policy": args.policy,
+        "policy": demos["cotrained"].o.policy,
         "steps": args.steps,
         "workers": placement.workers,
-        "placement": {"note": placement.note, "cpus": placement.cpus},
+        "placement": {"note": placement.note, "cpus": placement.cpus, "device": placement.device},
         "step_time_s": {m: round(v, 3) for m, v in step.items()},  # mean over steps skip_first+
         "step_times_s": {m: [round(r.step_time_s, 3) for r in rows] for m, rows in runs.items()},
         "rollout_time_s": {m: round(v, 3) for m, v in rollout.items()},

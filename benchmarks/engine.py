@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-assisted", action="store_true", help="skip HF assisted generation")
     p.add_argument("--cost-repeats", type=int, default=3,
                    help="interleaved rounds of the drafter-cost timing (0 = skip it)")
+    p.add_argument("--hbm-floor", metavar="BATCHES", default=None,
+                   help="only the physical-limit figure: the no-SD decode step at these batch sizes (e.g. 1,8,64), "
+                        "eager and through the graph pool (CUDA), over the memory floor (`step_over_hbm_floor`)")
 
 
 def _load(spec: str, dtype: torch.dtype, device: str):
@@ -343,6 +346,45 @@ def _batch_rows(model, tok, draft_model, make_drafter, drafter_names, ks, b: int
     return rows
 
 
+def floor_section(model, tok, batches: list[int], floor: dict, args, log) -> dict:
+    """The no-SD decode step at each batch size, timed by the rollout's own warm-up (`cost_model.measure`, median
+    of its timed steps, prefill not timed), eagerly and, on CUDA, replayed through a graph pool captured for it;
+    each over the memory floor of one step (weights ÷ copy bandwidth). Where the ratio is near 1 the step is
+    memory-bound, as an RL policy's decode is; far above it, launch- or host-bound."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    from tailspec.rollout import cost_model
+    from tailspec.rollout.engine import Engine
+    from tailspec.rollout.graph_pool import build_pool
+    from tailspec.tasks.tokenizer import encode_prompt
+
+    prompts = [encode_prompt(tok, p.prompt) for p in sample_problems(max(batches) * 2, seed=30_000)]
+    seq = max(len(p) for p in prompts) + args.max_tokens
+    out: dict[str, dict] = {}
+    for b in batches:
+        eng = Engine(model, None, max_batch=b, max_seq_len=seq, k_max=0)
+        table = cost_model.measure(eng, prompts, buckets=[b], ks=[0], max_tokens=args.max_tokens,
+                                   temperature=args.temperature)
+        eager_ms = table.t(b, 0) * 1e3
+        graphs_ms, why = None, "no graph pool off CUDA"
+        if eng.device.type == "cuda":
+            pool = build_pool(eng, table, 1 << 30, ks=[0])
+            if pool.enabled:
+                graphs_ms = cost_model.measure(eng, prompts, buckets=[b], ks=[0], max_tokens=args.max_tokens,
+                                               temperature=args.temperature).t(b, 0) * 1e3
+                why = None
+            else:
+                why = "the graph pool captured nothing"
+        f = floor["floor_ms_per_step"]
+        row = {"step_ms_eager": round(eager_ms, 4), "step_ms_graphs": None if graphs_ms is None else round(graphs_ms, 4),
+               "eager": round(eager_ms / f, 2), "graphs": None if graphs_ms is None else round(graphs_ms / f, 2)}
+        if why:
+            row["graphs_missing"] = why
+        out[str(b)] = row
+        log(f"  b={b:<3} no SD step {eager_ms:.3f} ms eager ({row['eager']}x the floor)"
+            + (f", {graphs_ms:.3f} ms replayed ({row['graphs']}x)" if graphs_ms is not None else f"; {why}"))
+    return out
+
+
 def _summary(rows: list[dict], batches: list[int]) -> dict:
     def tps(b, method, spec=None):
         sel = [r for r in rows if r["batch"] == b and r["method"] == method
@@ -376,6 +418,15 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     model, tok = _load(args.policy, dtype, args.device)
+    if args.hbm_floor:  # the physical-limit figure alone: no drafter, no HF comparison
+        log = lambda *a: print(*a, file=sys.stderr, flush=True)
+        floor = memory_floor(model, args.device)
+        log(f"bench engine --hbm-floor: policy={args.policy} {args.dtype} on {machine()}; memory floor "
+            f"{floor['weight_bytes'] / 1e6:.1f} MB at {floor['copy_bandwidth_gb_s']} GB/s = "
+            f"{floor['floor_ms_per_step']:.4f} ms a step")
+        fb = [int(b) for b in args.hbm_floor.split(",") if b]
+        return {"device": machine(), "policy": args.policy, "dtype": args.dtype, "memory_floor": floor,
+                "step_over_hbm_floor": floor_section(model, tok, fb, floor, args, log)}
     draft_model = _load(args.draft_policy, dtype, args.device)[0] if args.draft_policy else None
     eagle = None
     if args.eagle3 is None and "eagle3" in args.drafters.split(","):

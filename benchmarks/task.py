@@ -18,7 +18,7 @@ from tailspec.demo.options import DemoOptions
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default=DemoOptions.policy, choices=["micro", "micro4", "tiny", "deep", "small"],
+    p.add_argument("--preset", default=DemoOptions.policy, choices=["micro", "micro4", "tiny", "deep", "small", "gpu"],
                    help=f"policy preset (default {DemoOptions.policy}: the one `tailspec demo` runs)")
     p.add_argument("-n", type=int, default=512, help="evaluation problems (default 512)")
     p.add_argument("--cached", action="store_true",

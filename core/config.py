@@ -105,6 +105,16 @@ class SchedulerConfig(_Section):
         "worker and any session lent on it: whole cores, or, with more GPUs than cores, 0.45 of a core each under "
         "a CPU quota (cgroup; a tenth stays the host's) where one can be set, else fewer GPUs; shared: all cores "
         "shared by everything")
+    simulated_gpu_env: dict[int, dict[str, str]] = Field(
+        default_factory=dict, description="per simulated GPU, environment its sessions start with, over the "
+        "dispatcher's (CUDA_VISIBLE_DEVICES = the GPU's index): where simulated GPUs are shares of real CUDA devices "
+        "(`tailspec demo --device cuda`), the device each one runs on and its CUDA MPS share")
+    simulated_gpu_device: int | None = Field(
+        None, ge=0, description="NVML index of the CUDA device the simulated GPUs share, if they do: each simulated "
+        "GPU's sample then carries that device's NVML readings (utilisation, memory, power) beside its simulated "
+        "utilisation, and `simulated_gpu_sharing` as its label")
+    simulated_gpu_sharing: str = Field("", max_length=200, description="how the simulated GPUs share "
+                                       "`simulated_gpu_device` (e.g. 'MPS 25% of the SMs each', 'time-sliced')")
     progress_ttl_s: float = Field(5.0, gt=0, le=3600, description="a worker's progress expires unless re-reported within this")
     require_release: bool = Field(False, description="lend a drained GPU only after its worker reported its memory "
                                   "released (report_progress(mem_released=True)); a worker that reports "

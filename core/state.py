@@ -89,6 +89,12 @@ class GpuTelemetry(_Payload):
     simulated: bool
     error: str | None = None
     ts: float
+    # A simulated GPU that is a share of a real CUDA device (`tailspec demo --device cuda`): that device's NVML
+    # readings, for the whole device, and how it is shared; None elsewhere.
+    device: str | None = Field(None, max_length=240, description="the real device this simulated GPU is a share of")
+    device_util: float | None = Field(None, ge=0, le=100)
+    device_mem_used: int | None = Field(None, ge=0, description="bytes")
+    device_mem_total: int | None = Field(None, ge=0, description="bytes")
 
 
 class NodeHealth(_Payload):

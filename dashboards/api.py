@@ -44,6 +44,10 @@ class GpuView(_View):
     simulated: bool | None = Field(None, description="telemetry is simulated (no NVML); None = no telemetry yet")
     telemetry_ts: float | None = None
     error: str | None = Field(None, description="telemetry error (e.g. NVML failure on this GPU)")
+    device: str | None = Field(None, description="the real CUDA device a simulated GPU is a share of, and how it is "
+                               "shared; None: not a share of one")
+    device_util: float | None = Field(None, description="that whole device's utilization (NVML), percent")
+    device_mem_used: int | None = Field(None, description="that whole device's memory in use (NVML), bytes")
 
 
 class Counters(_View):

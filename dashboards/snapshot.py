@@ -127,6 +127,9 @@ class Reader:
                 simulated=tel.simulated if tel else None,
                 telemetry_ts=tel.ts if tel else None,
                 error=tel.error if tel else None,
+                device=tel.device if tel else None,
+                device_util=tel.device_util if tel else None,
+                device_mem_used=tel.device_mem_used if tel else None,
             ))
         return out
 

@@ -93,6 +93,9 @@ class LocalDispatcher:
     # ... and where simulated GPUs share a core, GPU index → its CPU quota's cgroup (scheduler/cpu_quota.py),
     # which the session joins with the GPU's rollout worker
     gpu_cgroups: dict[int, str] | None = None
+    # Simulated GPUs that are shares of real CUDA devices: GPU index → the environment its sessions start with,
+    # over session_env's (the real device's CUDA_VISIBLE_DEVICES, its CUDA MPS share: scheduler.simulated_gpu_env)
+    gpu_env: dict[int, dict[str, str]] | None = None
 
     def __post_init__(self) -> None:
         self.procs: dict[str, _Proc] = {}
@@ -171,6 +174,7 @@ class LocalDispatcher:
         placement = {CPUS_ENV: format_cpus(cores)} if cores else {}
         if cgroup:
             placement[CGROUP_ENV] = cgroup
+        placement.update((self.gpu_env or {}).get(ctx.gpu, {}))
         taken = self._take_warm(ctx.gpu)
         if taken is not None:
             proc, log_path = taken

@@ -46,7 +46,7 @@ from tailspec.scheduler.monitor import TelemetryMonitor
 from tailspec.scheduler.observe import Observer, Sent
 from tailspec.scheduler.placement import simulated_gpu_placement
 from tailspec.scheduler.session_process import WARM_POLICY_ENV
-from tailspec.scheduler.telemetry import make_telemetry
+from tailspec.scheduler.telemetry import SharedDevice, make_telemetry
 from tailspec.scheduler.tick_writes import TickWrites
 
 log = logging.getLogger(__name__)
@@ -393,16 +393,18 @@ def run_local(
     url = redis_url or cfg.cluster.redis_url
     sc = cfg.scheduler
     r = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    shared = (SharedDevice(sc.simulated_gpu_device, sc.simulated_gpu_sharing)
+              if sc.simulated_gpu_device is not None and sc.telemetry == "simulated" else None)
     telemetry, warning = make_telemetry(
         sc.telemetry, cfg.cluster.node, r, cfg.cluster.name, sc.simulated_gpus,
-        simulated_mem=int(sc.simulated_gpu_mem_gib * (1 << 30)),
+        simulated_mem=int(sc.simulated_gpu_mem_gib * (1 << 30)), shared_device=shared,
     )
     monitor = TelemetryMonitor(
         telemetry, r, cfg.cluster.name, sc.sample_period_s, sc.history_maxlen, warning=warning
     ).start()
     gpu_cpus, gpu_cgroups = simulated_gpu_placement(cfg) if telemetry.simulated else (None, None)
     dispatcher = LocalDispatcher(sc.session_entry, log_dir=log_dir, warm=sc.warm_sessions, nice=sc.session_nice,
-                                 gpu_cpus=gpu_cpus, gpu_cgroups=gpu_cgroups,
+                                 gpu_cpus=gpu_cpus, gpu_cgroups=gpu_cgroups, gpu_env=sc.simulated_gpu_env or None,
                                  extra_env={WARM_POLICY_ENV: sc.warm_policy} if sc.warm_policy else {})
     sched = Scheduler(cfg, r, dispatcher, redis_url=url)
     stop = stop or threading.Event()

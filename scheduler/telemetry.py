@@ -139,11 +139,12 @@ class SimulatedTelemetry:
     MEM_TOTAL = 80 * GIB
 
     def __init__(self, node: str, r: Any, cluster: str, num_gpus: int = 4, seed: int | None = None,
-                 mem_total: int = MEM_TOTAL):
+                 mem_total: int = MEM_TOTAL, shared_device: SharedDevice | None = None):
         self.node, self.r, self.cluster, self.num_gpus = node, r, cluster, num_gpus
         self.mem_total = int(mem_total)
         self.rng = random.Random(seed)
         self.bad_progress = 0
+        self.shared_device = shared_device  # the real device the simulated GPUs are shares of, if any
 
     def worker_mem(self, p: Progress | None) -> int:
         """What a simulated GPU's rollout worker holds, in proportion to the GPU's size (of 80 GiB: 30 GiB of
@@ -171,7 +172,11 @@ class SimulatedTelemetry:
     def sample(self) -> list[GpuTelemetry]:
         owners, leased = self._activity()
         now = time.time()
-        return [self._sample_gpu(self.node, g, owners.get(g), g in leased, now) for g in range(self.num_gpus)]
+        samples = [self._sample_gpu(self.node, g, owners.get(g), g in leased, now) for g in range(self.num_gpus)]
+        if self.shared_device is not None:
+            reading = self.shared_device.read()
+            samples = [t.model_copy(update=reading) for t in samples]
+        return samples
 
     def _sample_gpu(self, node: str, g: int, p: Progress | None, leased: bool, now: float) -> GpuTelemetry:
         mem = self.worker_mem(p)
@@ -196,7 +201,36 @@ class SimulatedTelemetry:
         )
 
     def close(self) -> None:
-        pass
+        if self.shared_device is not None:
+            self.shared_device.close()
+
+
+class SharedDevice:
+    """One real CUDA device that several simulated GPUs are shares of (`tailspec demo --device cuda`): NVML reads
+    the whole device, so its readings go into every share's sample beside the share's simulated utilisation
+    (which the idle detector reads: NVML cannot tell the shares of one device apart), labelled with the device
+    and how it is shared. A reading that fails leaves the fields None and the samples simulated as before."""
+
+    def __init__(self, index: int, sharing: str, nvml: Any = None):
+        self.index, self.sharing = index, sharing
+        try:
+            self.nvml: NvmlTelemetry | None = NvmlTelemetry("shared", nvml=nvml)
+        except TelemetryError as e:
+            log.warning("the shared device's NVML readings are off: %s", e)
+            self.nvml = None
+
+    def read(self) -> dict:
+        label = f"cuda:{self.index}" + (f", {self.sharing}" if self.sharing else "")
+        if self.nvml is None or self.index >= self.nvml.count:
+            return {"device": label}
+        t = self.nvml.sample_one(self.index)
+        if t.error:
+            return {"device": f"{label} ({t.error})"}
+        return {"device": label, "device_util": t.util, "device_mem_used": t.mem_used, "device_mem_total": t.mem_total}
+
+    def close(self) -> None:
+        if self.nvml is not None:
+            self.nvml.close()
 
 
 class SimulatedNodes(SimulatedTelemetry):
@@ -257,14 +291,15 @@ def _read_activity(r: Any, cluster: str, nodes: dict[str, int], counter: Any
 
 def make_telemetry(
     kind: str, node: str, r: Any, cluster: str, num_gpus: int = 4, nvml: Any = None,
-    simulated_mem: int = SimulatedTelemetry.MEM_TOTAL,
+    simulated_mem: int = SimulatedTelemetry.MEM_TOTAL, shared_device: SharedDevice | None = None,
 ) -> tuple[Telemetry, str | None]:
     """Build the configured telemetry. Returns (telemetry, warning): `auto` falls back to simulated
-    with a warning when NVML does not initialize or sees no device; `nvml` raises TelemetryError."""
+    with a warning when NVML does not initialize or sees no device; `nvml` raises TelemetryError.
+    `shared_device`: simulated GPUs that are shares of that real device carry its NVML readings."""
     if kind not in ("auto", "nvml", "simulated"):
         raise TelemetryError(f"scheduler.telemetry must be auto, nvml or simulated, got {kind!r}")
     if kind == "simulated":
-        return SimulatedTelemetry(node, r, cluster, num_gpus, mem_total=simulated_mem), None
+        return SimulatedTelemetry(node, r, cluster, num_gpus, mem_total=simulated_mem, shared_device=shared_device), None
     try:
         t = NvmlTelemetry(node, nvml=nvml)
     except TelemetryError as e:

@@ -56,9 +56,10 @@ def group_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float = 1e-6)
     return adv
 
 
-def _pad(rollouts: list[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pad(rollouts: list[Rollout], pad_id: int, device: torch.device | str = "cpu"
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded [B, T] ids, attention mask, response mask (positions whose NEXT token is a response
-    token), and old logprobs aligned to those positions."""
+    token), and old logprobs aligned to those positions, on `device` (the policy's)."""
     seqs = [r.prompt_ids + r.response_ids for r in rollouts]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -71,7 +72,7 @@ def _pad(rollouts: list[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tens
         p, n = len(r.prompt_ids), len(r.response_ids)
         resp[i, p - 1 : p - 1 + n] = True
         old[i, p - 1 : p - 1 + n] = torch.tensor(r.logprobs, dtype=torch.float32)
-    return ids, attn, resp, old
+    return ids.to(device), attn.to(device), resp.to(device), old.to(device)
 
 
 def token_logprobs(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -85,11 +86,15 @@ def token_logprobs(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor
     return torch.gather(F.log_softmax(logits, -1), 2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
 def recompute_logprobs(model: torch.nn.Module, rollouts: list[Rollout], pad_id: int, temperature: float = 1.0) -> list[list[float]]:
     """A plain forward over the same tokens at `temperature`: the reference the rollout's (sampling)
     logprobs must equal, for a rollout sampled at that temperature."""
-    ids, attn, resp, _ = _pad(rollouts, pad_id)
+    ids, attn, resp, _ = _pad(rollouts, pad_id, _device(model))
     lp = token_logprobs(model, ids, attn, temperature)
     return [lp[i][resp[i]].tolist() for i in range(len(rollouts))]
 
@@ -179,8 +184,9 @@ def _minibatch_part(model: torch.nn.Module, ref_model: torch.nn.Module | None, b
                     ) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     """Over one part of a minibatch: the sum of the clipped objective over response tokens, the sum of the k3
     KL estimate (0 without kl_coef), the clipped tokens and the response tokens."""
-    ids, attn, resp, old = _pad(batch, pad_id)
-    a = torch.tensor(adv, dtype=torch.float32).unsqueeze(1)
+    device = _device(model)
+    ids, attn, resp, old = _pad(batch, pad_id, device)
+    a = torch.tensor(adv, dtype=torch.float32, device=device).unsqueeze(1)
     new = token_logprobs(model, ids, attn, temperature)
     ratio = torch.exp(new - old)
     obj = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * a)

@@ -242,13 +242,14 @@ def test_new_preset_fields_keep_old_cache_keys():
     from tailspec.tasks.policy import KIT_VERSION, PRESETS, cache_key
 
     old_fields = {k: v for k, v in asdict(PRESETS["tiny"]).items()
-                  if k not in ("scaled_residual_init", "short_steps", "short_numbers", "alt_style_rate", "lr_floor")}
+                  if k not in ("scaled_residual_init", "short_steps", "short_numbers", "alt_style_rate", "lr_floor",
+                               "prefer_cuda")}
     old_task = TaskConfig().model_dump(exclude={"alt_style_rate", "style_bonus"})  # task fields added since
     blob = json.dumps({"kit": KIT_VERSION, "preset": old_fields, "task": old_task}, sort_keys=True)
     assert cache_key(PRESETS["tiny"], TaskConfig()) == f"tiny-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
     tiny = PRESETS["tiny"]
     for change in ({"scaled_residual_init": True}, {"short_steps": 10}, {"short_numbers": 4}, {"alt_style_rate": 0.1},
-                   {"lr_floor": 0.0}):
+                   {"lr_floor": 0.0}, {"prefer_cuda": True}):
         assert cache_key(dataclasses.replace(tiny, **change), TaskConfig()) != cache_key(tiny, TaskConfig())
 
 

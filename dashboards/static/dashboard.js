@@ -297,7 +297,9 @@
       el("td", {class: "num"}, g.mem_used == null ? "–" : `${fmtBytes(g.mem_used)} / ${fmtBytes(g.mem_total)}`),
       el("td", {}, g.worker || "–"),
       el("td", {}, g.session_id || "–"),
-      el("td", {}, g.simulated == null ? "none" : (g.error ? "error: " + g.error : (g.simulated ? "simulated" : "NVML"))),
+      el("td", {}, g.simulated == null ? "none" : (g.error ? "error: " + g.error : (g.simulated ? "simulated" : "NVML"))
+        + (g.device ? ` (share of ${g.device}; device NVML ${g.device_util == null ? "–" : g.device_util.toFixed(0) + " %"}`
+           + `, ${g.device_mem_used == null ? "–" : fmtBytes(g.device_mem_used)})` : "")),
     )), "no GPUs known yet", 8);
 
     $("sessions-total").textContent = st.sessions_total > st.sessions.length

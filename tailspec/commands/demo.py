@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tailspec.commands.args import add_config_args, config_from_args
-from tailspec.demo.options import DemoOptions
+from tailspec.demo.options import GPU_POLICY, DemoOptions, policy_for
 from tailspec.demo.report import write_report
 from tailspec.logs import FORMAT, RunLog, ours_or_warning
 
@@ -40,8 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     mode.add_argument("--frozen-drafter", action="store_true",
                       help="baseline: speculative decoding with the first drafter, never retrained")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policy", default=DemoOptions.policy,
-                   help=f"policy preset (micro|tiny|deep|small) or directory (default {DemoOptions.policy})")
+    p.add_argument("--policy", default=None,
+                   help=f"policy preset (micro|tiny|deep|small|gpu) or directory (default {DemoOptions.policy}; "
+                        f"{GPU_POLICY} with --device cuda)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=DemoOptions.device,
+                   help="where rollouts, sessions and the RL update run (default auto: CUDA where torch sees a "
+                        "device). cuda: N simulated GPUs on this machine's devices, several to a device as shares "
+                        "(CUDA MPS where it starts, else time-sliced; the run says which)")
+    p.add_argument("--no-mps", action="store_true", help="with --device cuda: time-slice shared devices, no MPS")
     p.add_argument("--prompts", type=int, default=16, help="prompts per RL step (default 16)")
     p.add_argument("--group", type=int, default=4, help="responses per prompt (GRPO group, default 4)")
     p.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private redis-server")
@@ -58,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def options_from_args(args: argparse.Namespace):
     mode = "nospec" if args.no_spec else "frozen" if args.frozen_drafter else "cotrained"
-    return DemoOptions(steps=args.steps, workers=args.workers, mode=mode, seed=args.seed, policy=args.policy,
+    return DemoOptions(steps=args.steps, workers=args.workers, mode=mode, seed=args.seed,
+                       policy=policy_for(args.policy, args.device), device=args.device, mps=not args.no_mps,
                        prompts_per_step=args.prompts, group_size=args.group, redis_url=args.redis,
                        run_dir=Path(args.run_dir) if args.run_dir else None, dashboard=not args.no_dashboard,
                        bootstrap_steps=args.bootstrap_steps, bootstrap_seconds=args.bootstrap_seconds)

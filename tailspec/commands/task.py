@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     e = tsub.add_parser("eval", help="accuracy and response-length percentiles of a policy at a temperature")
     e.add_argument("--policy", metavar="DIR|PRESET", default="tiny",
-                   help="a policy directory, or a preset name (micro|tiny|small) built and cached on first use")
+                   help="a policy directory, or a preset name (micro|micro4|tiny|deep|small|gpu) built and cached on first use")
     e.add_argument("-n", type=int, default=256, help="problems to evaluate (default 256)")
     e.add_argument("--temperature", type=float, default=1.0)
     e.add_argument("--seed", type=int, default=10_000)
@@ -36,8 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     b = tsub.add_parser("build", help="build, pre-train and cache a preset policy; prints its directory")
     # checked in _build against tasks.policy.PRESETS: importing it here would load torch for every CLI call
-    b.add_argument("--preset", default="tiny", help="micro | micro4 | tiny | small | deep (default tiny)")
-    b.add_argument("--device", default=None, help="torch device for training (default cpu)")
+    b.add_argument("--preset", default="tiny", help="micro | micro4 | tiny | small | deep | gpu (default tiny)")
+    b.add_argument("--device", default=None, help="torch device for training (default: cpu; CUDA where there is one for the gpu preset)")
     add_config_args(b)
     b.set_defaults(func=_build)
 

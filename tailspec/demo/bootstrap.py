@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from tailspec.core import state
@@ -56,9 +57,12 @@ def load_samples(drafter_path: str | Path) -> list[Sample]:
     return [Sample.model_validate_json(line) for line in f.read_text().splitlines() if line.strip()]
 
 
-def rollout_samples(policy_dir: str | Path, cfg: TailspecConfig, n: int, seed: int, max_seq_len: int = 640) -> list[Sample]:
-    """`n` graded rollouts of the policy at temperature 1 (native engine, plain decoding)."""
-    model, tok = load_policy(policy_dir)
+def rollout_samples(policy_dir: str | Path, cfg: TailspecConfig, n: int, seed: int, max_seq_len: int = 640,
+                    device: str = "cpu") -> list[Sample]:
+    """`n` graded rollouts of the policy at temperature 1 (native engine, plain decoding) on `device` (bf16 on
+    CUDA, as the rollout workers run it)."""
+    model, tok = load_policy(policy_dir, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    model.to(device)
     problems = sample_problems(n, cfg.task, seed=seed + 77_777)  # disjoint from the RL steps' seeds
     prompts = [encode_prompt(tok, p.prompt) for p in problems]
     engine = Engine(model, None, max_batch=64, max_seq_len=max_seq_len, seed=seed)
@@ -90,17 +94,19 @@ def _key(policy_dir: Path, cfg: TailspecConfig, n: int, seconds: float, seed: in
 
 
 def bootstrap_drafter(policy_dir: str | Path, cfg: TailspecConfig, n: int = 256, seconds: float = 60.0,
-                      seed: int = 0, progress: bool = True, steps: int | None = None) -> str:
+                      seed: int = 0, progress: bool = True, steps: int | None = None, device: str = "cpu") -> str:
     """Path of the first drafter (the project's checkpoint format), trained on first use and cached: for
     `seconds`, or for `steps` optimizer steps (then `seconds` is only a cap) — a step budget gives the same
-    drafter on a busy machine as on a quiet one."""
+    drafter on a busy machine as on a quiet one. `device`: where its rollouts and training run (CUDA: the
+    teacher in bf16, as sessions hold it); not part of the cache key."""
     policy_dir = Path(policy_dir)
     out = Path(cfg.cache_dir) / "drafters" / f"{policy_dir.name}-{_key(policy_dir, cfg, n, seconds, seed, steps)}"
     if (out / CONFIG_NAME).is_file() and (out / SAMPLES).is_file():
         return str(out)
     t0 = time.time()
-    samples = rollout_samples(policy_dir, cfg, n, seed)
-    teacher = Teacher.from_dir(policy_dir)
+    samples = rollout_samples(policy_dir, cfg, n, seed, device=device)
+    on_cuda = device.startswith("cuda")
+    teacher = Teacher.from_dir(policy_dir, device=device, dtype=torch.bfloat16 if on_cuda else torch.float32)
     buffer = make_buffer(cfg)
     fill_buffer(buffer, samples, teacher.config.vocab_size, cfg.trainer.max_seq_len)
     with tempfile.TemporaryDirectory(prefix="tailspec-boot-") as tmp:

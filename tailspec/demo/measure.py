@@ -162,12 +162,13 @@ def measure_acceptance(model, frozen_path: str, current: DrafterVersion | None, 
     with the current policy as teacher (the same samples for both)."""
     held = samples[:: max(1, len(samples) // n)][:n]
     emb = model.get_input_embeddings()
-    frozen = Eagle3Module.load(frozen_path, emb)
+    where = str(emb.weight.device)  # the policy's device: the RL trainer's (the CPU, or the CUDA device it trains on)
+    frozen = Eagle3Module.load(frozen_path, emb, map_location=where)
     teacher = Teacher(model, frozen.config.aux_layer_ids, policy_version=policy_version)
     a_frozen = validate(frozen, teacher, held, k).acceptance_length
     if current is None or current.session_id == BOOTSTRAP_SESSION:  # the same weights, the same figure
         return a_frozen, a_frozen
-    co = Eagle3Module.load(current.path, emb)
+    co = Eagle3Module.load(current.path, emb, map_location=where)
     return a_frozen, validate(co, teacher, held, k).acceptance_length
 
 

@@ -21,7 +21,11 @@ class DemoOptions:
     seed: int = 0
     prompts_per_step: int = 16
     group_size: int = 4
-    policy: str = "deep"
+    policy: str = "deep"  # the CPU's main job; `--device cuda` defaults to GPU_POLICY (policy_for)
+    # auto: CUDA where torch sees a device, else the CPU; cuda: the simulated GPUs are CUDA devices or shares of
+    # them (tailspec/demo/device_share.py), the RL update and the first drafter run there too
+    device: str = "auto"
+    mps: bool = True  # shares of one device under CUDA MPS where it can be started (else time-sliced)
     lr: float = 1e-4
     kl_coef: float = 0.0  # GRPO's KL penalty against the initial policy (tailspec/rl.py: grpo_step)
     temperature: float = 1.0
@@ -56,6 +60,15 @@ class DemoOptions:
     live: bool = True
     export: bool = True
     plots: bool = True
+
+
+GPU_POLICY = "gpu"  # the policy preset sized for a GPU (tailspec/tasks/policy.py)
+
+
+def policy_for(policy: str | None, device: str) -> str:
+    """The policy a run uses: the one named, else the device's main job (`gpu` on `--device cuda`, `deep`
+    elsewhere: `auto` keeps the CPU's, so `make demo` is the same run on any machine)."""
+    return policy or (GPU_POLICY if device == "cuda" else DemoOptions.policy)
 
 
 # The demo's session settings (also the cotrain bench's), where the user's config does not set them:

@@ -51,7 +51,8 @@ from tailspec.demo.measure import (
 from tailspec.demo.options import DEMO_SESSION_STARTUP_S, DemoOptions, apply_demo_trainer
 from tailspec.demo.protocol import WorkItem, WorkRequest, WorkResult, results_key, work_key
 from tailspec.demo.report import read_timeline
-from tailspec.demo.services import Services, place_workers, trainer_threads
+from tailspec.demo.device_share import DeviceShares, share_devices
+from tailspec.demo.services import Services, place_workers, resolve_device, trainer_threads
 from tailspec.drafter_trainer.rollout_targets import prune_targets
 from tailspec.rl import Rollout, grpo_step, recompute_logprobs, save_policy_weights
 from tailspec.scheduler.dispatch import warm_ready
@@ -67,9 +68,16 @@ class Demo:
     down. Each RL step is `step`: rollout on the workers while the scheduler lends the tail's GPUs, grade,
     GRPO update, samples to the stream, the next policy version published."""
 
-    def __init__(self, opts: DemoOptions, cfg: TailspecConfig):
-        self.placement = place_workers(opts.workers, cfg)
-        self.o = replace(opts, workers=self.placement.workers)
+    def __init__(self, opts: DemoOptions, cfg: TailspecConfig, shares: DeviceShares | None = None):
+        """`shares`: the simulated GPUs' CUDA device shares when the caller planned them (a bench running several
+        demos on one device shares one plan and one MPS daemon); planned here, and stopped with the services,
+        when None on CUDA."""
+        self.device = resolve_device(opts.device)
+        self.shares, self._own_shares = shares, False
+        if self.device == "cuda" and shares is None:
+            self.shares, self._own_shares = share_devices(opts.workers, mps=opts.mps), True
+        self.placement = place_workers(opts.workers, cfg, self.device, self.shares)
+        self.o = replace(opts, workers=self.placement.workers, device=self.device)
         ts = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(opts.run_dir or Path("runs") / ts).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -111,6 +119,11 @@ class Demo:
         c.cluster.redis_url = self.redis_url
         c.scheduler.telemetry = "simulated"
         c.scheduler.simulated_gpus = self.o.workers
+        if self.placement.env is not None:  # sessions run where their simulated GPU's worker runs
+            c.scheduler.simulated_gpu_env = dict(enumerate(self.placement.env))
+        if self.shares is not None and self.shares.shared:  # every share carries its device's NVML readings
+            c.scheduler.simulated_gpu_device = self.shares.devices[0]
+            c.scheduler.simulated_gpu_sharing = self.shares.sharing
         c.scheduler.lend = self.o.mode == "cotrained"
         c.scheduler.session_entry = "tailspec.session_entry:ENTRY"
         # A pooled session process still loads the teacher and pulls the lineage head: lend only when the
@@ -146,11 +159,14 @@ class Demo:
 
     def stop_services(self) -> None:
         self.services.stop(self.cluster)
+        if self._own_shares:
+            self.shares.stop()
 
     # -- policy and drafters -------------------------------------------------------------------------------
     def load_initial_policy(self) -> None:
         self.policy_src = resolve_policy(self.o.policy, self.cfg.task, cache_dir=Path(self.cfg.cache_dir))
         self.model, self.tokenizer = load_policy(self.policy_src)
+        self.model.to(self.device)  # the RL update runs where the rollouts do (fp32 master weights)
         torch.manual_seed(self.o.seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.o.lr, betas=(0.9, 0.99), weight_decay=0.0)
         if self.o.kl_coef > 0:
@@ -171,7 +187,7 @@ class Demo:
         """The first drafter: trained offline on the initial policy's own samples (cached per policy).
         The frozen baseline keeps it forever; the co-trained run starts from it."""
         return bootstrap_drafter(self.policy_src, self.cfg, self.o.bootstrap_samples, self.o.bootstrap_seconds,
-                                 seed=self.o.seed, steps=self.o.bootstrap_steps)
+                                 seed=self.o.seed, steps=self.o.bootstrap_steps, device=self.device)
 
     def seed_version_store(self) -> None:
         """Version 1 = the bootstrap drafter, promoted; sessions continue from its weights."""
@@ -424,6 +440,7 @@ class Demo:
             on_row(row)
 
     def export(self) -> None:
+        self.model.to("cpu")  # the export reads the policy's embedding beside the drafter's host copy
         cur = self.current_drafter()
         path, version = (self.frozen_path, 0) if cur is None else (cur.path, cur.version)
         self.exported, self.export_errors = export_run_drafter(self.model, path, version, self.policy_version,

@@ -34,20 +34,44 @@ log = logging.getLogger("tailspec.demo")
 @dataclass(frozen=True)
 class Placement:
     """How the run's simulated GPUs share this host: `cpus[g]` are GPU g's own cores (None: all shared) and
-    `quota[g]` the fraction of them it may use (None: whole cores; scheduler/cpu_quota.py)."""
+    `quota[g]` the fraction of them it may use (None: whole cores; scheduler/cpu_quota.py). On CUDA (`device`
+    "cuda"), `env[g]` is what GPU g's worker and sessions start with: its CUDA device and MPS share
+    (tailspec/demo/device_share.py); on the CPU of a machine with CUDA, no device at all."""
     workers: int
     cpus: list[list[int]] | None
     note: str
     quota: list[float] | None = None
+    device: str = "cpu"
+    env: list[dict[str, str]] | None = None
 
 
-def place_workers(requested: int, cfg: TailspecConfig) -> Placement:
-    """One simulated GPU per worker, each with compute of its own (scheduler/placement.py) under
+def resolve_device(device: str) -> str:
+    """`auto`: CUDA where torch sees a device, else the CPU; `cuda` without one is an error naming the fix."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device (a CPU build of torch, or no driver); "
+                         "use --device cpu")
+    return device
+
+
+def place_workers(requested: int, cfg: TailspecConfig, device: str = "cpu", shares=None) -> Placement:
+    """One simulated GPU per worker. On the CPU each has compute of its own (scheduler/placement.py) under
     `scheduler.simulated_gpu_cpus: split`: whole cores, or where a CPU quota can be set up to two GPUs per core at
-    half of it each; fewer GPUs than requested on a machine too small for either. With CUDA the workers run on
-    real devices and nothing is pinned."""
-    if torch.cuda.is_available():
-        return Placement(requested, None, f"{requested} rollout workers on CUDA devices")
+    half of it each; fewer GPUs than requested on a machine too small for either. On CUDA nothing is pinned and
+    the GPUs are the devices, or shares of them (`shares`, the run's DeviceShares: tailspec/demo/device_share.py)."""
+    if device == "cuda":
+        if shares is None or len(shares.env) != requested:
+            raise ValueError(f"{requested} simulated GPUs on CUDA need their device shares planned (share_devices)")
+        return Placement(requested, None, shares.sharing, device="cuda", env=shares.env)
+    hide = [{"CUDA_VISIBLE_DEVICES": ""}] * requested if torch.cuda.is_available() else None  # the CPU, asked for
+    placed = _place_on_cores(requested, cfg)
+    return Placement(placed.workers, placed.cpus, placed.note, placed.quota, env=hide and hide[: placed.workers])
+
+
+def _place_on_cores(requested: int, cfg: TailspecConfig) -> Placement:
     host = placement.host_cpus()
     if cfg.scheduler.simulated_gpu_cpus != "split":
         return Placement(requested, None, f"{requested} simulated GPUs sharing {len(host)} cores "
@@ -65,7 +89,7 @@ def place_workers(requested: int, cfg: TailspecConfig) -> Placement:
 
 
 def trainer_threads(p: Placement) -> int:
-    """The RL update's CPU threads: every simulated GPU's cores. Between rollouts the trainer owns all the GPUs
+    """The RL update's CPU threads (on CUDA: its host threads): every simulated GPU's cores. Between rollouts the trainer owns all the GPUs
     (their workers wait for work and every lent GPU is back), as a cluster's update runs on every GPU; on one
     thread the update would take a far larger share of the RL step than the field's 14-25% (generation is 75-86%
     of an RL step: ReSpec). On CUDA devices (nothing pinned) the host's cores, torch's own default."""
@@ -156,8 +180,10 @@ class Services:
 
     def _start_worker(self, w: int, cluster: str, node: str) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        if self.placement.env is not None:
+            env.update(self.placement.env[w])
         cmd = [sys.executable, "-m", "tailspec.demo.worker", "--name", f"w{w}", "--gpu", str(w),
-               "--redis", self.redis_url, "--cluster", cluster, "--node", node]
+               "--redis", self.redis_url, "--cluster", cluster, "--node", node, "--device", self.placement.device]
         if self.placement.cpus is not None:
             cmd += ["--cpus", format_cpus(self.placement.cpus[w])]
         if self._cgroups:

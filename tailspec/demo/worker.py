@@ -111,19 +111,19 @@ def validated_version(drafter_path: str | None) -> DrafterVersion | None:
 
 
 
-def worker_device(gpu: int) -> torch.device:
-    """The worker's accelerator: CUDA device `gpu` (modulo the devices there are) where CUDA is present, else
-    the CPU (simulated GPUs)."""
-    if torch.cuda.is_available():
+def worker_device(gpu: int, device: str = "auto") -> torch.device:
+    """The worker's accelerator: on `cuda` (or `auto` where CUDA is present) CUDA device `gpu` modulo the devices
+    it sees (the demo starts it seeing its own device only: tailspec/demo/device_share.py), else the CPU."""
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", gpu % torch.cuda.device_count())
     return torch.device("cpu")
 
 
 class Worker:
     def __init__(self, name: str, gpu: int, redis_url: str, cluster: str, node: str,
-                 progress_period_s: float = 0.1):
+                 progress_period_s: float = 0.1, device: str = "auto"):
         self.name, self.gpu, self.cluster = name, gpu, cluster
-        self.device = worker_device(gpu)
+        self.device = worker_device(gpu, device)
         self.progress_period_s = progress_period_s
         self.r = connect(redis_url)  # rides out a Redis restart (fault drills: tailspec bench faults)
         self.client = TailspecClient(redis_url, cluster=cluster, node=node)
@@ -412,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis", required=True)
     ap.add_argument("--cluster", required=True)
     ap.add_argument("--node", default="node0")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="cuda: CUDA device --gpu modulo the devices this process sees; auto: CUDA where present")
     ap.add_argument("--cpus", help="the simulated GPU's own cores, e.g. '0' or '2,3': pin to them (default: share all)")
     ap.add_argument("--cgroup", help="the simulated GPU's CPU quota (a cgroup directory) to join")
     args = ap.parse_args(argv)
@@ -426,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {args.name}: %(message)s")
-    Worker(args.name, args.gpu, args.redis, args.cluster, args.node).serve()
+    Worker(args.name, args.gpu, args.redis, args.cluster, args.node, device=args.device).serve()
     return 0
 
 

@@ -78,12 +78,15 @@ class Preset:
     # The cosine schedule's floor, a share of lr. `deep` decays to 0: at a tenth of its lr the last steps still
     # move it more than its remaining errors (single sums and look-ups) allow it to settle.
     lr_floor: float = 0.1
+    # Build (pre-train) on CUDA where there is one when the caller names no device: a preset sized for a GPU
+    # would take hours on the host's CPU.
+    prefer_cuda: bool = False
 
 
 # Fields added after the first presets were cached: left out of the cache key at their defaults, so adding
 # one does not rebuild every cached policy (the key of a preset that sets it changes, as it must).
 _KEY_OPTIONAL_DEFAULTS = {"scaled_residual_init": False, "short_steps": 0, "short_numbers": 6, "alt_style_rate": 0.0,
-                          "lr_floor": 0.1}
+                          "lr_floor": 0.1, "prefer_cuda": False}
 # Task fields that do not change the corpus (the reward's style bonus) or enter the key through the preset's
 # fields (alt_style_rate: the rate in effect): left out of the task part of the key.
 _KEY_TASK_EXCLUDED = {"alt_style_rate", "style_bonus"}
@@ -103,6 +106,10 @@ PRESETS: dict[str, Preset] = {
     # 10% of its corpus in the alternative style: what the demo's reward bonus shifts it toward (the drift).
     "deep": Preset("deep", 128, 20, 4, 2, 256, train_steps=600, batch_size=24, lr=1e-3, scaled_residual_init=True,
                    short_steps=300, short_numbers=6, alt_style_rate=0.1, lr_floor=0.0),
+    # wide enough that a decode step reads its weights for longer than its kernels take to launch (module
+    # docstring); deep's curriculum, residual init and alternative style, at the lower lr a wider model needs
+    "gpu": Preset("gpu", 2048, 16, 16, 4, 5632, train_steps=800, batch_size=32, lr=3e-4, scaled_residual_init=True,
+                  short_steps=300, short_numbers=6, alt_style_rate=0.1, lr_floor=0.0, prefer_cuda=True),
 }
 
 
@@ -215,12 +222,15 @@ def pretrain(
     style_rng = np.random.default_rng(preset.seed + 2)  # which problems are written in the alternative style
     model.train()
     losses: list[float] = []
+    # bf16 autocast on CUDA (fp32 master weights and optimizer): the `gpu` preset's minutes; a CPU trains in fp32
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     t0 = time.perf_counter()
     bar = tqdm(range(preset.train_steps), desc=f"pretrain {preset.name}", disable=not progress, leave=False)
     for step in bar:
         alt = list(style_rng.random(len(batches[step])) < rate) if rate > 0 else None
         ids, lab = _batch(tokenizer, batches[step], alt)
-        out = model(input_ids=ids.to(device), labels=lab.to(device))
+        with autocast:
+            out = model(input_ids=ids.to(device), labels=lab.to(device))
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -408,7 +418,8 @@ def get_policy(
     device: str | None = None,
     eval_n: int = 256,
 ) -> Path:
-    """Path of the cached, pre-trained policy for `preset`, building and training it on first use."""
+    """Path of the cached, pre-trained policy for `preset`, building and training it on first use (on `device`;
+    None: the CPU, or CUDA where there is one for a preset that prefers it)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown policy preset {preset!r}; choose from {', '.join(PRESETS)}")
     task = task or TaskConfig()
@@ -429,6 +440,8 @@ def get_policy(
 
 
 def _build_policy(p: Preset, task: TaskConfig, path: Path, progress: bool, device: str | None, eval_n: int) -> Path:
+    if device is None and p.prefer_cuda and torch.cuda.is_available():
+        device = "cuda"
     tokenizer = build_tokenizer()
     model = build_model(p, tokenizer)
     if device:
