@@ -16,6 +16,12 @@ Presets:
   in the task's alternative scratchpad style (`Preset.alt_style_rate`; tailspec/tasks/runsum.py), so it writes
   that style about as often, and the reward's style bonus gives GRPO a drift to follow; the others see only the
   main style. `tailspec bench task` reports its accuracy, tail and training time.
+- `gpu`   (~0.87B params, 16 layers at hidden size 2048, 16 heads / 4 KV heads of 128, MLP 7168): the main job's
+  policy on a GPU (`--device cuda`). `deep` is 5.9 MB of weights, so on an H100 its decode step is launch-bound,
+  hundreds of times its HBM floor; this preset's 1.74 GB of bf16 weights make the batch-1 decode step
+  memory-bound (reading them takes ~0.4 ms on an H200, as long as 16 layers' kernels take to run when replayed),
+  as the rollouts of RL policies are, while an EAGLE-3 layer stays ~1/16 of a target forward. It pre-trains in bf16
+  autocast on the device (800 steps); on a CPU it builds and decodes too, slowly, and is never a CPU default.
 
 The training budget is chosen so the policy is imperfect on purpose (accuracy between 20% and 80% at
 temperature 1.0): RL then has something to improve and the policy keeps moving during RL, which is
@@ -108,7 +114,7 @@ PRESETS: dict[str, Preset] = {
                    short_steps=300, short_numbers=6, alt_style_rate=0.1, lr_floor=0.0),
     # wide enough that a decode step reads its weights for longer than its kernels take to launch (module
     # docstring); deep's curriculum, residual init and alternative style, at the lower lr a wider model needs
-    "gpu": Preset("gpu", 2048, 16, 16, 4, 5632, train_steps=800, batch_size=32, lr=3e-4, scaled_residual_init=True,
+    "gpu": Preset("gpu", 2048, 16, 16, 4, 7168, train_steps=800, batch_size=32, lr=3e-4, scaled_residual_init=True,
                   short_steps=300, short_numbers=6, alt_style_rate=0.1, lr_floor=0.0, prefer_cuda=True),
 }
 
