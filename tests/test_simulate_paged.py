@@ -30,7 +30,7 @@ def test_the_roofline_context_slope_is_its_kv_reads_per_row_position():
     row's context costs its KV bytes at the achieved bandwidth. A speculative step at one row also reads the
     drafter layer's own K/V once per drafter forward (k of them)."""
     roof = hw.Roofline(hw.resolve_model("qwen2.5-7b"), hw.resolve_gpu("H100"))
-    bw = roof.gpu.hbm_tb_s * 1e12 * roof.bandwidth_efficiency
+    bw = roof.bandwidth_bytes_s
     slope = context_slope(roof, 512, 512 + 16384)
     assert np.isclose(slope(None, 64, 0), roof.model.kv_bytes_per_token / bw, rtol=1e-6)
     drafter = roof.drafter_kv_bytes_per_token * roof.drafter_attention / bw

@@ -44,6 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", action="store_true", help=f"models {', '.join(SWEEP_MODELS)} x GPUs "
                    f"{', '.join(map(str, SWEEP_GPUS))} x sync/async (other options apply to every run)")
     p.add_argument("--calibrate", metavar="RUN_DIR", help="replay a recorded `tailspec demo` run and compare")
+    p.add_argument("--holdout", nargs="+", metavar="RUN_DIR", help="fit on the first recorded run, predict the "
+                   "others from their own settings, warm-up tables and lengths (out-of-sample calibration)")
+    p.add_argument("--anchors", action="store_true", help="published RL results beside the projection of each setting")
+    p.add_argument("--drift", nargs="+", metavar="RUN_DIR", help="fit the drafter's drift on recorded runs and project "
+                   "the co-trained vs frozen gap (an interval) for --drift-steps of the scenario")
+    p.add_argument("--drift-steps", default="100,300,1000", help="run lengths for --drift (comma-separated)")
     p.add_argument("--gantt", metavar="PNG", help="write a per-GPU Gantt chart of the last co-trained step")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=_run)
@@ -120,7 +126,7 @@ def run_policy_model(run_dir: str):
     from tailspec.simulate import hardware as hw
     from tailspec.simulate.calibrate import load_run, policy_model
 
-    policy = load_run(run_dir)[0]["options"].get("policy")
+    policy = load_run(run_dir, need_costs=False)[0]["options"].get("policy")
     found = policy_model(policy)
     if found is not None or not policy:
         return found
@@ -136,12 +142,72 @@ def run_policy_model(run_dir: str):
                                  "vocab_size": len(ALPHABET) + len(SPECIALS)}, pre.name)
 
 
+def holdout_report(dirs: list[str]) -> dict:
+    """Fit on dirs[0], predict the others; printed per run and figure."""
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
+    from tailspec.simulate.holdout import out_of_sample
+
+    if len(dirs) < 2:
+        raise ValueError("--holdout needs a run to fit on and at least one run to predict")
+    models = [run_policy_model(d) for d in dirs]
+    fit_model = models[0]
+    if len({m and replace(m, name="") for m in models}) > 1:
+        raise ValueError("--holdout: the runs' policies differ in shape; the context term needs one policy")
+    o = out_of_sample(dirs[0], dirs[1:], fit_model)
+    print(f"out-of-sample calibration: fitted on {dirs[0]}; projection vs measured on runs not fitted")
+    for h in o["runs"]:
+        errs = ", ".join(f"{k} {h['predicted'][k]:.3f} vs {v:.3f} ({h['rel_error'][k]:.1%})"
+                         for k, v in h["measured"].items())
+        print(f"  {h['run_dir']} ({h['mode']}, {h['workers']} workers, {h['steps']} steps): {errs}")
+    print(f"  max relative error {o['max_rel_error']:.1%} (" +
+          ", ".join(f"{k} {v:.1%}" for k, v in o["max_rel_error_by_figure"].items()) + ")")
+    return o
+
+
+def anchors_report() -> list[dict]:
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
+    from tailspec.simulate.anchors import check_all
+
+    rows = check_all()
+    print("published RL results vs the projection of each setting (projection)")
+    print(f"  {'anchor':48} {'figure':22} {'published':>10} {'projected':>9}  result")
+    for r in rows:
+        pub = f"{'>' if r['bound'] == '>' else 'up to ' if r['bound'] == '<=' else ''}{r['published']:.2f}x"
+        verdict = "within 25%" if r["hit"] else f"MISS: {r['likely_cause']}"
+        print(f"  {r['name']:48} {r['figure']:22} {pub:>10} {r['projected']:>8.2f}x  {verdict}")
+    return rows
+
+
+def drift_report(dirs: list[str], sc, steps: str) -> dict:
+    # deferred: the CLI imports every command module to build its parser; this loads when the command runs
+    from tailspec.simulate.drift import fit_drift, project_gap, scenario_step_time
+
+    fitted = fit_drift(dirs)
+    d, r = fitted.decay, fitted.recovery
+    print(f"drift fitted on {len(dirs)} recorded runs: frozen log-alpha {d.value:.4f} ± {d.se:.4f} a step "
+          f"(n {d.n}), saturating at {fitted.saturation:.3f}; co-trained recovery {r.value:.2f} ± {r.se:.2f} (n {r.n})")
+    step_time = scenario_step_time(sc)
+    gaps = []
+    for n in (int(x) for x in steps.split(",")):
+        g = project_gap(n, fitted, sc.curve.alpha0, step_time)
+        lo, hi = g["gap_interval"]
+        print(f"  {n:>5} steps: co-trained ÷ frozen step speed {lo:.3f}-{hi:.3f}x (projection)")
+        gaps.append(g)
+    return {"fit": fitted.to_dict(), "gaps": gaps}
+
+
 def _run(args: argparse.Namespace) -> int:
     # deferred: the CLI imports every command module to build its parser; this loads when the command runs
     from tailspec.simulate.run import simulate
 
     try:
-        if args.calibrate:
+        if args.holdout:
+            result: dict = {"out_of_sample": holdout_report(args.holdout)}
+        elif args.anchors:
+            result = {"label": "projection vs published", "anchors": anchors_report()}
+        elif args.drift:
+            result = {"label": "projection", "drift": drift_report(args.drift, scenario_from_args(args), args.drift_steps)}
+        elif args.calibrate:
             # deferred: the CLI imports every command module to build its parser; this loads when the command runs
             from tailspec.simulate.calibrate import calibrate
 
@@ -150,7 +216,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"calibration on {args.calibrate} ({c['mode']}, {c['steps']} steps): projection vs measured")
             for k in m:
                 print(f"  {k:16} {p[k]:8.3f} vs {m[k]:8.3f}  ({c['rel_error'].get(k, 0.0):.1%} off)")
-            result: dict = {"calibration": c}
+            result = {"calibration": c}
         else:
             sc = scenario_from_args(args)
             if args.sweep:

@@ -24,6 +24,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger("tailspec.demo")
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
@@ -143,8 +145,6 @@ class MpsDaemon:
 def share_devices(workers: int, mps: bool = True) -> DeviceShares:
     """Plan the run's simulated GPUs on this machine's CUDA devices, starting MPS where devices are shared and it
     holds (`mps` False: time-sliced)."""
-    import torch  # deferred: the CLI's parser imports the demo's options, not torch
-
     count = torch.cuda.device_count()
     devices = assign(workers, count)
     if len(set(devices)) == len(devices):

@@ -57,14 +57,16 @@ class Calibration:
                 "per_step_rollout_rel_error_median": float(np.median(self.per_step_rollout_rel_error))}
 
 
-def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
+def load_run(run_dir: str | Path, need_costs: bool = True) -> tuple[dict, list[dict]]:
+    """run.json and metrics.jsonl of a recorded demo run; need_costs: it must hold the workers' warm-up cost
+    tables (a run without a drafter times none)."""
     d = Path(run_dir)
     try:
         record = json.loads((d / "run.json").read_text())
         rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
     except (OSError, ValueError) as e:
         raise ValueError(f"{d}: not a recorded demo run (run.json and metrics.jsonl): {e}") from e
-    if not rows or not rows[0].get("worker_lengths") or not record.get("cost_models"):
+    if not rows or not rows[0].get("worker_lengths") or (need_costs and not record.get("cost_models")):
         raise ValueError(f"{d}: the run has no per-worker lengths or cost tables (recorded before they were kept)")
     return record, rows
 
@@ -184,7 +186,7 @@ def counting_window(r: dict, tick_s: float) -> tuple[float, float]:
     return tick_s / 2 + lag, float(np.mean(leads)) if leads else 0.0
 
 
-def _lengths(r: dict, workers: list[str]) -> np.ndarray:
+def lengths_array(r: dict, workers: list[str]) -> np.ndarray:
     lengths = [r["worker_lengths"].get(w, []) for w in workers]
     arr = np.zeros((len(workers), max(len(x) for x in lengths)))
     for i, x in enumerate(lengths):
@@ -192,7 +194,7 @@ def _lengths(r: dict, workers: list[str]) -> np.ndarray:
     return arr
 
 
-def _run_step(inp: StepInputs, ctx: tuple[list[EngineAttention], list[float]] | None):
+def replay_step(inp: StepInputs, ctx: tuple[list[EngineAttention], list[float]] | None):
     """One replayed step, each worker's attention priced by its own `EngineAttention` when given."""
     if ctx is None:
         return run_step(inp)
@@ -204,7 +206,7 @@ def _run_step(inp: StepInputs, ctx: tuple[list[EngineAttention], list[float]] | 
     return run_step(inp)
 
 
-def _scaled(cost: CostModel, level: float) -> CostModel:
+def scaled_cost(cost: CostModel, level: float) -> CostModel:
     return CostModel(list(cost.buckets), list(cost.ks), {key: v * level for key, v in cost.table.items()})
 
 
@@ -221,7 +223,7 @@ def _replay(rows: list[dict], workers: list[str], warmup: list[CostModel], onlin
     measured_sum, base_sum = np.zeros(len(workers)), np.zeros(len(workers))
     for r in rows:
         inp = step_inputs(r, costs)
-        out = _run_step(inp, ctx)
+        out = replay_step(inp, ctx)
         pred["rollout_s"].append(out.rollout_s)
         pred["idle"].append(out.idle_gpu_s)
         pred["lent"].append(out.lent_gpu_s)
@@ -235,7 +237,7 @@ def _replay(rows: list[dict], workers: list[str], warmup: list[CostModel], onlin
         measured_sum += [r["worker_decode_s"][w] for w in workers]
         base_sum += decode / level
         level = np.where(base_sum > 0, measured_sum / np.maximum(base_sum, 1e-12), 1.0)
-        costs = [_scaled(c, lv) for c, lv in zip(warmup, level)]
+        costs = [scaled_cost(c, lv) for c, lv in zip(warmup, level)]
     return pred
 
 
@@ -266,7 +268,7 @@ def calibrate(run_dir: str | Path, online: bool = True, context: bool = True,
     train_s = mean([r["train_time_s"] - r["wait_sessions_s"] for r in rows])
 
     def step_inputs(r: dict, costs: list[CostModel]) -> StepInputs:
-        arr = _lengths(r, workers)
+        arr = lengths_array(r, workers)
         fixed = np.array([r["worker_busy_s"][w] - r["worker_decode_s"][w] for w in workers])
         phase_s, lead_s = counting_window(r, sc["tick_s"])
         step_lat = replace(lat, phase_s=phase_s, lead_s=lead_s)

@@ -21,6 +21,9 @@ metrics.jsonl):
   sits between, an assumption to replace with a measured one.
 - alpha_max = 0.78 and saturate_tokens = 5e7, refresh_tokens = 2e6: assumptions (a drafter distilled on the
   policy's own current outputs; tens of millions of tokens to adapt, a few million to follow one step).
+
+drift.py fits a frozen drafter's decay and a co-trained drafter's recovery on recorded demo runs (`tailspec
+simulate --drift`) and projects the gap they give as an interval; these defaults are not taken from it.
 """
 
 from __future__ import annotations

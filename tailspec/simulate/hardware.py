@@ -14,7 +14,9 @@ over the verified positions, and the host work a plain step hides behind the GPU
 each term, its size and its source). With every such term zero the plain roofline comes back.
 
 Every figure is a projection; the presets' numbers are the vendors' published peaks (dense bf16) and the
-models' published configs.
+models' published configs. The memory bandwidth a decode reaches is a share of the GPU's copy bandwidth: measured
+on a lent GPU where BENCHMARKS.md has it (H100, H200), else the vendor peak times the share of peak those GPUs'
+copies reached. `CONSTANTS` says of every constant whether it is measured or assumed, and where it comes from.
 """
 
 from __future__ import annotations
@@ -29,17 +31,62 @@ from tailspec.rollout.cost_model import CostModel, default_buckets, default_ks
 @dataclass(frozen=True)
 class GpuSpec:
     name: str
-    hbm_tb_s: float  # HBM bandwidth, TB/s
+    hbm_tb_s: float  # HBM bandwidth, TB/s (vendor peak)
     bf16_tflops: float  # dense bf16 peak, TFLOP/s
     memory_gb: float
+    copy_tb_s: float | None = None  # device copy bandwidth measured on a lent GPU (BENCHMARKS.md, On a GPU)
+
+    @property
+    def copy_bandwidth_tb_s(self) -> float:
+        """The measured copy bandwidth, else the peak times the share of peak the measured GPUs' copies reached."""
+        return self.copy_tb_s if self.copy_tb_s is not None else self.hbm_tb_s * measured_copy_share()
 
 
 GPUS: dict[str, GpuSpec] = {
-    "H100": GpuSpec("H100", 3.35, 989.0, 80.0),  # H100 SXM5
-    "H200": GpuSpec("H200", 4.8, 989.0, 141.0),
+    # H100 SXM5; copy 2,954 GB/s (BENCHMARKS.md, On a GPU: the HBM floor, H100 first lease)
+    "H100": GpuSpec("H100", 3.35, 989.0, 80.0, copy_tb_s=2.954),
+    # copy 4,184 and 4,135 GB/s (the HBM floor, H200 second and third leases): their mean
+    "H200": GpuSpec("H200", 4.8, 989.0, 141.0, copy_tb_s=4.16),
     "B200": GpuSpec("B200", 8.0, 2250.0, 192.0),
     "GB200": GpuSpec("GB200", 8.0, 2500.0, 186.0),  # one Blackwell GPU of a GB200 superchip
+    "GH200": GpuSpec("GH200", 4.0, 989.0, 96.0),  # the Hopper GPU of a GH200 superchip, 96 GB HBM3
 }
+
+
+def measured_copy_share() -> float:
+    """Copy bandwidth ÷ vendor peak, the mean over the GPUs a lease measured."""
+    shares = [g.copy_tb_s / g.hbm_tb_s for g in GPUS.values() if g.copy_tb_s is not None]
+    return sum(shares) / len(shares)
+
+
+# Every constant of the hardware model: whether a lent GPU measured it, and the source.
+CONSTANTS: dict[str, tuple[str, str]] = {
+    **{f"{g.name}.copy_bandwidth": ("measured", "BENCHMARKS.md On a GPU, the HBM floor") for g in GPUS.values()
+       if g.copy_tb_s is not None},
+    **{f"{g.name}.copy_bandwidth": ("assumed", "vendor peak x the measured GPUs' copy share")
+       for g in GPUS.values() if g.copy_tb_s is None},
+    "peak_bandwidth_and_flops": ("assumed", "vendors' published peaks (dense bf16)"),
+    "bandwidth_efficiency": ("assumed", ("decode's bandwidth / copy bandwidth, 0.8 (vLLM-class engines reach 0.6-0.8 "
+                                         "of peak; none measured on a lent GPU at a size where decode is memory-bound)")),
+    "flops_efficiency": ("assumed", "0.5 of peak in a compute-bound forward"),
+    "step_overhead_s": ("assumed", ("0.5 ms per decode step with CUDA graphs; the lent GPUs timed the native engine's "
+                                    "replayed verify of the 20-layer deep preset at 1.6 ms (b 1), 3.3-7.0x faster "
+                                    "than eager: a launch-bound toy, which bounds no real model's overhead")),
+    "draft_overhead_s": ("assumed", ("0.1 ms per captured drafter forward; the native engine's eager drafter "
+                                     "measured 0.7-0.8 ms a drafted token on a lent GPU (not captured, so not this "
+                                     "term)")),
+    "spec_host_s": ("assumed", "vLLM PR 25872: 0.97 ms a speculative step"),
+    "allreduce_s": ("assumed", "10 us per all-reduce"),
+    "train_mfu": ("assumed", "0.4 of peak for the RL update"),
+    "drafter_mfu": ("assumed", "0.3 of peak for drafter training"),
+    "session_startup": ("assumed", "weights at 8 GB/s + 1 s"),
+    "weight_sync": ("assumed", "weights at 100 GB/s + 0.5 s"),
+}
+
+
+def constants() -> dict[str, str]:
+    """{name: "measured" | "assumed"} of `CONSTANTS`."""
+    return {k: status for k, (status, _) in CONSTANTS.items()}
 
 
 @dataclass(frozen=True)
@@ -183,7 +230,7 @@ class Roofline:
     model: ModelSpec
     gpu: GpuSpec
     tp: int = 1
-    bandwidth_efficiency: float = 0.7  # achieved / peak HBM bandwidth in decode (vLLM-class engines: 0.6-0.8)
+    bandwidth_efficiency: float = 0.8  # decode's bandwidth / the GPU's copy bandwidth (assumed: CONSTANTS)
     flops_efficiency: float = 0.5  # achieved / peak FLOPs in a compute-bound forward
     step_overhead_s: float = 0.5e-3  # launches, sampling, scheduling per decode step (with CUDA graphs)
     draft_overhead_s: float = 0.1e-3  # the same per drafter forward
@@ -202,8 +249,13 @@ class Roofline:
         if min(self.sampler_bytes_per_logit, self.kv_write_share, self.drafter_attention, self.spec_host_s) < 0:
             raise ValueError("speculation cost terms must be >= 0")
 
+    @property
+    def bandwidth_bytes_s(self) -> float:
+        """The bandwidth a decode forward reaches, bytes/s: the copy bandwidth x `bandwidth_efficiency`."""
+        return self.gpu.copy_bandwidth_tb_s * 1e12 * self.bandwidth_efficiency
+
     def _forward(self, bytes_: float, flops: float) -> float:
-        bw = self.gpu.hbm_tb_s * 1e12 * self.bandwidth_efficiency
+        bw = self.bandwidth_bytes_s
         peak = self.gpu.bf16_tflops * 1e12 * self.flops_efficiency
         comm = 2 * self.model.layers * self.allreduce_s if self.tp > 1 else 0.0
         return max(bytes_ / bw, flops / peak) / self.tp + comm

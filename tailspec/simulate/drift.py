@@ -1,0 +1,201 @@
+"""The drafter's drift with a source: a frozen drafter's acceptance decay and a co-trained drafter's recovery,
+fitted on recorded `tailspec demo` runs, with the published shapes as priors; the co-trained vs frozen gap over
+a user's run length projected as an interval.
+
+What the recorded runs hold (metrics.jsonl): at every measured step the expected acceptance length at the
+rollout's k of the first (frozen) drafter and of the version in use (co-trained), both on that step's samples,
+and the policy's drift where the task records one: `alt_style_share`, the share of responses written in the
+style the reward's bonus drives the policy to (tailspec/tasks/runsum.py), which the first drafter never saw.
+The policy's entropy and KL per step are not in the record.
+
+Fitted, each with its standard error, on per-token acceptance (`fit.alpha_for` at the run's k):
+- `decay`: the frozen drafter's loss of log-alpha per RL step (log-linear in the step, pooled over runs);
+- `drift_slope`: its loss of acceptance length, relative to the first step's, per unit of the policy's drift
+  (linear in the drift measure: Bebop's shape, where acceptance falls linearly as the policy's entropy rises);
+  `saturation`: the largest log-alpha loss the recorded runs reached, where their drift measure stopped growing;
+- `recovery`: the share of the frozen drafter's log-alpha loss the co-trained drafter does not lose, over the
+  measured steps of co-trained runs at which the frozen drafter had lost at least `MIN_LOSS`.
+
+Priors (RESEARCH.md, "Newer anchors" and "2026"):
+- Marin: a frozen one-layer EAGLE-3 on GH200 kept acceptance 2.56 → 2.53 over 36 RL steps (k assumed 3): the
+  slow end of the decay;
+- Bebop (Qwen): MTP acceptance falls linearly as policy entropy rises: the drift-linear shape;
+- NeMo-RL (arXiv 2604.26779): online adaptation took a domain-aligned EAGLE-3 from 1.77× to 1.78× and a generic
+  one from 1.51× to 1.63× (RL-Zero, k = 3): recovery matters where the drafter starts far from the policy.
+
+The projection's interval spans the two ends, the miniature's measured decay (saturating where its drift did)
+and Marin's (not saturating), each with the recovery at its fitted value ± one standard error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from tailspec.simulate.drafter import DrafterCurve
+from tailspec.simulate.fit import alpha_for
+from tailspec.simulate.run import Scenario, simulate
+
+MIN_LOSS = 0.02  # a co-trained point counts for the recovery where the frozen drafter lost this much log-alpha
+MARIN = {"source": "Marin (GH200): frozen one-layer EAGLE-3, acceptance 2.56 -> 2.53 over 36 RL steps",
+         "first": 2.56, "last": 2.53, "steps": 36, "k": 3}
+BEBOP = "Bebop (Qwen): MTP acceptance falls linearly as policy entropy rises during RL"
+NEMO_RL = "NeMo-RL (arXiv 2604.26779): online adaptation 1.77x -> 1.78x (domain-aligned), 1.51x -> 1.63x (generic)"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    value: float
+    se: float
+    n: int
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "se": self.se, "n": self.n}
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One recorded run's measured steps: (step, frozen, co-trained acceptance length, drift or None)."""
+
+    run_dir: str
+    mode: str
+    k: int
+    points: list[tuple[int, float, float | None, float | None]]
+
+
+def read_trajectory(run_dir: str | Path) -> Trajectory:
+    d = Path(run_dir)
+    try:
+        record = json.loads((d / "run.json").read_text())
+        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{d}: cannot read run.json and metrics.jsonl: {e}") from e
+    k = int(record["options"].get("k") or record["config"]["rollout"]["k"])
+    pts = [(r["step"], r["acceptance_frozen"], r.get("acceptance_cotrained"), r.get("alt_style_share"))
+           for r in rows if r.get("acceptance_frozen")]
+    return Trajectory(str(d), record["options"].get("mode", "cotrained"), k, pts)
+
+
+def _through_origin(xs: list[float], ys: list[float]) -> Estimate:
+    """The least-squares slope of y = b x, its standard error."""
+    x, y = np.asarray(xs, float), np.asarray(ys, float)
+    sxx = float((x * x).sum())
+    if len(x) < 2 or sxx == 0:
+        return Estimate(0.0, math.inf, len(x))
+    b = float((x * y).sum() / sxx)
+    se = math.sqrt(float(((y - b * x) ** 2).sum()) / (len(x) - 1) / sxx)
+    return Estimate(b, se, len(x))
+
+
+def _mean(xs: list[float]) -> Estimate:
+    if not xs:
+        return Estimate(0.0, math.inf, 0)
+    se = float(np.std(xs, ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else math.inf
+    return Estimate(float(np.mean(xs)), se, len(xs))
+
+
+@dataclass(frozen=True)
+class DriftFit:
+    decay: Estimate  # frozen: log-alpha lost per RL step
+    drift_slope: Estimate | None  # frozen: relative acceptance-length loss per unit of the drift measure
+    saturation: float  # the largest log-alpha loss of a frozen drafter the recorded runs reached
+    recovery: Estimate  # co-trained: share of the frozen log-alpha loss not lost
+    runs: list[str]
+
+    def to_dict(self) -> dict:
+        return {"decay_per_step": self.decay.to_dict(),
+                "drift_slope": self.drift_slope.to_dict() if self.drift_slope else None,
+                "saturation": self.saturation, "recovery": self.recovery.to_dict(), "runs": self.runs,
+                "priors": [MARIN["source"], BEBOP, NEMO_RL], "label": "fitted on recorded demo runs"}
+
+
+def fit_drift(run_dirs: list[str | Path]) -> DriftFit:
+    """Fit the frozen decay, its drift slope and the co-trained recovery on the recorded runs `run_dirs`."""
+    trajs = [read_trajectory(d) for d in run_dirs]
+    steps, log_loss, drift, rel_loss, recov, sat = [], [], [], [], [], 0.0
+    seen: set[tuple] = set()  # a frozen trajectory counts once (a bench's modes share one under the coupled rule)
+    for t in trajs:
+        if len(t.points) < 2:
+            continue
+        s0, f0, _, d0 = t.points[0]
+        a0 = math.log(alpha_for(min(f0, t.k + 1), t.k))
+        frozen = tuple((s, round(f, 3)) for s, f, _, _ in t.points)  # equal to 3 decimals: the same one
+        if frozen not in seen:
+            seen.add(frozen)
+            for s, f, _, d in t.points[1:]:
+                lf = math.log(alpha_for(min(f, t.k + 1), t.k))
+                steps.append(s - s0)
+                log_loss.append(lf - a0)
+                sat = max(sat, a0 - lf)
+                if d is not None and d0 is not None:
+                    drift.append(d - d0)
+                    rel_loss.append(f / f0 - 1)
+        if t.mode != "cotrained":
+            continue
+        for _, f, c, _ in t.points[1:]:  # every co-trained run counts: its co-trained drafter is its own
+            lf = math.log(alpha_for(min(f, t.k + 1), t.k))
+            if c is not None and a0 - lf >= MIN_LOSS:
+                lc = math.log(alpha_for(min(c, t.k + 1), t.k))
+                recov.append((lc - lf) / (a0 - lf))
+    if not steps:
+        raise ValueError("no recorded run measured its frozen drafter at two steps or more")
+    slope = _through_origin(steps, log_loss)
+    decay = Estimate(-slope.value, slope.se, slope.n)
+    ds = _through_origin(drift, rel_loss) if drift else None
+    drift_slope = Estimate(-ds.value, ds.se, ds.n) if ds else None
+    return DriftFit(decay, drift_slope, sat, _mean(recov), [t.run_dir for t in trajs])
+
+
+def marin_decay() -> float:
+    """Log-alpha lost per RL step by Marin's frozen drafter (k assumed 3)."""
+    a, b = alpha_for(MARIN["first"], MARIN["k"]), alpha_for(MARIN["last"], MARIN["k"])
+    return math.log(a / b) / MARIN["steps"]
+
+
+def frozen_log_loss(step: int, decay: float, floor: float | None) -> float:
+    """Log-alpha a frozen drafter has lost after `step` RL steps (at most `floor` where the loss saturates)."""
+    loss = decay * step
+    return min(loss, floor) if floor is not None else loss
+
+
+def project_gap(steps: int, fitted: DriftFit, alpha0: float, step_time: Callable[[float], float]) -> dict:
+    """The co-trained ÷ frozen speed over `steps` RL steps (frozen mean step time ÷ co-trained), an interval over
+    the decay's two ends (the miniature's, saturating at its largest loss; Marin's, not saturating) and the
+    recovery ± one standard error; `step_time(alpha)` is a step's seconds at per-token acceptance alpha."""
+    if not 1 <= steps <= 100_000:
+        raise ValueError(f"steps must be in 1..100000, got {steps}")
+    rec = fitted.recovery
+    rho = [min(1.0, max(0.0, rec.value + s * (rec.se if math.isfinite(rec.se) else 0.0))) for s in (-1, 1)]
+    ends = {"miniature": (fitted.decay.value, fitted.saturation), "marin": (marin_decay(), None)}
+    cases = []
+    for name, (decay, floor) in ends.items():
+        for r in rho:
+            fr = [alpha0 * math.exp(-frozen_log_loss(t, decay, floor)) for t in range(steps)]
+            co = [alpha0 * math.exp(-(1 - r) * frozen_log_loss(t, decay, floor)) for t in range(steps)]
+            gap = sum(map(step_time, fr)) / sum(map(step_time, co))
+            cases.append({"decay_end": name, "recovery": r, "gap": gap, "frozen_alpha_last": fr[-1],
+                          "cotrained_alpha_last": co[-1]})
+    gaps = [c["gap"] for c in cases]
+    return {"steps": steps, "gap_interval": [min(gaps), max(gaps)], "cases": cases, "label": "projection"}
+
+
+def step_time_curve(times: dict[float, float]) -> Callable[[float], float]:
+    """A step's seconds at any alpha, linear between the projected points `times` {alpha: seconds}."""
+    xs = sorted(times)
+    ys = [times[x] for x in xs]
+    return lambda a: float(np.interp(a, xs, ys))
+
+
+def scenario_step_time(sc: Scenario, alphas: tuple[float, ...] = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9)) -> Callable[[float], float]:
+    """`step_time(alpha)` for `project_gap`: the frozen drafter's mean projected step seconds of the Scenario `sc`
+    (2 steps each) at each of `alphas`, per-token acceptance held there, linear between them."""
+    times = {}
+    for a in alphas:
+        proj = simulate(replace(sc, steps=2, curve=DrafterCurve(alpha0=a, alpha_max=a, decay=0.0)))
+        times[a] = float(np.mean([r.step_s for r in proj.mode_rows("frozen")]))
+    return step_time_curve(times)
