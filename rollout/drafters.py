@@ -37,7 +37,7 @@ from tailspec.rollout.model_runner import (
 from tailspec.rollout.sampling import DRAFT, process, race, sample, uniforms
 from tailspec.rollout.slots import Batch
 from tailspec.rollout.strategy import Strategy
-from tailspec.rollout.tree import TreeDraft, select_dynamic, static_topology
+from tailspec.rollout.tree import TreeDraft, dynamic_layout, select_dynamic, static_topology
 
 
 class Proposer:
@@ -343,30 +343,33 @@ class Eagle3Proposer(Proposer):
         return torch.stack(drafts, 1), torch.stack(qs, 1)
 
     # -- trees -------------------------------------------------------------------------------------------------
-    def _children(self, logits: torch.Tensor, batch: Batch, d: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _children(self, logits: torch.Tensor, batch: Batch, d: int, width: int,
+                  log_race: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The `width` likeliest children of each node whose draft logits (draft vocabulary) are `logits` [n, T, Vd],
         at tree depth d + 1 (position L + d): (tokens [n, T, width], their log-probabilities [n, T, width]).
         Likeliest means by the draft distribution q the row samples with (temperature, top-k, top-p), or, under
-        the coupled rule, by q / e with the target's race noise e of that position, so the first child is the one
-        a chain would draft (a greedy row: by the raw logits). Deterministic given the context and the noise, so
-        the verify rules stay exact (rollout/sampling.py)."""
+        the coupled rule, by q / e with the target's race noise e of that position (`log_race`: log e of the step's
+        positions, taken once per tree), so the first child is the one a chain would draft (a greedy row: by the
+        raw logits). Deterministic given the context and the noise, so the verify rules stay exact
+        (rollout/sampling.py)."""
         z = self._to_target(logits)
-        lq = torch.log_softmax(z, -1)
-        if batch.any_sampled:
-            q = process(z, batch.temperature, batch.top_k, batch.top_p, True, batch.any_greedy,
-                        batch.any_truncated, batch.any_scaled)
-            lq_s = q.log()
-            if batch.race is not None:
-                rank_by = lq_s - batch.race[:, d, None].log()
-            else:
-                rank_by = lq_s
+        if not batch.any_sampled:
+            top = z.topk(width, dim=-1).indices
+            return top, torch.log_softmax(z, -1).gather(-1, top)
+        q = process(z, batch.temperature, batch.top_k, batch.top_p, True, batch.any_greedy,
+                    batch.any_truncated, batch.any_scaled)
+        lq = q.log()
+        rank_by = lq if log_race is None else lq - log_race[:, d, None]
+        if batch.any_greedy:  # greedy rows rank by the raw logits and score by the raw log-probabilities
             greedy = (batch.temperature == 0)[:, None, None]
             rank_by = torch.where(greedy, z, rank_by)
-            lq = torch.where(greedy, lq, lq_s)
-        else:
-            rank_by = z
+            lq = torch.where(greedy, torch.log_softmax(z, -1), lq)
         top = rank_by.topk(width, dim=-1).indices
         return top, lq.gather(-1, top)
+
+    @staticmethod
+    def _log_race(batch: Batch) -> torch.Tensor | None:
+        return batch.race.log() if batch.any_sampled and batch.race is not None else None
 
     @torch.inference_mode()
     def propose_tree(self, batch: Batch, strategy: Strategy) -> TreeDraft:
@@ -381,68 +384,71 @@ class Eagle3Proposer(Proposer):
             return self._dynamic_tree(batch, strategy)
         topo = static_topology(strategy, dev)
         m = topo.parent.shape[0]
-        tokens = torch.zeros(n, m, dtype=torch.long, device=dev)
+        log_race = self._log_race(batch)
+        tokens = torch.empty(n, m, dtype=torch.long, device=dev)
         tokens[:, 0] = batch.tokens.gather(1, (L - 1)[:, None])[:, 0]
-        hidden_of = torch.zeros(n, m, self.H, dtype=self.dtype, device=dev)
+        hidden_of = torch.empty(n, m, self.H, dtype=self.dtype, device=dev)  # a node's, once it has children
         hidden_of[:, 0] = self.next_hidden[:n]
         anc = topo.anc[None].expand(n, m, m)
+        start = L - 2
+        base = start[:, None]
         for d, level in enumerate(topo.levels):
             if d == 0:
                 logits = self.next_logits[:n, None]
             else:
                 w = level.expand.shape[0]
                 out = self._step_forward(hidden_of[:, level.expand_parent], tokens[:, level.expand],
-                                         (L[:, None] + d - 2).expand(n, w), slots=(L[:, None] - 2) + level.expand[None],
-                                         tree_start=L - 2, anc=anc[:, level.expand], max_pos=batch.max_length - 2 + m)
+                                         (base + d).expand(n, w), slots=base + level.expand, tree_start=start,
+                                         anc=level.anc_rows.expand(n, w, m), max_pos=batch.max_length - 2 + m)
                 hidden_of[:, level.expand] = out
                 logits = self.head(out)
-            top, _ = self._children(logits, batch, d, strategy.branching[d])
+            top, _ = self._children(logits, batch, d, strategy.branching[d], log_race)
             tokens[:, level.kids] = top[:, level.kid_source, level.kid_rank]
         return TreeDraft(tokens=tokens, parent=topo.parent[None].expand(n, m), depth=topo.depth[None].expand(n, m),
                          rank=topo.rank[None].expand(n, m), anc=anc, children=topo.children[None].expand(n, -1, -1))
 
     def _dynamic_tree(self, batch: Batch, strategy: Strategy) -> TreeDraft:
+        """EAGLE-2 drafting. Nodes are numbered by level: the root 0, the root's K children 1..K, then each later
+        level's K x K children in one block, the r-th child of the level's j-th expanded node at block offset
+        j * K + r. Each level is carried as block tensors (tokens, cumulative scores, the expanded nodes' drafter
+        outputs) and the whole tables are put together once at the end; ranks and depths depend on the shape only
+        (`tree.dynamic_layout`)."""
         n, L = batch.n, batch.lengths
         dev, K, D = L.device, strategy.topk, strategy.depth
-        m = 1 + K + (D - 1) * K * K  # every node drafted: the root, K children, then K x K per level
-        tokens = torch.zeros(n, m, dtype=torch.long, device=dev)
-        parent = torch.zeros(n, m, dtype=torch.long, device=dev)
-        rank = torch.zeros(n, m, dtype=torch.long, device=dev)
-        score = torch.full((n, m), float("-inf"), device=dev)
-        score[:, 0] = 0.0
-        depth = torch.zeros(m, dtype=torch.long, device=dev)
-        tokens[:, 0] = batch.tokens.gather(1, (L - 1)[:, None])[:, 0]
-        top, lq = self._children(self.next_logits[:n, None], batch, 0, K)
-        tokens[:, 1 : 1 + K], score[:, 1 : 1 + K] = top[:, 0], lq[:, 0]
-        rank[:, 1 : 1 + K] = torch.arange(K, device=dev)
-        depth[1 : 1 + K] = 1
-        hidden_of = torch.zeros(n, m, self.H, dtype=self.dtype, device=dev)
-        hidden_of[:, 0] = self.next_hidden[:n]
-        frontier = torch.arange(1, 1 + K, device=dev)[None].expand(n, K)  # the last level's node indices
-        anc_all = torch.zeros(n, m, m, dtype=torch.bool, device=dev)
-        anc_all[:, :, 0] = True
-        anc_all[:, torch.arange(m), torch.arange(m)] = True
-        rows = torch.arange(n, device=dev)[:, None]
+        layout = dynamic_layout(strategy, dev)
+        m = layout.depth.shape[1]
+        log_race = self._log_race(batch)
+        top, lq = self._children(self.next_logits[:n, None], batch, 0, K, log_race)
+        tok_f, score_f = top[:, 0], lq[:, 0]  # the frontier: the last level's block [n, F]
+        toks, scores, expanded = [batch.tokens.gather(1, (L - 1)[:, None]), tok_f], [score_f.new_zeros(n, 1), score_f], []
+        anc = layout.anc.expand(n, m, m).clone()  # each node and the root; a new block adds its parents' rows
+        start = L - 2
+        base = start[:, None]
+        out = self.next_hidden[:n, None]  # the drafter outputs of the nodes the last level expanded: the root's
+        first_f = 1  # the frontier block's first node
         for d in range(1, D):
             # expand the K likeliest nodes of the last level
-            pick = score.gather(1, frontier).topk(K, dim=-1).indices
-            nodes = frontier.gather(1, pick)  # [n, K]
-            out = self._step_forward(hidden_of[rows, parent[rows, nodes]], tokens[rows, nodes],
-                                     (L[:, None] + d - 2).expand(n, K), slots=(L[:, None] - 2) + nodes,
-                                     tree_start=L - 2, anc=anc_all[rows, nodes], max_pos=batch.max_length - 2 + m)
-            hidden_of[rows, nodes] = out
-            top, lq = self._children(self.head(out), batch, d, K)  # [n, K, K]
-            first = 1 + K + (d - 1) * K * K
-            new = torch.arange(first, first + K * K, device=dev)
-            tokens[:, new] = top.reshape(n, K * K)
-            score[:, new] = (score.gather(1, nodes)[:, :, None] + lq).reshape(n, K * K)
-            parent[:, new] = nodes.repeat_interleave(K, dim=1)
-            rank[:, new] = torch.arange(K, device=dev).repeat(K)[None]
-            depth[new] = d + 1
-            anc_all[:, new] = anc_all[rows, parent[:, new]]
-            anc_all[:, new, new] = True
-            frontier = new[None].expand(n, -1)
-        return select_dynamic(tokens, parent, depth[None].expand(n, m), rank, score, anc_all, strategy.nodes, K)
+            pick = score_f.topk(K, dim=-1).indices  # [n, K], offsets in the frontier block
+            nodes = pick + first_f
+            # a frontier node's parent is the (offset // K)-th node the last level expanded (the first level's: the root)
+            hidden = out.gather(1, (pick // K)[..., None].expand(n, K, self.H))
+            rows = anc.gather(1, nodes[..., None].expand(n, K, m))
+            out = self._step_forward(hidden, tok_f.gather(1, pick), (base + d).expand(n, K), slots=base + nodes,
+                                     tree_start=start, anc=rows, max_pos=batch.max_length - 2 + m)
+            top, lq = self._children(self.head(out), batch, d, K, log_race)  # [n, K, K]
+            first_f = 1 + K + (d - 1) * K * K
+            anc[:, first_f : first_f + K * K].view(n, K, K, m).logical_or_(rows[:, :, None])
+            score_f = (score_f.gather(1, pick)[:, :, None] + lq).reshape(n, K * K)
+            tok_f = top.reshape(n, K * K)
+            toks.append(tok_f)
+            scores.append(score_f)
+            expanded.append(nodes)
+        parent = layout.parent.expand(n, m)
+        if expanded:  # a block's parents: its level's expanded nodes, each K times
+            parent = torch.cat([parent[:, : 1 + K],
+                                torch.stack(expanded, 1)[..., None].expand(n, D - 1, K, K).reshape(n, m - 1 - K)], 1)
+        return select_dynamic(torch.cat(toks, 1), parent, layout.depth.expand(n, m), layout.rank.expand(n, m),
+                              torch.cat(scores, 1), anc, strategy.nodes, K)
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor, upto: int | None = None) -> None:
         self.kv_cache[dst, :, :upto] = self.kv_cache[src, :, :upto]  # upto None: every position

@@ -44,6 +44,7 @@ class Level:
     kids: torch.Tensor  # the children, at depth d + 1
     kid_source: torch.Tensor  # for each child, its parent's index in `expand`
     kid_rank: torch.Tensor  # and its sibling rank
+    anc_rows: torch.Tensor  # [1, len(expand), N + 1] bool: the expanded nodes' rows of the ancestor table
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ def static_topology(strategy: Strategy, device: torch.device) -> Topology:
             return torch.tensor(xs, dtype=torch.long, device=device)
 
         levels.append(Level(expand=t(expand), expand_parent=t([parents[i] for i in expand]), kids=t(kids),
-                            kid_source=t([where[parents[i]] for i in kids]), kid_rank=t([ranks[i] for i in kids])))
+                            kid_source=t([where[parents[i]] for i in kids]), kid_rank=t([ranks[i] for i in kids]),
+                            anc_rows=torch.tensor([anc[i] for i in expand], device=device).reshape(1, len(expand), n)))
     topo = Topology(
         parent=torch.tensor(parents, device=device), depth=torch.tensor(depth, device=device),
         rank=torch.tensor(ranks, device=device), anc=torch.tensor(anc, device=device),
@@ -102,6 +104,35 @@ def static_topology(strategy: Strategy, device: torch.device) -> Topology:
     )
     _TOPOLOGIES[key] = topo
     return topo
+
+
+@dataclass(frozen=True)
+class DynamicLayout:
+    """What a dynamic tree's drafted tables hold whatever the text, [1, M] (`Eagle3Proposer._dynamic_tree`'s node
+    numbering: the root, the root's K children, then a block of K x K children per later level)."""
+
+    depth: torch.Tensor  # long: each node's depth
+    rank: torch.Tensor  # long: its sibling rank (block offset mod K)
+    parent: torch.Tensor  # long, zeros: the root's and its children's parent (later blocks' are drafted)
+    anc: torch.Tensor  # [1, M, M] bool: each node itself and the root
+
+
+_LAYOUTS: dict[tuple[Strategy, torch.device], DynamicLayout] = {}
+
+
+def dynamic_layout(strategy: Strategy, device: torch.device) -> DynamicLayout:
+    """The shape-only tables of a dynamic tree, built once per (strategy, device)."""
+    key = (strategy, torch.device(device))
+    if key not in _LAYOUTS:
+        k, d = strategy.topk, strategy.depth
+        depth = [0] + [1] * k + [lv for lv in range(2, d + 1) for _ in range(k * k)]
+        rank = [0] + list(range(k)) + list(range(k)) * (k * (d - 1))
+        m = len(depth)
+        anc = torch.eye(m, dtype=torch.bool, device=device)
+        anc[:, 0] = True
+        _LAYOUTS[key] = DynamicLayout(depth=torch.tensor([depth], device=device), rank=torch.tensor([rank], device=device),
+                                      parent=torch.zeros(1, m, dtype=torch.long, device=device), anc=anc[None])
+    return _LAYOUTS[key]
 
 
 def children_table(parent: torch.Tensor, rank: torch.Tensor, width: int) -> torch.Tensor:
