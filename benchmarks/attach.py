@@ -12,7 +12,12 @@ Figures:
 - `idle_gpu_seconds`, `lent_gpu_seconds`, `reclaimed_share` (lent / idle): the scheduler's counters over the
   attached runs;
 - `wait_reclaimed_p99_s`: the 99th percentile of `wait_reclaimed` over every rank's steps;
-- `loss_curves_equal`: TRL's logged losses attached and unattached are identical.
+- `loss_curves_equal`: TRL's logged losses attached and unattached are identical;
+- `renewal_share_of_session_step`: the sessions' lease renewal threads' CPU time over their training steps' time;
+- `overhead_breakdown_lend`, `overhead_breakdown_no_lend`: per optimizer step, the overhead beside the attachment's
+  time on the trainer threads by cause and the host CPU beside the ranks (benchmarks/attach_costs.py);
+- `wait_reclaimed_parts`: the waits that had a session to stop, split at the scheduler's revoke and the session's
+  release (median and max of each part).
 """
 
 from __future__ import annotations
@@ -32,6 +37,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tailspec.benchmarks.attach_costs import (
+    breakdown,
+    descendants,
+    host_cpu,
+    parts_summary,
+    reclaim_parts,
+    trainer_seconds,
+)
 from tailspec.benchmarks.machine import machine
 from tailspec.core import state
 from tailspec.core.config import TailspecConfig
@@ -82,8 +95,13 @@ def local_scheduler(cfg: TailspecConfig, log_dir: Path, warm_timeout_s: float = 
 
 
 def run_trl(out: Path, *, ranks: int, steps: int, seed: int, dataset: str, policy: str, url: str | None = None,
-            cluster: str = "default", shared: Path | None = None, timeout_s: float = 600.0) -> list[dict]:
+            cluster: str = "default", shared: Path | None = None, timeout_s: float = 600.0,
+            prepare_policy: bool = True) -> list[dict]:
     """One torchrun of the TRL recipe (attached when `url` is given); each rank's JSON summary, rank 0 first.
+
+    `prepare_policy`: a preset policy missing from the cache is built here, once, before the ranks start and outside
+    `timeout_s` (minutes of pre-training on 2 cores), as the recipe's `--build-policy` does; the ranks then only load
+    it.
 
     Past `timeout_s` the whole process group (launcher and ranks) is killed and the error carries the log's
     tail, where every rank printed its stacks shortly before (--stack-dump-after): a hang names its place.
@@ -91,6 +109,8 @@ def run_trl(out: Path, *, ranks: int, steps: int, seed: int, dataset: str, polic
     used, with a warning: on a loaded machine a rank has hung in interpreter teardown (no Python frame left,
     a native destructor) after its work was done and written. So are the summaries of a run that crashed there
     (a rank aborted after the last summary was written)."""
+    if prepare_policy:
+        build_policy(policy)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
            str(_free_port()), "-m", "tailspec.integrations.trl_example", "--steps", str(steps), "--seed", str(seed),
            "--dataset", dataset, "--policy", policy, "--pin-cores", "--out", str(out),
@@ -114,6 +134,15 @@ def run_trl(out: Path, *, ranks: int, steps: int, seed: int, dataset: str, polic
               f"summaries used. Log: {log}", file=sys.stderr)
         return done
     return [json.loads(p.read_text()) for p in paths]
+
+
+def build_policy(policy: str) -> Path:
+    """The policy's directory; a preset missing from the cache is pre-trained first, in this process, as the recipe's
+    `--build-policy` does."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    from tailspec.tasks.policy import resolve_policy
+
+    return resolve_policy(policy)
 
 
 def _summaries(paths: list[Path]) -> list[dict] | None:
@@ -151,7 +180,7 @@ def _kill_run(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher's process group and every process descended from it, each with its own group:
     torchrun starts every rank in a new session (so that it can kill a rank's group), so killing the
     launcher's group alone left a rank hung in teardown running after the test suite ended."""
-    pids = _descendants(proc.pid)  # before the launcher dies and its ranks are re-parented
+    pids = descendants(proc.pid)  # before the launcher dies and its ranks are re-parented
     for pid in [proc.pid, *pids]:
         for kill in (os.killpg, os.kill):  # the group where the process leads one, the process itself
             try:
@@ -159,25 +188,6 @@ def _kill_run(proc: subprocess.Popen) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
     proc.wait()
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live process below `pid`, read from /proc (children before grandchildren)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(0), []):
-            found.append(c)
-            todo.append(c)
-    return found
 
 
 def _tail(path: Path, n: int) -> str:
@@ -212,7 +222,7 @@ def run(args: argparse.Namespace) -> dict:
     import redis
 
     from tailspec.redis_server import start_redis
-    from tailspec.tasks.policy import cached_policy, resolve_policy
+    from tailspec.tasks.policy import cached_policy
 
     out = sys.stderr if args.json else sys.stdout
     server = None if args.redis else start_redis()
@@ -226,8 +236,9 @@ def run(args: argparse.Namespace) -> dict:
         if cached_policy(args.policy) is None:
             # here, with its progress bar, rather than silently inside the first run's ranks (minutes on 2 cores)
             print(f"  the {args.policy} policy is not cached: pre-training it first", file=out)
-            resolve_policy(args.policy)
-        reps = [_repeat(i, r, url, work, args.ranks, kw, out) for i in range(args.repeats)]
+            build_policy(args.policy)
+        redis_pid = server.pid if server is not None else None
+        reps = [_repeat(i, r, url, work, args.ranks, kw, out, redis_pid) for i in range(args.repeats)]
         result = {"device": machine(), "ranks": args.ranks, "steps": args.steps, "seed": args.seed,
                   "dataset": args.dataset, "policy": args.policy, "telemetry": "simulated", "repeats": args.repeats,
                   **summarize(reps)}
@@ -235,7 +246,18 @@ def run(args: argparse.Namespace) -> dict:
               + " / ".join(f"{x:+.1%}" for x in result["attach_overhead_runs"])
               + f"); lending off {result['attach_overhead_no_lend']:+.1%}; reclaimed {result['reclaimed_share']:.0%} "
               f"of {result['idle_gpu_seconds']:.2f} idle GPU-s, wait_reclaimed p99 "
-              f"{result['wait_reclaimed_p99_s']:.3f} s, loss curves equal: {result['loss_curves_equal']}", file=out)
+              f"{result['wait_reclaimed_p99_s']:.3f} s, loss curves equal: {result['loss_curves_equal']}; "
+              f"renewals {result['renewal_share_of_session_step']:.2%} of the sessions' step time", file=out)
+        parts = result["wait_reclaimed_parts"]
+        print(f"  wait_reclaimed with a session to stop ({parts['waits']} waits), median / max s: "
+              + ", ".join(f"{k} {parts[k]['median']:.3f} / {parts[k]['max']:.3f}"
+                          for k in ("scheduler", "session", "trainer")), file=out)
+        for name in ("lend", "no_lend"):
+            b = result[f"overhead_breakdown_{name}"]
+            print(f"  per step, lending {'on' if name == 'lend' else 'off'}: overhead {b['overhead_s']:+.3f} s; trainer "
+                  "threads " + ", ".join(f"{c} {v:.3f}" for c, v in b["trainer_thread_s"].items())
+                  + f" (sum {b['trainer_thread_total_s']:.3f}); unlocated {b['unlocated_s']:+.3f} s; host CPU "
+                  + ", ".join(f"{c} {v:.3f}" for c, v in b["host_cpu_s"].items()) + " CPU-s", file=out)
         return result
     finally:
         r.close()
@@ -243,19 +265,24 @@ def run(args: argparse.Namespace) -> dict:
             server.stop()
 
 
-def _repeat(i: int, r, url: str, work: Path, ranks: int, kw: dict, out) -> dict:
+def _repeat(i: int, r, url: str, work: Path, ranks: int, kw: dict, out, redis_pid: int | None) -> dict:
     """One repeat: the unattached run, then attached with lending on and off, one after another (the three are
-    compared within a repeat: the machine's drift between repeats stays out of each ratio)."""
+    compared within a repeat: the machine's drift between repeats stays out of each ratio). The host CPU beside the
+    ranks is read around each attached run (benchmarks/attach_costs.py)."""
     base = run_trl(work / f"plain-{i}.json", **kw)
-    got = {"base": base}
+    got: dict = {"base": base}
     for lend in (True, False):
-        cluster = f"attach-{'lend' if lend else 'nolend'}-{i}"
+        name = "lend" if lend else "nolend"
+        cluster = f"attach-{name}-{i}"
         shared = work / cluster
         with local_scheduler(scheduler_config(url, cluster, shared, ranks, lend=lend), shared / "logs"):
+            before = host_cpu(redis_pid)
             summ = run_trl(work / f"{cluster}.json", url=url, cluster=cluster, shared=shared, **kw)
-        got["lend" if lend else "nolend"] = summ
+            got[f"cpu_{name}"] = host_cpu(redis_pid) - before
+        got[name] = summ
         if lend:
             got["counters"] = {k.decode(): float(v) for k, v in r.hgetall(state.key(cluster, "counters")).items()}
+            got["reclaim_parts"] = reclaim_parts(r, cluster, summ[0]["tailspec"]["waits"])
     print(f"  repeat {i + 1}: unattached {step_seconds(base[0]):.3f} s/step, lending on "
           f"{step_seconds(got['lend'][0]):.3f}, off {step_seconds(got['nolend'][0]):.3f}", file=out)
     return got
@@ -271,6 +298,9 @@ def summarize(reps: list[dict]) -> dict:
     waits = [w["waited_s"] for x in reps for s in x["lend"] for w in s["tailspec"]["waits"]]
     over = [a / b - 1 for a, b in zip(att, base)]
     over_off = [a / b - 1 for a, b in zip(nolend, base)]
+    renew = sum(x["counters"].get("session_renew_seconds", 0.0) for x in reps)
+    trained = sum(x["counters"].get("session_train_seconds", 0.0) for x in reps)
+    steps = max(1, len(losses(reps[0]["base"][0]))) if reps else 1
     return {
         "step_s_unattached": statistics.median(base), "step_s_attached": statistics.median(att),
         "step_s_attached_no_lend": statistics.median(nolend),
@@ -281,4 +311,14 @@ def summarize(reps: list[dict]) -> dict:
         "sessions": int(sum(x["counters"].get("sessions_started", 0) for x in reps)),
         "samples": sum(s["tailspec"]["samples"] for x in reps for s in x["lend"]),
         "loss_curves_equal": all(losses(x["base"][0]) == losses(x["lend"][0]) == losses(x["nolend"][0]) for x in reps),
+        # the sessions' lease renewal threads' CPU time / their training steps' time
+        "renewal_share_of_session_step": renew / trained if trained else 0.0,
+        "session_renew_seconds": renew, "session_train_seconds": trained,
+        "wait_reclaimed_parts": parts_summary([p for x in reps for p in x["reclaim_parts"]]),
+        "overhead_breakdown_lend": breakdown([a - b for a, b in zip(att, base)],
+                                             [trainer_seconds(x["lend"]) for x in reps],
+                                             [x["cpu_lend"] for x in reps], steps),
+        "overhead_breakdown_no_lend": breakdown([a - b for a, b in zip(nolend, base)],
+                                                [trainer_seconds(x["nolend"]) for x in reps],
+                                                [x["cpu_nolend"] for x in reps], steps),
     }

@@ -13,12 +13,17 @@ Set-up (the main job's: the demo's policy preset and its bootstrap drafter, cach
   delayed by the other sessions' chunks, as when they train at once; no validations, no Redis): the asynchronous
   merge rule's cost without the timing, deterministic to the last digit (`run_alternating`).
 
+With `--drafter-shape 8b` (or `70b`) it measures instead a round's gradient exchange at that policy's EAGLE-3 head
+(benchmarks/round_exchange.py): `round_exchange_s` as {files, collective} × {2, 4 members}; target: the collective
+at most a third of the files' time at 4 members.
+
 Printed (JSON keys): `acceptance_before` (starting drafter), `acceptance_after_one` / `acceptance_after_two`
 (the lineage head after (a) / (b)): expected acceptance length at k (default 4) on held-out rollouts of v1
 that were never in the stream, with v1 as teacher; `merges` (merges into the head in (b); rounds: heads published),
 `merges_one`;
 `first_promotion_s` / `first_promotion_s_one`: from the sessions' start to the first promoted candidate
-(null: none promoted). Targets: after_two ≥ after_one − 0.05; both ≥ before + 0.5.
+(null: none promoted); `transport`: the engine a round's gradients are exchanged on (torch.distributed and its
+backend). Targets: after_two ≥ after_one − 0.05; both ≥ before + 0.5.
 """
 
 from __future__ import annotations
@@ -61,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the sessions in one process, taking turns one merge chunk each, instead of as concurrent "
                         "processes: the same delay per merge, none of the timing (deterministic; no validations). "
                         "It measures the asynchronous merge (trainer.merge_rule async): rounds need concurrent members")
+    p.add_argument("--drafter-shape", choices=("8b", "70b"), default=None,
+                   help="measure only a round's gradient exchange (files vs collective, 2 and 4 members) at the EAGLE-3 "
+                        "head of this policy size, random weights and synthetic gradients")
+    p.add_argument("--exchange-rounds", type=int, default=3, help="rounds per exchange figure (--drafter-shape)")
+    p.add_argument("--exchange-dir", default=None, help="where the files exchange writes (--drafter-shape; default: "
+                   "the system's temp directory)")
 
 
 def rollouts(model, tok, cfg, n: int, seed: int, version: int, max_seq_len: int = 640) -> tuple[list, list[Sample]]:
@@ -250,6 +261,12 @@ def run(args: argparse.Namespace) -> dict:
     from tailspec.demo.options import apply_demo_trainer
     from tailspec.tasks.policy import load_policy, resolve_policy
 
+    if args.drafter_shape is not None:
+        # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+        from tailspec.benchmarks.round_exchange import measure
+
+        out = measure(args.drafter_shape, args.exchange_rounds, Path(args.exchange_dir) if args.exchange_dir else None)
+        return {**out, "transport": transport()}
     if args.sessions < 2 or args.steps % args.sessions:
         raise SystemExit(f"--sessions must be at least 2 and divide --steps ({args.steps}); got {args.sessions}")
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
@@ -287,11 +304,21 @@ def run(args: argparse.Namespace) -> dict:
                   f"acceptance {after:.3f}; promotions {res['promotions']}/{res['candidates']}, first after "
                   f"{res['first_promotion_s'] if res['first_promotion_s'] is None else round(res['first_promotion_s'], 1)} s",
                   file=sys.stderr, flush=True)
-    return _result(args, rewards, before, before_v0, out[1], out[args.sessions])
+    rule = "async" if args.alternate else cfg.trainer.merge_rule
+    return _result(args, rewards, before, before_v0, out[1], out[args.sessions], rule)
+
+
+def transport() -> str:
+    """The engine a round's gradients are exchanged on, on this machine (drafter_trainer/collective.py)."""
+    # deferred: torch (the CLI imports every bench module to build its parser)
+    import torch
+    from tailspec.drafter_trainer.collective import backend_for
+
+    return f"torch.distributed/{backend_for(torch.device('cuda' if torch.cuda.is_available() else 'cpu'))}"
 
 
 def _result(args: argparse.Namespace, rewards: list[float], before: float, before_v0: float, one: dict,
-            two: dict) -> dict:
+            two: dict, rule: str) -> dict:
     result = {
         "preset": args.preset, "k": args.k, "steps": args.steps, "grpo_steps": args.grpo_steps,
         "sessions": args.sessions, "mode": "alternate" if args.alternate else "concurrent",
@@ -303,6 +330,8 @@ def _result(args: argparse.Namespace, rewards: list[float], before: float, befor
         "first_promotion_s": two["first_promotion_s"], "first_promotion_s_one": one["first_promotion_s"],
         "promotions_one": one["promotions"], "promotions_two": two["promotions"],
         "seconds_one": one["seconds"], "seconds_two": two["seconds"],
+        "merge_rule": rule,
+        "transport": transport() if rule == "rounds" else "files (the lineage head's merges)",
         "target_merge_cost_met": two["after"] >= one["after"] - 0.05,
         "target_gain_met": min(one["after"], two["after"]) >= before + 0.5,
     }

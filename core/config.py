@@ -178,11 +178,15 @@ class TrainerConfig(_Section):
                                      "moments this often (and in the merge a stop makes); the merges between "
                                      "carry the head's, a few merges old (1: every merge writes its own)")
     merge_rule: Literal["async", "rounds"] = Field(
-        "async", description="how contributors combine their work: `async` merges each session's local steps into "
-        "the head (lineage.py); `rounds` takes one optimizer step per round over every contributor's gradient "
-        "(rounds.py; needs Redis and the torch backend; the demo's setting)")
+        "rounds", description="how contributors combine their work: `rounds` (default) takes one optimizer step per "
+        "round over every contributor's gradient, exchanged over a collective (rounds.py; needs Redis and the torch "
+        "backend: a lineage without Redis, or the DeepSpeed backend, merges `async`); `async` merges each session's local steps into the head "
+        "(lineage.py)")
     round_wait: float = Field(2.0, ge=0, le=100, description="rounds: a round closes when every member is in, or "
                               "this many times its first entry's compute time after that entry")
+    round_timeout_s: float = Field(10.0, gt=0, le=3600, description="rounds: each collective of a round (the "
+                                   "rendezvous, a joiner's catch-up, the all-reduce) and its commit vote waits at "
+                                   "most this, or round_wait x the round's compute time when that is longer")
     round_max_lr_scale: float = Field(2.0, ge=1, le=64, description="rounds: a round steps at lr x the sum of its "
                                       "entries' batch shares, at most this (linear scaling, capped)")
     merge_outer_lr: float = Field(1.0, gt=0, le=2, description="outer step: head += merge_outer_lr * (local - base)")

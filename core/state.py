@@ -315,7 +315,8 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("session", "session:{session_id}", "string", "trainer session", SessionInfo,
                 "a training session's status, step and loss"),
         KeySpec("sessions", "sessions", "set", "scheduler", None, "ids of all sessions"),
-        KeySpec("revoke", "revoke:{node}:{gpu}", "string", "scheduler", None, "revocation flag (fencing token)"),
+        KeySpec("revoke", "revoke:{node}:{gpu}", "string", "scheduler", None,
+                "revocation flag (fencing token); the revoke also PUBLISHes the token on a channel of this name"),
         KeySpec("samples", "samples", "stream", "RL framework (client)", Sample,
                 "capped stream of rollout samples, field 'data'"),
         KeySpec("dropped", "dropped", "hash", "drafter trainer / client", None,
@@ -345,7 +346,10 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("lineage_contributions", "lineage:contributions", "hash", "drafter trainer (lineage)", None,
                 "'{session}:steps' → optimizer steps (rounds: entries) merged, '{session}:seq' → last merge"),
         KeySpec("lineage_rounds", "lineage:rounds", "hash", "drafter trainer (rounds)", None, "'open' → round "
-                "taking gradients; '{r}:in' → its entries [{s, n, t, w, f}], '{r}:dl' → deadline, '{r}:closed'"),
+                "taking entries; '{r}:in' → its entries [{s, p, t, w, a}], '{r}:dl' → deadline, '{r}:closed', "
+                "'{r}:g' → its process group, '{r}:mode', '{r}:votes', '{r}:commit' (1 applied, 0 failed, 2 lost); "
+                "'last', 'holders' → the newest applied round and who holds it; 'failed'; 'group:*'. A group's "
+                "rendezvous keys are strings under 'lineage:rounds:collective:{group}/', expiring"),
         KeySpec("lineage_members", "lineage:members", "hash", "drafter trainer (rounds)", None,
                 "session → JSON {hb: last seen (Redis TIME), joined: first round it is waited for in}"),
         KeySpec("rollout_stats", "history:rollout", "stream", "rollout worker", RolloutStats,
@@ -353,7 +357,8 @@ KEYS: dict[str, KeySpec] = {
         KeySpec("counters", "counters", "hash", "scheduler, sessions", None,
                 "float counters: idle_gpu_seconds, lent_gpu_seconds, sessions_started/stopped/preempted/declined, "
                 "drafter_guard_trips; each finished session adds session_ready_seconds, session_train_seconds (of "
-                "it session_round_wait_seconds), session_validate_seconds, session_seconds"),
+                "it session_round_wait_seconds), session_validate_seconds, session_seconds, session_renew_seconds (its "
+                "lease renewal thread's CPU)"),
         KeySpec("events", "history:events", "stream", "any", Event, "capped event log, field 'data'"),
         KeySpec("scheduler_heartbeat", "scheduler:heartbeat", "string", "scheduler (leader)", None,
                 "time.time() of the leading scheduler's last loop, PX-expiring; written with the leader key's "

@@ -1,8 +1,9 @@
 """One drafter lineage that every session on every lent GPU contributes to: elastic, preemptible local SGD.
 
-GPUs are lent and taken back at second granularity, so the set of sessions changes all the time. A
-synchronous process group would have to be re-formed on every change (seconds each, longer than many
-tails), so contributors never talk to each other: they meet only at the lineage head.
+GPUs are lent and taken back at second granularity, so the set of sessions changes all the time. Under the
+asynchronous rule (`trainer.merge_rule = async`, this module's merge) contributors never talk to each other: they
+meet only at the lineage head. The synchronous rounds (rounds.py, the default) publish their heads through the same
+record and compare-and-swap, and exchange gradients over a process group per round's participant set.
 
 - **head**: the record `lineage:head` (LineageHead: number, path, merged steps) in Redis, naming a
   directory `ROOT/head-<number>-<session>-<seq>/` in the checkpoint format (drafter weights,
@@ -49,11 +50,9 @@ the same total steps. Two things depend on it, and neither on anything else:
 With one contributor no merge is delayed, so both rules are inert and the lineage is plain sequential
 training, bit for bit.
 
-The merge is built here on Redis + safetensors rather than on torchft: torchft's LocalSGD/DiLoCo
-synchronise a fixed replica group through a lighthouse and collective all-reduce at every outer step,
-which needs every member present at the same moment; here members come and go independently, most
-outer steps have one contributor, and a merge must survive its contributor's SIGKILL and Redis failover.
-See docs/architecture.md.
+The merge is built on Redis + safetensors: members come and go independently, most outer steps have one
+contributor, and a merge must survive its contributor's SIGKILL and Redis failover. Why the rounds' exchange uses
+torch.distributed directly rather than torchft: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -56,8 +56,10 @@ def step_mask(lengths: torch.Tensor, prompt_lens: torch.Tensor, i: int, anchors:
 
 
 def unroll(drafter: Eagle3Module, aux: torch.Tensor, ids: torch.Tensor, steps: int,
-           check: Callable[[], None] | None = None):
-    """Yield (i, draft_logits [B, A, draft_vocab]) for unroll steps i = 0..steps-1 over anchors 0..A-1."""
+           check: Callable[[], None] | None = None, backward_check: Callable[[], None] | None = None):
+    """Yield (i, draft_logits [B, A, draft_vocab]) for unroll steps i = 0..steps-1 over anchors 0..A-1. `check` runs
+    before each step; `backward_check` (where gradients are taken) runs in the backward pass as it reaches each step,
+    and may raise to abandon the backward (the gradients it accumulated so far are then partial)."""
     b, t = ids.shape
     anchors = t - 1
     hidden = drafter.project(aux[:, :anchors])
@@ -67,7 +69,16 @@ def unroll(drafter: Eagle3Module, aux: torch.Tensor, ids: torch.Tensor, steps: i
         if check is not None:
             check()
         logits, hidden = drafter.ttt_step(hidden, step_inputs(ids, i, anchors), base + i, state)
+        if backward_check is not None and hidden.requires_grad:
+            hidden.register_hook(_backward_hook(backward_check))
         yield i, logits
+
+
+def _backward_hook(check: Callable[[], None]) -> Callable[[torch.Tensor], None]:
+    def hook(_grad: torch.Tensor) -> None:
+        check()  # returns nothing: the gradient passes unchanged
+
+    return hook
 
 
 @dataclass
@@ -86,15 +97,17 @@ def soft_ce(draft_logits: torch.Tensor, teacher_logits_draft: torch.Tensor) -> t
 def ttt_loss(drafter: Eagle3Module, aux: torch.Tensor, teacher_logits: torch.Tensor, ids: torch.Tensor,
              lengths: torch.Tensor, prompt_lens: torch.Tensor, weights: torch.Tensor, steps: int = 3,
              decay: float = 0.8, check: Callable[[], None] | None = None,
-             denominators: list[float] | None = None) -> LossOutput:
+             denominators: list[float] | None = None,
+             backward_check: Callable[[], None] | None = None) -> LossOutput:
     """The TTT loss of the module doc. `denominators` (step_token_counts of the whole batch) replace this
-    batch's own token counts, so the losses of a batch's micro-batches sum to the batch's loss."""
+    batch's own token counts, so the losses of a batch's micro-batches sum to the batch's loss. `check` and
+    `backward_check`: `unroll`'s."""
     anchors = ids.shape[1] - 1
     keep = drafter.draft_ids_in_target()
     total = aux.new_zeros((), dtype=torch.float32)
     step_losses, step_acc, tokens = [], [], 0
     w = weights.to(aux.device).float()[:, None]
-    for i, logits in unroll(drafter, aux, ids, steps, check):
+    for i, logits in unroll(drafter, aux, ids, steps, check, backward_check):
         target = step_targets(teacher_logits, i, anchors)[..., keep]
         m = step_mask(lengths.to(ids.device), prompt_lens.to(ids.device), i, anchors).float()
         n = m.sum()

@@ -2,42 +2,51 @@
 
 The asynchronous lineage (lineage.py) lets each session take its own AdamW steps and merge deltas; a delta that
 lands after another contributor's is computed on weights that miss that work, and each contributor's step is
-normalised on its own batch. Two contributors then end below one session at the same total steps, while one step
-on both batches at twice the lr gains as much as two steps. Rounds
-take that step: every member computes a gradient at the same weights, the round combines them, and every member
-applies the same AdamW step, so members hold the same weights and moments at all times.
+normalised on its own batch. Rounds take one step over all of them: every member computes a gradient at the same
+weights, the round sums them over a collective, and every member applies the same AdamW step, so members hold the
+same weights and moments at all times.
 
-- **Round log.** Redis hash `lineage:rounds`: `open` is the round taking gradients; `{r}:in` lists its entries
-  (session, entry name, tokens, batch share, fresh). An entry's gradient is a safetensors file
-  `ROOT/rounds/<session>-<entry name>.safetensors`, in place (temp file, rename) before its entry is added, so
-  an entry is whole or absent. Round r's step: the entries' per-token-mean gradients averaged by tokens (in session, entry
-  order: the same sum in every member), clipped, one AdamW step at lr × min(Σ shares, trainer.round_max_lr_scale)
-  (linear scaling; a step cut short by a stop has share < 1).
-- **Closing.** A round closes (one Lua script, atomically) when every member waited for has a fresh entry in it,
-  or when its deadline passes: trainer.round_wait × the first entry's compute time after that entry. Members are
-  `lineage:members` (heartbeat, the round of their first entry: a joiner is not waited for before it has one);
-  one not seen for MEMBER_TTL_S is not waited for (it was killed: a stop leaves explicitly). An entry that finds its round closed goes into the open round, one round
-  stale, and its member computes a fresh one there too: no gradient is lost, none is applied twice.
-- **Heads are snapshots of the log.** The member whose entry closed a round publishes the head (weights and
-  moments as of that round, `LineageHead.round`) when trainer.merge_every_steps rounds have closed since the head,
-  and a leaving member publishes what it applied: a compare-and-swap on the head's number, fenced by the lease like
-  a merge, that adds each session's entries to `lineage:contributions`. A joining member pulls the head and replays
-  the rounds after it from the log, bit for bit what the others computed. Rounds up to the head before the new one
-  are then collected (their files and fields).
-- **Leaving.** A session leaves at each stop (validation, lend over): it is no longer waited for, any round holding
-  its entry is applied, and its work is published. It rejoins at its next run.
+- **Round log (Redis).** Hash `lineage:rounds`: `open` is the round taking entries; `{r}:in` lists its entries
+  (session, process tag, tokens, batch share, and `a`: the round the member's weights are before). A round closes
+  (one Lua script, atomically) when every member waited for has an entry in it, or when its deadline passes:
+  trainer.round_wait × the first entry's compute time after that entry. Members are `lineage:members` (heartbeat,
+  the round of their first entry: a joiner is not waited for before it has one); one not seen for MEMBER_TTL_S is
+  not waited for (it was killed: a stop leaves explicitly). An entry that finds its round closed goes into the open
+  round, one round stale.
+- **Exchange (collective.py).** The closed round's entries, in session order, are the ranks of a process group
+  (gloo; NCCL on CUDA) that meets through Redis and is kept while the participant set stays the same (`{r}:g`
+  names it). Participants whose weights are behind the newest among them (a joiner, a member whose entry was
+  late) first receive that member's weights, AdamW moments and counters by broadcast. Then one all-reduce sums the
+  gradients, each pre-weighted by its entry's share of the round's tokens (per-token means averaged by tokens),
+  and the step is one AdamW step at lr × min(Σ shares, trainer.round_max_lr_scale) (linear scaling; a step cut
+  short by a stop has share < 1). One participant alone takes its own gradient as it is: one member is plain
+  sequential training, bit for bit.
+- **Commit.** Each participant votes (one Lua script) whether its collectives completed; the round is applied only
+  when every participant voted yes, and the first no or the voting's timeout decides it failed, once for all. A
+  failed round (a member SIGKILLed or silent inside it) is lost whole: the survivors' weights are those before it,
+  the same at every one of them, and they go on with the next round in a new group. Every collective and the vote
+  wait at most max(trainer.round_timeout_s, trainer.round_wait × the compute time): no member hangs.
+- **The newest state.** Rounds are decided in order (a round's exchange first waits for the one before it), and
+  the log keeps the newest applied round and the participants that hold its state (`last`, `holders`). A round
+  none of whose participants holds that state is decided once (`{r}:mode`, by the first participant to ask): its
+  entries move on to the open round while a holder is a live member (it is waited for there), and otherwise its
+  participants go on from the head (the holders were killed before publishing: the rounds after the head are lost).
+- **Heads (files).** The member whose entry (or poll) closed a round publishes the head (weights and moments as of
+  that round, `LineageHead.round`) when trainer.merge_every_steps rounds have closed since the head, and a leaving
+  member publishes what it applied: a compare-and-swap on the head's number, fenced by the lease like a merge, that
+  adds each session's entries to `lineage:contributions`. A joining member pulls the head; the members catch it up
+  in its first round. Rounds up to the head before the new one are then collected (their fields in the log).
+- **Leaving.** A session leaves at each stop (validation, lend over): it is no longer waited for, and its work is
+  published. It rejoins at its next run.
 
-One contributor is plain sequential training (every round closes at its entry; lr × 1), up to the files written.
-The exchange is files on the lineage's filesystem and Redis round trips, sized for the miniature's drafters (a few
-MB of gradient a step); a cluster's GPU drafters would carry the same protocol over a collective instead. Rounds
-need Redis and the torch backend.
+When every member is gone, the rounds since the last head are lost (nobody holds them); the next member starts from
+the head. Rounds need Redis and the torch backend.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 import uuid
@@ -45,13 +54,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from tailspec.core import state
 from tailspec.core.config import TrainerConfig
 from tailspec.core.state import LineageHead
 from tailspec.drafter_trainer import lineage as lineage_module
 from tailspec.drafter_trainer.checkpoint import write_checkpoint_dir
+from tailspec.drafter_trainer.collective import CollectiveFailed, Exchange, flatten, unflatten
 from tailspec.drafter_trainer.lineage import (
     FENCE_LUA,
     FENCED,
@@ -64,9 +72,10 @@ from tailspec.drafter_trainer.lineage import (
 
 log = logging.getLogger(__name__)
 
+APPLIED, FAILED, CARRIED = 1, 0, 2  # a round's outcome for a participant
+MAX_CARRIES = 20  # an entry behind the newest state moves on at most this many rounds (each one deadline) for a holder
 MEMBER_TTL_S = 5.0  # a member not seen this long (no entry, no poll) is not waited for: it was killed
-ORPHAN_AGE_S = 60.0  # a gradient file no round names, this old, was written by a member killed before its entry
-POLL_S = 0.002  # a waiting member asks whether its round closed this often (one local Redis round trip)
+POLL_S = 0.002  # a waiting member asks whether its round closed (or was decided) this often: one local round trip
 
 _LIB = """
 local function now() local t = redis.call('TIME') return tonumber(t[1]) + tonumber(t[2]) / 1e6 end
@@ -79,7 +88,7 @@ local function complete(r, t, ttl)
   local es = entries(r)
   if #es == 0 then return false end
   local have = {}
-  for _, e in ipairs(es) do if e['f'] == 1 then have[e['s']] = true end end
+  for _, e in ipairs(es) do have[e['s']] = true end
   local m = redis.call('HGETALL', KEYS[2])
   for i = 1, #m, 2 do
     local info = cjson.decode(m[i + 1])
@@ -88,6 +97,16 @@ local function complete(r, t, ttl)
   return true
 end
 local function close(r)
+  local ids = {}
+  for _, e in ipairs(entries(r)) do table.insert(ids, e['s'] .. ':' .. e['p']) end
+  table.sort(ids)
+  local set = table.concat(ids, ',')
+  if #ids > 1 then
+    if redis.call('HGET', KEYS[1], 'group:set') ~= set then
+      redis.call('HSET', KEYS[1], 'group:set', set, 'group:id', redis.call('HINCRBY', KEYS[1], 'group:n', 1))
+    end
+    redis.call('HSET', KEYS[1], r .. ':g', redis.call('HGET', KEYS[1], 'group:id'))
+  end
   redis.call('HSET', KEYS[1], r .. ':closed', 1)
   redis.call('HSET', KEYS[1], 'open', r + 1)
 end
@@ -112,11 +131,9 @@ local t = now()
 local open = open_round(ARGV[4])
 local r = tonumber(ARGV[1])
 if r > open then return {-4, open, 0} end
-local e = cjson.decode(ARGV[2])
-e['f'] = 1
-if r < open then e['f'] = 0 r = open end
+if r < open then r = open end
 local es = entries(r)
-table.insert(es, e)
+table.insert(es, cjson.decode(ARGV[2]))
 redis.call('HSET', KEYS[1], r .. ':in', cjson.encode(es))
 if #es == 1 then redis.call('HSET', KEYS[1], r .. ':dl', t + tonumber(ARGV[5])) end
 seen(ARGV[3], t, r)
@@ -150,6 +167,32 @@ if o and complete(tonumber(o), now(), tonumber(ARGV[2])) then close(tonumber(o))
 return 0
 """
 
+# KEYS rounds. ARGV round, vote (1 its collectives completed, 0 not, -1 no vote: the voting's time is up, 2 its
+# entries move on to the open round: no participant could be caught up), participants, their sessions (JSON). → 1 applied, 0 failed (decided once: the first no or timeout), -1 undecided.
+# An applied round is the newest state (`last`, held by `holders`); a failed round is counted (`failed`) and its group
+# is not used again.
+_VOTE = """
+local r = ARGV[1]
+local d = redis.call('HGET', KEYS[1], r .. ':commit')
+if d then return tonumber(d) end
+if ARGV[2] == '1' then
+  if redis.call('HINCRBY', KEYS[1], r .. ':votes', 1) < tonumber(ARGV[3]) then return -1 end
+  redis.call('HSET', KEYS[1], r .. ':commit', 1)
+  if tonumber(redis.call('HGET', KEYS[1], 'last') or '0') < tonumber(r) then
+    redis.call('HSET', KEYS[1], 'last', r, 'holders', ARGV[4])
+  end
+  return 1
+end
+if ARGV[2] == '-1' and redis.call('HEXISTS', KEYS[1], r .. ':in') == 0 then return 0 end
+redis.call('HSET', KEYS[1], r .. ':commit', 0)
+if ARGV[2] == '2' then return 0 end
+redis.call('HINCRBY', KEYS[1], 'failed', 1)
+if redis.call('HGET', KEYS[1], 'group:id') == redis.call('HGET', KEYS[1], r .. ':g') then
+  redis.call('HDEL', KEYS[1], 'group:set', 'group:id')
+end
+return 0
+"""
+
 # KEYS head, contributions, lease|'', revoke|''. ARGV expected head number, new head JSON, -, -, -, -, token,
 # counts JSON {session: entries}. → {code, head number now}
 _PUBLISH = FENCE_LUA + """
@@ -163,154 +206,290 @@ for sid, n in pairs(cjson.decode(ARGV[8])) do redis.call('HINCRBY', KEYS[2], sid
 return {1, num + 1}
 """
 
+# KEYS rounds, members. ARGV round, newest `a` among its entries, ttl s, head round. → how round r is exchanged,
+# decided once (the first participant to ask; the others read it): 'go' (a participant holds the newest state: it
+# catches the others up), 'carry' (none does, and a live member outside the round does: the entries move on to the
+# open round), 'head' (the head holds it: every participant goes on from the head), 'lost' (nobody alive holds it:
+# the rounds after the head are lost, marked 2, and every participant goes on from the head).
+_MODE = """
+local r = ARGV[1]
+local m = redis.call('HGET', KEYS[1], r .. ':mode')
+if m then return m end
+local last = tonumber(redis.call('HGET', KEYS[1], 'last') or '0')
+local h = tonumber(ARGV[4])
+if tonumber(ARGV[2]) > last then
+  m = 'go'
+else
+  m = 'head'
+  if h < last then
+    local t = redis.call('TIME')
+    local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+    for _, sid in ipairs(cjson.decode(redis.call('HGET', KEYS[1], 'holders') or '[]')) do
+      local info = redis.call('HGET', KEYS[2], sid)
+      if info and now - tonumber(cjson.decode(info)['hb']) <= tonumber(ARGV[3]) then m = 'carry' end
+    end
+    if m == 'head' then
+      for q = h + 1, last do
+        if redis.call('HGET', KEYS[1], q .. ':commit') == '1' then redis.call('HSET', KEYS[1], q .. ':commit', 2) end
+      end
+      redis.call('HSET', KEYS[1], 'last', h, 'holders', '[]')
+      m = 'lost'
+    end
+  end
+end
+redis.call('HSET', KEYS[1], r .. ':mode', m)
+return m
+"""
+
+ROUND_FIELDS = ("in", "dl", "closed", "g", "votes", "commit", "mode")
+
 
 class Rounds:
     """One session's membership in the lineage's synchronous rounds (the module doc). The session (training_session.py)
     calls `join` when it starts a run, `step` in place of its optimizer step, `leave` in its last merge."""
 
-    def __init__(self, lineage: Any, session_id: str, cfg: TrainerConfig):
+    def __init__(self, lineage: Any, session_id: str, cfg: TrainerConfig, device: torch.device | None = None):
         if lineage.redis is None:
             raise ValueError("trainer.merge_rule = rounds needs Redis (the round log); without it use async")
         if cfg.backend != "torch":
-            raise ValueError(f"trainer.merge_rule = rounds needs trainer.backend = torch, not {cfg.backend!r}")
+            raise ValueError(f"trainer.merge_rule = rounds needs trainer.backend = torch, not {cfg.backend!r} "
+                             "(set trainer.merge_rule = async)")
         self.lin, self.sid, self.cfg = lineage, session_id, cfg
         r, c = lineage.redis, lineage.cluster
         self.redis = r
         self.keys = [state.key(c, "lineage_rounds"), state.key(c, "lineage_members")]
-        self.dir = Path(lineage.root) / "rounds"
-        self.dir.mkdir(parents=True, exist_ok=True)
         self._contribute, self._poll = r.register_script(_CONTRIBUTE), r.register_script(_POLL)
         self._join, self._leave = r.register_script(_JOIN), r.register_script(_LEAVE)
-        self._publish = r.register_script(_PUBLISH)
+        self._vote, self._publish = r.register_script(_VOTE), r.register_script(_PUBLISH)
+        self._mode = r.register_script(_MODE)
+        self.exchange = Exchange(r, f"{self.keys[0]}:collective:", device or torch.device("cpu"))
         self.next: int | None = None  # the round this member's weights are before (it contributes to it)
         self.joined = False
-        self._n = 0  # gradient files written
-        self._tag = uuid.uuid4().hex[:8]  # in the files' names: a session id reused by a new process never collides
+        self._tag = uuid.uuid4().hex[:8]  # this process in the group's names: a session id reused never collides
         self._applied: dict[int, list[str]] = {}  # round → its entries' sessions, since the head the member knows
         self._head_round = 0
         self._since = time.monotonic()  # when the member last applied a round: its gradient's compute time from here
         self.late = 0  # entries that found their round closed (applied one round later)
         self.waited_s = 0.0  # time waiting for rounds to close
+        self.exchange_s = 0.0  # time in the rounds' collectives and votes
         self.rounds = 0  # rounds applied
+        self.failed = 0  # rounds this member was in that failed (lost whole)
         self.merged = 0  # this member's entries a published head holds
 
     # -- membership ------------------------------------------------------------------------------------
     def join(self, s: Any) -> None:
-        """Catch the weights up to the open round. The member is waited for from its first entry on: a joiner's
-        first step (its first batch, a teacher's forward) is not held against the others."""
+        """Register for the open round. A member behind it (a joiner from the head) is caught up by the others in
+        its first round; it is waited for from its first entry on (its first step is not held against the others)."""
         if self.next is None:
             self.next = s.base.round + 1
             self._head_round = s.base.round
-        open_r = int(self._join(keys=self.keys, args=[self.sid, self._head_round + 1]))
+        self._join(keys=self.keys, args=[self.sid, self._head_round + 1])
         self.joined = True
-        self._replay(s, open_r)
         self._since = time.monotonic()
 
     def leave(self, s: Any) -> None:
-        """No longer waited for, and the rounds holding this member's entries applied (then `publish`)."""
+        """No longer waited for (then `publish`). Every entry of this member was exchanged in its own step."""
         if not self.joined:
             return
         self._leave(keys=self.keys, args=[self.sid, MEMBER_TTL_S])
         self.joined = False
-        if self._holds_mine(self.next):  # a late entry moved into the open round: wait for it to close
-            self._await(s, self.next)
-            self._replay(s, self.next + 1)
 
     # -- a step ----------------------------------------------------------------------------------------
     def step(self, s: Any, scale: float, share: float, tokens: int) -> None:
-        """Contribute the gradient accumulated in the session's parameters (× `scale`: a per-token mean), then
-        apply its round once it closes. An entry that found its round closed catches the member up instead: its
-        next step contributes a fresh gradient to the round the late one went into."""
-        grads = {n: (p.grad * scale if scale != 1.0 else p.grad).detach().contiguous().cpu()
-                 for n, p in s.drafter.named_parameters() if p.requires_grad and p.grad is not None}
+        """Contribute the gradient accumulated in the session's parameters (× `scale`: a per-token mean), wait for
+        its round to close, exchange it with the round's other participants and apply the round."""
+        params = self._params(s)
+        with torch.no_grad():
+            flat = flatten([(p.grad * scale if scale != 1.0 else p.grad) if p.grad is not None else torch.zeros_like(p)
+                            for p in params])
         s.backend.zero_grad()
         compute_s = time.monotonic() - self._since
-        self._n += 1
-        n = f"{self._tag}-{self._n:08d}"
-        path = self._file(self.sid, n)
-        tmp = path.with_name("." + path.name + ".tmp")
-        save_file(grads, str(tmp))
-        os.replace(tmp, path)
-        entry = json.dumps({"s": self.sid, "n": n, "t": int(tokens), "w": float(share)})
+        entry = json.dumps({"s": self.sid, "p": self._tag, "t": int(tokens), "w": float(share), "a": self.next})
         fence = self.lin.fence
         code, r, closed = self._contribute(keys=self.keys + self.lin.fence_keys(), args=[
             self.next, entry, self.sid, self._head_round + 1, max(0.01, self.cfg.round_wait * compute_s),
             MEMBER_TTL_S, fence.token if fence else 0])
         code, r = int(code), int(r)
         if code == FENCED:
-            path.unlink(missing_ok=True)
             s.fenced_out = True
             s.request_stop("lineage rounds refused the entry (lease gone)")
             return
         if code == -4:  # the round log restarted behind us (Redis lost it): continue from the head
-            path.unlink(missing_ok=True)
             self._load_head(s)
             self.join(s)
             return
         if r > self.next:
             self.late += 1
-            self._replay(s, r)
-        else:
-            self._await(s, r)
-            self._replay(s, r + 1)
-            if int(closed) and r - self._head_round >= max(1, self.cfg.merge_every_steps):
-                self.publish(s)
+        for _ in range(MAX_CARRIES + 1):
+            closed_here = self._await(s, r)
+            if closed_here is None:
+                return
+            outcome = self._exchange(s, r, flat, params, compute_s)
+            if outcome != CARRIED:
+                break
+            # nobody in the round could catch this member up: its entry goes into the open round (still fenced)
+            code, r, closed = self._contribute(keys=self.keys + self.lin.fence_keys(), args=[
+                self.next, entry, self.sid, self._head_round + 1, max(0.01, self.cfg.round_wait * compute_s),
+                MEMBER_TTL_S, fence.token if fence else 0])
+            code, r = int(code), int(r)
+            if code != 1:
+                return
+        if outcome == APPLIED and (int(closed) or closed_here) and r - self._head_round >= max(1, self.cfg.merge_every_steps):
+            self.publish(s)
         self._since = time.monotonic()
 
-    def _await(self, s: Any, r: int) -> None:
+    def _await(self, s: Any, r: int) -> bool | None:
+        """Wait for round r to close → whether this call closed it; None when the round is gone from the log (Redis
+        lost it: the member continued from the head)."""
         t0 = time.monotonic()
         while not (code := int(self._poll(keys=self.keys, args=[r, self.sid, MEMBER_TTL_S]))):
             time.sleep(POLL_S)
         self.waited_s += time.monotonic() - t0
-        if code == 3:  # the round log was lost with Redis: what the head holds is what survives
+        if code == 3:
             log.warning("round %d of lineage %s is gone from the log; continuing from the head", r, self.lin.root)
             self._load_head(s)
+            return None
+        return code == 2
 
-    # -- applying the log ------------------------------------------------------------------------------
-    def _replay(self, s: Any, upto: int) -> None:
-        """Apply the closed rounds from `self.next` up to (not including) `upto`; where the log no longer holds
-        one (collected after a newer head), continue from the head."""
-        attempts = 0
-        while self.next < upto:
+    def timeout_s(self, compute_s: float) -> float:
+        """Each collective of a round, and its vote, waits at most this: the round's deadline or the floor."""
+        return max(self.cfg.round_timeout_s, self.cfg.round_wait * compute_s)
+
+    def _exchange(self, s: Any, r: int, flat: torch.Tensor, params: list[torch.nn.Parameter], compute_s: float) -> int:
+        """Round r's collectives and commit; its step applied when every participant's completed → APPLIED, FAILED
+        (lost whole), or CARRIED: no participant holds the newest state while a live member outside the round does,
+        so the entries move on to the open round, where that member is waited for."""
+        timeout = self.timeout_s(compute_s)
+        t0 = time.monotonic()
+        self._settle(r - 1, timeout)  # rounds apply in order: the newest state is known once the one before is decided
+        raw, gid = self.redis.hmget(self.keys[0], f"{r}:in", f"{r}:g")
+        entries = sorted(json.loads(raw), key=lambda e: (e["s"], e["p"]))
+        sessions = json.dumps([e["s"] for e in entries])
+        newest, vote, synced = max(e["a"] for e in entries), 1, False
+        src = next((i for i, e in enumerate(entries) if e["a"] == newest), 0) \
+            if any(e["a"] < newest for e in entries) else None
+        head = self.lin.head()
+        mode = self._mode(keys=self.keys, args=[r, newest, MEMBER_TTL_S, head.round if head is not None else 0])
+        if mode == b"carry":  # a live member outside the round holds the newest state: move on to a round it is in
+            self._decide(r, CARRIED, len(entries), timeout, sessions)
+            self.exchange_s += time.monotonic() - t0
+            return CARRIED
+        if mode in (b"head", b"lost"):  # no participant holds the newest state: every participant goes on from the head
+            if mode == b"lost":
+                log.warning("lineage %s: the members holding the rounds after the head are gone; round %d goes on from "
+                            "the head", self.lin.root, r)
+            self._load_head(s)
+            newest, src = self.next, None
+        behind = self.next < newest
+        if vote and len(entries) > 1:
+            rank = next(i for i, e in enumerate(entries) if (e["s"], e["p"]) == (self.sid, self._tag))
+            total = sum(e["t"] for e in entries)
             try:
-                self._apply(s, self.next)
-            except (OSError, KeyError, RuntimeError, SafetensorError) as e:
-                attempts += 1
-                h = self.lin.head()
-                if attempts > 50 or h is None or h.round < self.next:
-                    raise LineageError(f"round {self.next} of lineage {self.lin.root} cannot be applied: "
-                                       f"{str(e)[:300]}") from e
+                self.exchange.join(gid.decode(), rank, len(entries), timeout)
+                if src is not None:  # participants behind the newest among them are caught up first
+                    synced = behind
+                    self._sync(s, params, src, timeout)
+                flat.mul_(entries[rank]["t"] / total if total > 0 else 1.0 / len(entries))
+                self.exchange.all_reduce(flat, timeout)
+            except CollectiveFailed as e:
+                log.warning("session %s: round %d failed (%s); it is lost, the next goes on", self.sid, r, e)
+                vote = 0
+        applied = self._decide(r, vote, len(entries), timeout, sessions) == 1
+        self.exchange_s += time.monotonic() - t0
+        if not applied:
+            self.failed += 1
+            if gid is not None:  # its group is not used again (the round log forgets it too)
+                self.exchange.drop()
+            if synced:  # its state sync may be partial: back to the head, caught up in a later round
                 self._load_head(s)
+            elif not behind:
+                self.next = r + 1
+            return FAILED
+        if behind:
+            self._learn_missed(r)
+        self._apply(s, r, flat, params, entries)
+        return APPLIED
 
-    def _apply(self, s: Any, r: int) -> None:
-        raw, closed = self.redis.hmget(self.keys[0], f"{r}:in", f"{r}:closed")
-        if raw is None or closed is None:
-            raise KeyError(f"round {r} is not in the log (collected, or not closed)")
-        entries = sorted(json.loads(raw), key=lambda e: (e["s"], e["n"]))
-        total = sum(e["t"] for e in entries)
-        combined: dict[str, torch.Tensor] = {}
-        for e in entries:
-            g = load_file(str(self._file(e["s"], e["n"])))
-            if len(entries) == 1:  # one entry: its gradient as it is (one member is plain training, bit for bit)
-                combined = g
-                break
-            w = e["t"] / total if total > 0 else 1.0 / len(entries)
-            for n, t in g.items():
-                combined[n] = combined[n] + w * t if n in combined else w * t
-        for n, p in s.drafter.named_parameters():
-            if p.requires_grad:
-                p.grad = combined[n].to(p.device, p.dtype) if n in combined else None
+    def _settle(self, r: int, timeout_s: float) -> None:
+        """Wait for round r's decision when it has participants still exchanging; no decision within the timeout
+        fails it (its participants died inside it)."""
+        raw, commit = self.redis.hmget(self.keys[0], f"{r}:in", f"{r}:commit")
+        if raw is None or commit is not None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.redis.hget(self.keys[0], f"{r}:commit") is not None:
+                return
+            time.sleep(POLL_S)
+        self._vote(keys=self.keys[:1], args=[r, -1, 0, "[]"])
+
+    def _decide(self, r: int, vote: int, participants: int, timeout_s: float, sessions: str) -> int:
+        """Vote on round r and wait for its decision (1 applied, 0 failed); no decision within the timeout fails it."""
+        got = int(self._vote(keys=self.keys[:1], args=[r, vote, participants, sessions]))
+        deadline = time.monotonic() + timeout_s
+        while got == -1 and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            got = int(self.redis.hget(self.keys[0], f"{r}:commit") or -1)
+        if got == -1:
+            got = int(self._vote(keys=self.keys[:1], args=[r, -1, participants, sessions]))
+        return got
+
+    def _sync(self, s: Any, params: list[torch.nn.Parameter], src: int, timeout_s: float) -> None:
+        """The newest participant's weights, AdamW moments and counters into every participant (broadcast)."""
+        opt = s.backend.optimizer
+        sts = [opt.state.get(p, {}) for p in params]
+        has = all("exp_avg" in st for st in sts)
+        counters = torch.tensor([s.step, s.tokens_total, int(has),
+                                 int(float(sts[0]["step"])) if has and params else 0], dtype=torch.int64)
+        self.exchange.broadcast(counters, src, timeout_s)
+        ws = flatten([p.detach() for p in params]).to(params[0].device)
+        self.exchange.broadcast(ws, src, timeout_s)
+        moments = []
+        if int(counters[2]):
+            moments = [flatten([st.get(k, torch.zeros_like(p)) if has else torch.zeros_like(p)
+                                for st, p in zip(sts, params)]).to(params[0].device) for k in ("exp_avg", "exp_avg_sq")]
+            for m in moments:
+                self.exchange.broadcast(m, src, timeout_s)
+        with torch.no_grad():
+            for p, w in zip(params, unflatten(ws, params)):
+                p.copy_(w)
+        if moments:
+            avg, sq = unflatten(moments[0], params), unflatten(moments[1], params)
+            for p, a, q in zip(params, avg, sq):
+                opt.state[p] = {"step": torch.tensor(float(counters[3]), dtype=torch.float32),
+                                "exp_avg": a.clone(), "exp_avg_sq": q.clone()}
+        else:
+            opt.state.clear()
+        s.step, s.tokens_total = int(counters[0]), int(counters[1])
+
+    def _learn_missed(self, r: int) -> None:
+        """A member caught up in round r: the rounds it missed since its head, from the log, for its publish's counts."""
+        for m in range(self._head_round + 1, r):
+            if m in self._applied:
+                continue
+            raw, commit = self.redis.hmget(self.keys[0], f"{m}:in", f"{m}:commit")
+            if raw is not None and commit is not None and int(commit) == 1:
+                self._applied[m] = [e["s"] for e in json.loads(raw)]
+
+    def _apply(self, s: Any, r: int, flat: torch.Tensor, params: list[torch.nn.Parameter], entries: list[dict]) -> None:
+        for p, g in zip(params, unflatten(flat, params)):
+            p.grad = g
         s.backend.apply(1.0, lr_scale=min(sum(e["w"] for e in entries), self.cfg.round_max_lr_scale))
         s.backend.zero_grad()
         self._applied[r] = [e["s"] for e in entries]
         s.step += len(entries)
-        s.tokens_total += total
+        s.tokens_total += sum(e["t"] for e in entries)
         s._steps_since_merge += len(entries)
         self.next = r + 1
         self.rounds += 1
 
+    @staticmethod
+    def _params(s: Any) -> list[torch.nn.Parameter]:
+        return [p for _, p in s.drafter.named_parameters() if p.requires_grad]
+
     def _load_head(self, s: Any) -> None:
-        """The session's weights, moments and counters from the lineage head (the member then replays after it)."""
+        """The session's weights, moments and counters from the lineage head (the member is behind the others until
+        its next round catches it up)."""
         head, ck = self.lin.pull(s.teacher.embedding(), map_location=str(s.drafter.fc.weight.device))
         copy_trainable(ck.drafter, s.drafter)
         if ck.optimizer_state is not None:
@@ -318,6 +497,7 @@ class Rounds:
         s.base, s.base_weights, s.step, s.tokens_total = head, snapshot(s.drafter), head.steps, head.tokens
         s._steps_since_merge = 0
         self.next, self._head_round = head.round + 1, head.round
+        self.exchange.drop()
         self._learn(head)
 
     # -- publishing ------------------------------------------------------------------------------------
@@ -382,44 +562,17 @@ class Rounds:
         self._head_round = max(self._head_round, h.round)
 
     def _collect(self, upto: int) -> None:
-        """Delete the rounds up to `upto` (files and fields) and gradient files no round names, ORPHAN_AGE_S old."""
-        fields = self.redis.hgetall(self.keys[0])
-        named, drop = set(), []
-        for k, v in fields.items():
-            k = k.decode()
-            if not k.endswith(":in"):
-                continue
-            r = int(k.split(":")[0])
-            files = {self._file(e["s"], e["n"]).name for e in json.loads(v)}
-            if r <= upto:
-                drop.append(r)
-                for f in files:
-                    (self.dir / f).unlink(missing_ok=True)
-            else:
-                named |= files
+        """Delete the rounds up to `upto` from the log, and members not seen for MEMBER_TTL_S (killed: a stop leaves)."""
+        drop = set()
+        for k in self.redis.hkeys(self.keys[0]):
+            head, _, field = k.decode().partition(":")
+            if field in ROUND_FIELDS and head.isdigit() and int(head) <= upto:
+                drop.add(k)
         if drop:
-            self.redis.hdel(self.keys[0], *[f"{r}:{x}" for r in drop for x in ("in", "dl", "closed")])
-        # Members not seen for MEMBER_TTL_S were killed (a stop leaves): they are dropped, with their temp files.
-        now, gone = float(self.redis.time()[0]), set()
+            self.redis.hdel(self.keys[0], *drop)
+        now, gone = float(self.redis.time()[0]), []
         for sid, info in self.redis.hgetall(self.keys[1]).items():
             if now - float(json.loads(info)["hb"]) > MEMBER_TTL_S:
-                gone.add(sid.decode())
+                gone.append(sid)
         if gone:
             self.redis.hdel(self.keys[1], *gone)
-        cutoff = time.time() - ORPHAN_AGE_S
-        for f in self.dir.iterdir():
-            try:
-                killed_tmp = f.name.startswith(".") and f.name[1:].rsplit("-", 2)[0] in gone
-                orphan = f.name not in named and f.stat().st_mtime < cutoff and not f.name.startswith(f"{self.sid}-")
-                if killed_tmp or orphan:
-                    f.unlink(missing_ok=True)
-            except OSError:
-                pass
-
-    def _holds_mine(self, r: int) -> bool:
-        """Does round `r` hold an entry of this member? (A late entry moves into the open round, `next`.)"""
-        raw = self.redis.hget(self.keys[0], f"{r}:in")
-        return raw is not None and any(e["s"] == self.sid for e in json.loads(raw))
-
-    def _file(self, sid: str, n: str) -> Path:
-        return self.dir / f"{sid}-{n}.safetensors"

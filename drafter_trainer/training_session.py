@@ -3,14 +3,17 @@ buffer until told to stop, merge (or save) atomically, free memory.
 
 With a `Lineage` (lineage.py, the cluster path) the session pulls the head, merges its work into it
 every `merge_every_steps` and when it stops, and continues from the merged head; its durable state is
-the lineage, not a checkpoint of its own. With `trainer.merge_rule = rounds` (and Redis) each optimizer step
-is instead a synchronous round over every member's gradient (rounds.py), joined at each run and left at each stop. Without one it resumes from and saves to `checkpoint_dir`
+the lineage, not a checkpoint of its own. With `trainer.merge_rule = rounds` (the default; with Redis and the
+torch backend) each optimizer step is instead a synchronous round over every member's gradient, exchanged over a
+collective (rounds.py), joined at each run and left at each stop. Without one it resumes from and saves to `checkpoint_dir`
 (standalone use).
 
-Stopping. `should_continue()` (the scheduler's lease renewal) is called once per step; `request_stop()`
-(thread-safe: a signal handler, another thread, the scheduler's revoke watcher) is also checked between
-the phases of a step (before each of the teacher's decoder layers, after the teacher, between unroll steps,
-after backward). The micro-batch in flight is then abandoned. A step is `trainer.micro_batch_size`
+Stopping. `should_continue()` (a local read of the session's lease flag, which the session process's renewal
+thread and the scheduler's pushed revocation set: scheduler/lease_keeper.py) and `request_stop()` (thread-safe: a
+signal handler, another thread) are checked at every check point: between steps, before each of the teacher's
+decoder layers, after the teacher, between unroll steps, at each unroll step of the backward pass (torch backend),
+between micro-batches, after backward, and before each layer and batch of a validation. `should_continue()` must therefore be cheap (no round trip). A lease that is gone
+raises `Preempted`, a requested stop `StopRequested` (its base); the micro-batch in flight is then abandoned. A step is `trainer.micro_batch_size`
 micro-batches whose gradients accumulate (formed from the batch sorted by length, so a micro-batch pads
 little, and run in random order): when a stop comes after at least one of them, the optimizer steps on the
 per-token mean gradient of the micro-batches done at lr × their share of the batch's tokens — a smaller
@@ -80,8 +83,10 @@ class SessionResult:
         return self.tokens / self.train_seconds if self.train_seconds > 0 else 0.0
 
 
-# should_continue() renews the lease (a Redis round trip, felt at a simulated GPU's share of a core): a step
-ASK_EVERY_S = 0.02  # asks at most this often, which bounds how late it notices a revocation
+class Preempted(StopRequested):
+    """Raised at a check point once `should_continue()` is False: the session's GPU was taken back. The unit of
+    work in flight (a layer's forward, a micro-batch, a validation batch) is abandoned; the session stops as on any
+    stop (the module doc)."""
 
 
 class TrainingSession:
@@ -107,11 +112,13 @@ class TrainingSession:
         self._stop = threading.Event()
         self._stop_reason: str | None = None
         self._stop_at: float | None = None
-        self._asked_at = 0.0
+        self._preempted = False
         self.lineage = lineage
-        # Synchronous rounds (rounds.py) where the lineage has Redis and the config asks; else merges of deltas.
-        use_rounds = lineage is not None and lineage.redis is not None and cfg.merge_rule == "rounds"
-        self.rounds = Rounds(lineage, self.session_id, cfg) if use_rounds else None
+        # Synchronous rounds (rounds.py) where the config asks and the lineage has Redis and the backend is torch's;
+        # else merges of deltas (lineage.py).
+        use_rounds = (lineage is not None and lineage.redis is not None and cfg.merge_rule == "rounds"
+                      and cfg.backend == "torch")
+        self.rounds = Rounds(lineage, self.session_id, cfg, teacher.device) if use_rounds else None
         self.merge_every_steps = merge_every_steps
         self.merged_steps = self.merges = self._seq = 0
         self.partial_steps = 0  # steps cut short by a stop and taken on the micro-batches done
@@ -169,27 +176,28 @@ class TrainingSession:
             self._stop_reason, self._stop_at = reason, time.monotonic()
             self._stop.set()
 
-    def _ask(self) -> None:
-        self._asked_at = time.monotonic()
-        if not self.should_continue():
-            self.request_stop("should_continue")
-
     def _check(self) -> None:
-        # Inside a step ask should_continue() too (at most every ASK_EVERY_S): a lease revoked mid-step is then
-        # noticed at the next check point, not when the step ends — a step can outlast the deadline on a busy
-        # machine, and a session killed at the deadline loses its step and the ones since its last checkpoint.
-        if not self._stop.is_set() and time.monotonic() - self._asked_at >= ASK_EVERY_S:
-            self._ask()
+        # Every check point reads should_continue() (a local flag): a lease revoked mid-step is noticed at the next
+        # layer, not when the step ends — a step can outlast the deadline on a busy machine, and the trainer's
+        # wait_reclaimed waits for the stop.
+        if not self._stop.is_set() and not self.should_continue():
+            self._preempted = True
+            self.request_stop("should_continue")
         if self._stop.is_set():
-            raise StopRequested(self._stop_reason)
+            raise (Preempted if self._preempted else StopRequested)(self._stop_reason)
+
+    def _backward_check(self) -> Callable[[], None] | None:
+        """The check the backward pass runs at each unroll step (drafter_trainer/loss.py: unroll): the torch backend's
+        only — DeepSpeed's engine keeps its own hooks on the backward, which an exception there would leave half
+        run."""
+        return self._check if self.backend.name == "torch" else None
 
     def check(self) -> None:
         """`_check` for work outside train_step (validation): cheap enough to run before every layer."""
         self._check()
 
     def check_continue(self) -> None:
-        """Ask `should_continue()` now (between steps); raises StopRequested. Resets the ASK_EVERY_S clock."""
-        self._ask()
+        """The check between steps; raises Preempted or StopRequested."""
         self._check()
 
     # -- training ------------------------------------------------------------------------------------
@@ -226,7 +234,8 @@ class TrainingSession:
         out = self._targets(samples, batch)
         self._check()
         res = ttt_loss(self.drafter, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
-                       batch.weights, self.cfg.ttt_length, self.cfg.step_decay, check=self._check)
+                       batch.weights, self.cfg.ttt_length, self.cfg.step_decay, check=self._check,
+                       backward_check=self._backward_check())
         self._check()
         if self.rounds is None:
             self.backend.step(res.loss, self._check)
@@ -248,6 +257,7 @@ class TrainingSession:
         loss, tokens = 0.0, 0
         agree, done = [0.0] * self.cfg.ttt_length, [0.0] * self.cfg.ttt_length
         self.backend.zero_grad()
+        in_backward = False
         for part in parts:
             batch = collate([samples[j] for j in part], [weights[j] for j in part]).to(self.teacher.device)
             try:
@@ -255,12 +265,14 @@ class TrainingSession:
                 self._check()
                 res = ttt_loss(self.drafter, out.aux, out.logits, batch.ids, batch.lengths, batch.prompt_lens,
                                batch.weights, self.cfg.ttt_length, self.cfg.step_decay, check=self._check,
-                               denominators=denominators)
+                               denominators=denominators, backward_check=self._backward_check())
                 self._check()
+                in_backward = True
                 self.backend.accumulate(res.loss)
+                in_backward = False
             except StopRequested:
-                if tokens == 0:  # nothing done: abandoned, as a whole step would be
-                    self.backend.zero_grad()
+                if tokens == 0 or in_backward:  # nothing done, or a backward cut short (its gradient partial):
+                    self.backend.zero_grad()  # abandoned, as a whole step would be
                     raise
                 self.partial_steps += 1
                 break

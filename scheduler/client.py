@@ -253,11 +253,25 @@ class TailspecClient(ClientWriter):
             time.sleep(poll_s)
 
     def _held(self) -> list[str]:
+        """What still holds a lent GPU, read in two round trips: the session and GPU sets, then every session's record
+        and every GPU's status."""
         ended: set[str] = set()  # sessions whose final record is written: their GPU is free
         held = []
-        keys = [state.key(self.cluster, "session", session_id=sid.decode())
-                for sid in sorted(self.r.smembers(state.key(self.cluster, "sessions")))]
-        for key, raw in zip(keys, self.r.mget(keys) if keys else []):
+        p = self.r.pipeline(transaction=False)
+        p.smembers(state.key(self.cluster, "sessions"))
+        p.smembers(state.key(self.cluster, "gpus"))
+        sids, members = p.execute()
+        keys = [state.key(self.cluster, "session", session_id=sid.decode()) for sid in sorted(sids)]
+        gpus = [m.decode().split(":") for m in sorted(members)]
+        status_keys = [state.key(self.cluster, "gpu_status", node=node, gpu=int(gpu)) for node, gpu in gpus]
+        if keys:
+            p.mget(keys)
+        if status_keys:
+            p.mget(status_keys)
+        got = p.execute() if keys or status_keys else []
+        records = got[0] if keys else []
+        statuses = got[-1] if status_keys else []
+        for key, raw in zip(keys, records):
             try:
                 info = None if raw is None else state.decode(state.SessionInfo, raw, where=key)
             except state.StateError as e:  # one bad record must not make the trainer wait for nothing
@@ -270,9 +284,12 @@ class TailspecClient(ClientWriter):
             else:
                 held.append(f"{info.node}:gpu{info.gpu} held by session {info.session_id} ({info.status}, "
                             f"step {info.step})")
-        for m in sorted(self.r.smembers(state.key(self.cluster, "gpus"))):
-            node, gpu = m.decode().split(":")
-            st = state.get(self.r, state.key(self.cluster, "gpu_status", node=node, gpu=int(gpu)), state.GpuStatus)
+        for (node, gpu), key, raw in zip(gpus, status_keys, statuses):
+            try:
+                st = None if raw is None else state.decode(state.GpuStatus, raw, where=key)
+            except state.StateError as e:
+                log.warning("tailspec: skipping %s", e)
+                continue
             # A GPU whose session has ended is back, although the scheduler marks it so only at its next tick
             # (up to scheduler.tick_s later): the session's final record is written after its memory is freed.
             if st is not None and st.state in (state.GpuState.LENT, state.GpuState.RECLAIMING) \

@@ -15,6 +15,11 @@ cannot lend a GPU. A lease records the epoch that granted it and is renewable â€
 scheduler â€” only while that epoch leads: a new leader's take-over ends every earlier leader's leases
 within one lease TTL, whoever still tries to renew them. Releasing one's own lease is not fenced: it
 only gives a GPU back early.
+
+A revocation is also pushed: the revoke scripts PUBLISH the revoked token on a channel named as the GPU's revoke
+flag key (`Leases.revoke_channel`), where the session's renewal thread listens (scheduler/lease_keeper.py), so a
+session learns of it without polling. The flag stays the authority: a session that missed the push meets it at
+its next renewal.
 """
 
 from __future__ import annotations
@@ -136,13 +141,15 @@ end
 return 0
 """
 
-# KEYS: lease, revoke flag, leader. ARGV: token, flag ttl_ms, epoch ('' = unfenced). Flags the token, then
-# releases (deletes the lease if it is still that token's). Returns 1 if a lease was deleted, -1 (and writes
+# KEYS: lease, revoke flag, leader. ARGV: token, flag ttl_ms, epoch ('' = unfenced). Flags the token, publishes
+# it on the channel named as the flag (the session's LeaseKeeper listens there), then releases (deletes the lease
+# if it is still that token's). Returns 1 if a lease was deleted, -1 (and writes
 # nothing) when `epoch` does not lead.
 _REVOKE = (
     _LEADS
     + "if ARGV[3] ~= '' and not leads(KEYS[3], ARGV[3]) then return -1 end\n"
     + "redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])\n"
+    + "redis.call('PUBLISH', KEYS[2], ARGV[1])\n"
     + _RELEASE
 )
 
@@ -200,6 +207,7 @@ local out = {}
 for j = 1, #ARGV - 2 do
   local token = ARGV[2 + j]
   redis.call('SET', KEYS[1 + 2 * j], token, 'PX', ARGV[1])
+  redis.call('PUBLISH', KEYS[1 + 2 * j], token)
   out[j] = release(KEYS[2 * j], token)
 end
 return out
@@ -248,6 +256,10 @@ class Leases:
                 state.key(self.cluster, "revoke", node=node, gpu=gpu),
             )
         return keys
+
+    def revoke_channel(self, node: str, gpu: int) -> str:
+        """The pub/sub channel the GPU's revocations are published on (the token): its revoke flag key's name."""
+        return self._keys(node, gpu)[1]
 
     @property
     def _leader_key(self) -> str:

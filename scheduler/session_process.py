@@ -7,10 +7,14 @@ imports the session entry config names (`scheduler.session_entry`, "module:attri
 True and returns when it turns False. The scheduler knows no models: the roof implements the protocol
 (tailspec/session_entry.py) and names it in config, so no import arrow points up.
 
-`should_continue()` renews the session's lease with its fencing token. It turns False — for good — when
-the token is stale, the lease was revoked or expired, the scheduler's heartbeat is gone, or Redis has
-been unreachable for as long as the last renewal covered. So whatever dies (scheduler, Redis, network),
-a session stops within one lease TTL on its own.
+The lease is kept off the session's step path: `SessionContext.keeper` (scheduler/lease_keeper.py) renews it with
+its fencing token on a thread of its own, from the session's start (`run_context`, or the first
+`should_continue()`), and listens for its revocation, which the scheduler pushes. `should_continue()` reads that
+thread's local flag — no Redis round trip — so a session may call it before every layer of a forward. It turns
+False — for good — when the revocation is pushed, the token is stale, the lease was revoked or expired, the
+scheduler's heartbeat is gone, or no renewal has succeeded for three quarters of a TTL (Redis unreachable, the
+renewal thread stuck). So whatever dies (scheduler, Redis, network, the renewal thread), a session stops within
+one lease TTL on its own, before Redis lets its lease lapse; its fenced writes are refused after that anyway.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from tailspec.core.config import SchedulerConfig, TailspecConfig
 from tailspec.core.state import PhaseInfo, SessionInfo
 from tailspec.scheduler import leases as L
 from tailspec.scheduler.cpu_quota import CGROUP_ENV
+from tailspec.scheduler.lease_keeper import LeaseKeeper
 from tailspec.scheduler.placement import CPUS_ENV, place_from_env, unplace
 from tailspec.scheduler.warm_wait import WarmWait
 
@@ -53,14 +58,12 @@ class SessionContext:
     stop_deadline_s: float = 1.0  # after revoke, the GPU counts as reclaimed after this long
     started_at: float = field(default_factory=time.time)
     require_heartbeat: bool = True
-    # Renew at most this often: a training step may call should_continue() every few ms.
-    min_renew_interval_s: float = 0.02
+    renew_every_s: float = 0.0  # the renewal thread's period; 0: a quarter of lease_ttl_s
 
     def __post_init__(self) -> None:
         self._r: Any = None
         self._leases: Any = None
-        self._last_check = float("-inf")
-        self._last_renewed = self.started_at  # wall time; the lease was granted at started_at
+        self._keeper: LeaseKeeper | None = None
         self._stopped = False
         self.stop_reason: str | None = None
         self.stop_seen_at: float | None = None  # wall time should_continue() first returned False
@@ -113,6 +116,23 @@ class SessionContext:
             self._leases = L.Leases(self.redis, self.cluster)
         return self._leases
 
+    @property
+    def keeper(self) -> LeaseKeeper:
+        """The session's lease keeper (the module doc); its thread starts with `start_renewals()`."""
+        if self._keeper is None:
+            self._keeper = LeaseKeeper(self.leases, self.redis, self.node, self.gpu, self.lease_token,
+                                       self.lease_ttl_s, self.require_heartbeat, self.renew_every_s)
+        return self._keeper
+
+    def start_renewals(self) -> None:
+        """Start the lease's renewal thread (once; `should_continue()` starts it too if nobody did)."""
+        self.keeper.start()
+
+    def close(self) -> None:
+        """Stop renewing the lease (the session has ended). Returns at once; the thread ends on its own."""
+        if self._keeper is not None:
+            self._keeper.close()
+
     def _stop(self, reason: str) -> bool:
         if not self._stopped:
             self._stopped = True
@@ -121,30 +141,16 @@ class SessionContext:
         return False
 
     def should_continue(self) -> bool:
-        """True while this session still holds its GPU; renews the lease (fenced). Sticky once False."""
+        """True while this session still holds its GPU: a read of the renewal thread's local flag, never a round
+        trip (the module doc). Sticky once False."""
         if self._stopped:
             return False
-        now = time.monotonic()
-        if now - self._last_check < self.min_renew_interval_s:
+        keeper = self.keeper
+        if not keeper.running:
+            keeper.start()
+        if keeper.holds():
             return True
-        self._last_check = now
-        try:
-            code = self.leases.renew(
-                self.node,
-                self.gpu,
-                self.lease_token,
-                self.lease_ttl_s,
-                require_heartbeat=self.require_heartbeat,
-            )
-        except Exception as e:  # redis down / timeout / script error: the last renewal still covers us
-            # Stop a little before the lease's own expiry so the GPU is free when Redis says it is.
-            if time.time() - self._last_renewed >= 0.75 * self.lease_ttl_s:
-                return self._stop(f"redis unreachable: {type(e).__name__}")
-            return True
-        if code == L.RENEWED:
-            self._last_renewed = time.time()
-            return True
-        return self._stop(L.REASONS.get(code, f"renew code {code}"))
+        return self._stop(keeper.reason or "stopped")
 
     def decline(self, reason: str, mem_needed: int | None = None, mem_free: int | None = None) -> None:
         """Give the GPU back without using it (e.g. the session does not fit in its free memory): the lease is
@@ -153,6 +159,8 @@ class SessionContext:
         self.declined = True
         self.mem_needed, self.mem_free = mem_needed, mem_free
         self._stop(f"declined: {reason}")
+        self.keeper.stop(f"declined: {reason}")
+        self.close()
         try:
             self.leases.release(self.node, self.gpu, self.lease_token)
         except Exception:  # Redis down: the lease expires within one TTL anyway
@@ -185,7 +193,10 @@ class SessionContext:
     def report(
         self, step: int, loss: float | None = None, tokens: int = 0, drafter_version: int | None = None
     ) -> bool:
-        """Publish progress (fenced: refused once the lease is gone). Never raises on Redis errors."""
+        """Publish progress (fenced: refused by Redis once the lease is gone; not sent once the keeper has seen it
+        go). Never raises on Redis errors."""
+        if self._keeper is not None and not self._keeper.holds():
+            return False
         info = SessionInfo(
             session_id=self.session_id,
             node=self.node,
@@ -292,6 +303,7 @@ def run_context(ctx: SessionContext, entry: str, handle_sigterm: bool = False) -
     status, reason, code = "stopped", None, 0
     try:
         session = load_entry(entry)
+        ctx.start_renewals()  # the lease is kept from here, through the entry's start-up
         ctx.report(0)
         session.run(ctx)
         reason = ctx.stop_reason or "returned"
@@ -301,6 +313,7 @@ def run_context(ctx: SessionContext, entry: str, handle_sigterm: bool = False) -
         status, reason, code = "failed", f"{type(e).__name__}: {e}", 1
         traceback.print_exc()
     finally:
+        ctx.close()
         ctx._final_record(status, reason or "returned")
     return code
 

@@ -4,7 +4,7 @@
 
 `ENTRY.run(ctx)` (`run_session`) builds a drafter-training session from the cluster state: the teacher is the
 latest policy (`phase.policy_path`), samples come from the cluster's sample stream, checkpoints and versions
-live under `trainer.checkpoint_dir`. It trains while `ctx.should_continue()` (the lease renewal) holds, reports
+live under `trainer.checkpoint_dir`. It trains while `ctx.should_continue()` (the lease flag) holds, reports
 progress through `ctx.report(step, loss, tokens)`, and proposes candidates to the version store
 (drafter_trainer/promotion.py decides which): first a head left to validate, then every
 `trainer.validate_every_s` of training, right after the session's merge. Every session contributes to one
@@ -144,17 +144,21 @@ def fits(ctx: Any, cfg: TailspecConfig, policy_path: str, dtype: torch.dtype) ->
 # candidates, or went to start-up (the teacher's load, the stream's read, the lineage's pull).
 # In synchronous rounds a step's time includes waiting for the round's other members (as a data-parallel step's
 # includes its all-reduce): "wait" is that part of "train".
+# "renew" is the CPU time of the session's lease renewal thread (scheduler/lease_keeper.py): off the step path, it
+# still takes the session's cores beside its steps.
 SESSION_SECONDS = {"ready": "session_ready_seconds", "train": "session_train_seconds",
-                   "validate": "session_validate_seconds", "all": "session_seconds", "wait": "session_round_wait_seconds"}
+                   "validate": "session_validate_seconds", "all": "session_seconds", "wait": "session_round_wait_seconds",
+                   "renew": "session_renew_seconds"}
 
 
 def record_seconds(redis: Any, cluster: str, *, ready: float, train: float, validate: float, total: float,
-                   wait: float = 0.0) -> None:
+                   wait: float = 0.0, renew: float = 0.0) -> None:
     """Add a finished session's seconds to the cluster's counters (SESSION_SECONDS). Best effort: a lost count
     must not fail a session that trained."""
     try:
         p = redis.pipeline(transaction=False)
-        for short, v in (("ready", ready), ("train", train), ("validate", validate), ("all", total), ("wait", wait)):
+        for short, v in (("ready", ready), ("train", train), ("validate", validate), ("all", total), ("wait", wait),
+                         ("renew", renew)):
             p.hincrbyfloat(state.key(cluster, "counters"), SESSION_SECONDS[short], max(0.0, float(v)))
         p.execute()
     except Exception as e:  # noqa: BLE001
@@ -170,8 +174,8 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
     if phase is None or not phase.policy_path:
         raise ValueError("no policy to distil from: the cluster's phase record has no policy_path "
                          "(the RL framework reports it with the phase)")
-    # Start-up (loading the teacher, reading the stream) can outlast a lease TTL: renew between its phases
-    # and leave early if the GPU was taken back meanwhile.
+    # Start-up (loading the teacher, reading the stream) can outlast a lease TTL: the renewal thread keeps the lease
+    # meanwhile; leave early if the GPU was taken back.
     if not ctx.should_continue():
         return {"steps": 0, "total_steps": 0, "tokens": 0, "stop_reason": "should_continue", "stop_latency_s": 0.0}
     remember(ctx)
@@ -198,16 +202,24 @@ def run_session(ctx: Any, max_steps: int | None = None) -> dict:
               f"({trainer.session.partial_steps} cut short; {res.shipped_batches} batches on shipped targets) in "
               f"{res.train_seconds:.2f} s, {res.merges} merges, "
               f"validating {trainer.validate_s:.2f} s, {time.monotonic() - t_start:.2f} s in all; stop: {res.stop_reason}"
-              + (f", rounds: {rounds.rounds} applied, {rounds.late} entries late, {rounds.waited_s:.2f} s waiting"
+              + (f", rounds: {rounds.rounds} applied, {rounds.late} entries late, {rounds.failed} failed, "
+                 f"{rounds.waited_s:.2f} s waiting, {rounds.exchange_s:.2f} s exchanging"
                  if (rounds := trainer.session.rounds) is not None else "")
               + (f", GPU released {trainer.session.released_after_s:.3f} s after"
                  if trainer.session.released_after_s is not None else "")
-              + (f", saved {res.stop_latency_s:.3f} s after" if res.stop_latency_s is not None else ""),
+              + (f", saved {res.stop_latency_s:.3f} s after" if res.stop_latency_s is not None else "")
+              + (f"; lease: {k.renewals} renewals, {k.cpu_s * 1e3:.1f} ms CPU on its thread"
+                 + (", revocation pushed" if k.pushed else "")
+                 + (f", seen {ctx.stop_seen_at - k.stopped_at:.3f} s after it arrived"
+                    if k.stopped_at is not None and ctx.stop_seen_at is not None else "")
+                 if (k := getattr(ctx, "keeper", None)) else ""),
               file=sys.stderr, flush=True)
         rounds = trainer.session.rounds
+        keeper = getattr(ctx, "keeper", None)
         record_seconds(r, cfg.cluster.name, ready=t_ready - t_start, train=res.train_seconds,
                        validate=trainer.validate_s, total=time.monotonic() - t_start,
-                       wait=rounds.waited_s if rounds is not None else 0.0)
+                       wait=rounds.waited_s if rounds is not None else 0.0,
+                       renew=keeper.cpu_s if keeper is not None else 0.0)
     finally:
         trainer.close()
         keep_teacher(teacher)

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tailspec.benchmarks.attach import local_scheduler, losses, run_trl, scheduler_config
+from tailspec.benchmarks.attach import build_policy, local_scheduler, losses, run_trl, scheduler_config
 from tailspec.core import state
 from tailspec.core.state import LineageHead, PhaseInfo, Sample, SessionInfo
 
@@ -18,7 +18,16 @@ STEPS, RANKS, BATCH = 4, 2, 8
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_grpo_trainer_with_tailspec_attached(redis_url, redis_client, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_policy():
+    """The tiny policy, built here when the cache has none (minutes of pre-training on 2 cores), once, before the
+    scheduler and the ranks start, as the recipe's `--build-policy` does before torchrun; outside the test's time
+    limit (func_only), which is for the runs."""
+    return build_policy("tiny")
+
+
+@pytest.mark.timeout(900, func_only=True)
+def test_grpo_trainer_with_tailspec_attached(redis_url, redis_client, tmp_path, tiny_policy):
     cluster = "trl"
     shared = tmp_path / "shared"
     # A run takes about a minute here; a hang fails in minutes with every rank's stacks in the error.
@@ -79,6 +88,7 @@ def test_recipe_arguments():
     a = parse_args(["--redis", "redis://127.0.0.1:6379/0", "--shared-dir", "/shared/run"])
     assert a.steps == 3 and not a.no_tailspec
     assert parse_args(["--no-tailspec"]).redis is None
+    assert parse_args(["--build-policy"]).build_policy  # needs no cluster: it runs before the ranks
     for bad in (["--shared-dir", "/x"], ["--redis", "redis://h", "--shared-dir", "relative/dir"],
                 ["--no-tailspec", "--batch", "6", "--generations", "4"], ["--no-tailspec", "--steps", "0"]):
         with pytest.raises(SystemExit):
@@ -122,11 +132,12 @@ def test_finished_counter_counts_rows_whose_newest_token_ends_them():
     seen = []
     model = Echo()
     # prefill, then one decoding step at a time; EOS = 2, padding = 0 (generate pads rows that finished)
-    with FinishedCounter(lambda a, f, t: seen.append((a, f, t)), stop_ids=[2, 0], every_s=0.0).attach(model):
+    with FinishedCounter(lambda a, f, t: seen.append((a, f, t)), stop_ids=[2, 0], every_s=0.0).attach(model) as c:
         for ids in ([[5, 6], [7, 8], [9, 9]], [[6], [2], [4]], [[0], [5], [2]], [[0], [0], [0]]):
             model(input_ids=torch.tensor(ids))
     model(input_ids=torch.tensor([[2], [2], [2]]))  # detached: not counted
     assert seen == [(3, 0, 3), (2, 1, 3), (1, 2, 3), (0, 3, 3)]
+    assert c.seconds > 0  # the hook's own time, which bench attach counts on the trainer's thread
     with pytest.raises(ValueError):
         FinishedCounter(lambda *a: None, stop_ids=[])
 
@@ -193,7 +204,8 @@ def test_a_run_that_crashes_in_teardown_after_its_summaries_is_used(tmp_path, mo
     py.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} \"$@\"\n")
     py.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(py))
-    kw = {"ranks": 1, "steps": 1, "seed": 0, "dataset": "task", "policy": "tiny", "timeout_s": 30.0}
+    kw = {"ranks": 1, "steps": 1, "seed": 0, "dataset": "task", "policy": "tiny", "timeout_s": 30.0,
+          "prepare_policy": False}
     assert attach.run_trl(out, **kw) == [{"rank": 0}]
     monkeypatch.setenv("TORN", "1")
     with pytest.raises(RuntimeError, match="TRL run failed"):

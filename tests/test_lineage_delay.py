@@ -38,7 +38,7 @@ def test_outer_lr_scales_only_a_delayed_delta(redis_client, tmp_path):
 
 
 def _session(tmp_path, teacher, redis, sid: str, **kw) -> TrainingSession:
-    c = cfg(tmp_path, beta1=0.9, **kw)
+    c = cfg(tmp_path, beta1=0.9, merge_rule="async", **kw)  # the delayed merge is the asynchronous rule's
     return TrainingSession(c, teacher, make_buffer(), lineage=Lineage(tmp_path / "lineage", redis, "c"),
                            session_id=sid)
 

@@ -24,7 +24,7 @@ from tailspec.scheduler.leases import Leases
 from tailspec.scheduler.session_process import CONTEXT_ENV, SessionContext
 
 REPO = Path(__file__).resolve().parent.parent
-TTL_S = 15.0  # covers a session's start-up (imports, teacher load) on a busy 2-core machine
+TTL_S = 120.0  # covers a session's start-up (imports, teacher load) on a busy 2-core machine shared with other runs
 
 
 @pytest.mark.slow
@@ -33,10 +33,12 @@ def test_three_sessions_one_lineage_with_revocations_and_a_kill(redis_client, re
 
 
 @pytest.mark.slow
-def test_three_sessions_in_synchronous_rounds_with_revocations_and_a_kill(redis_client, redis_url, tmp_path):
-    """The same with trainer.merge_rule = rounds: a2 is SIGKILLed inside its second publish of the head (directory
-    written, compare-and-swap not done); its entries in closed rounds are applied and published by the others and
-    counted under its id, the head it was writing is collected."""
+def test_three_sessions_in_synchronous_rounds_with_revocations_and_two_kills(redis_client, redis_url, tmp_path):
+    """The same with trainer.merge_rule = rounds, its gradients exchanged over gloo: a2 is SIGKILLed inside its second
+    publish of the head (directory written, compare-and-swap not done), a1 inside its third all-reduce (the round's
+    other participants in it); the round a1 died in is lost whole (decided failed), the others go on within its
+    timeout, their entries in applied rounds are published and counted under their ids, the head a2 was writing is
+    collected, and no session process is left."""
     chaos(redis_client, redis_url, tmp_path, "rounds")
 
 
@@ -56,13 +58,13 @@ def chaos(redis_client, redis_url, tmp_path: Path, rule: str) -> None:
     for s in samples:
         state.append(redis_client, state.key(cluster, "samples"), s)
     leases = Leases(redis_client, cluster)
-    results, marker = tmp_path / "results", tmp_path / "paused"
+    results, marker, reduce_marker = tmp_path / "results", tmp_path / "paused", tmp_path / "paused-in-all-reduce"
     results.mkdir()
     rng = random.Random(7)
     procs: dict[str, tuple[subprocess.Popen, int, int]] = {}
     killed: set[str] = set()
 
-    def start(sid: str, gpu: int, pause_at_merge: int = 0) -> None:
+    def start(sid: str, gpu: int, pause_at_merge: int = 0, pause_at_allreduce: int = 0) -> None:
         lease = leases.acquire("n0", gpu, sid, ttl_s=TTL_S)
         assert lease is not None, f"gpu {gpu} still leased"
         ctx = SessionContext(session_id=sid, node="n0", gpu=gpu, lease_token=lease.token, redis_url=redis_url,
@@ -70,7 +72,8 @@ def chaos(redis_client, redis_url, tmp_path: Path, rule: str) -> None:
                              require_heartbeat=False)
         env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                    TAILSPEC_SESSION_ENTRY="tests.lineage_entry:run", LINEAGE_RESULTS=str(results),
-                   LINEAGE_MARKER=str(marker), LINEAGE_PAUSE_AT_MERGE=str(pause_at_merge), OMP_NUM_THREADS="1")
+                   LINEAGE_MARKER=str(marker), LINEAGE_PAUSE_AT_MERGE=str(pause_at_merge), OMP_NUM_THREADS="1",
+                   LINEAGE_PAUSE_AT_ALLREDUCE=str(pause_at_allreduce), LINEAGE_MARKER_ALLREDUCE=str(reduce_marker))
         env[CONTEXT_ENV] = ctx.to_json()
         log = open(tmp_path / f"{sid}.log", "w")
         p = subprocess.Popen([sys.executable, "-m", "tailspec.scheduler.session_process"], env=env, cwd=REPO,
@@ -81,7 +84,7 @@ def chaos(redis_client, redis_url, tmp_path: Path, rule: str) -> None:
         info = state.get(redis_client, state.key(cluster, "session", session_id=sid), SessionInfo)
         return info.step if info is not None else 0
 
-    def wait_until(pred, what: str, timeout: float = 180.0) -> None:
+    def wait_until(pred, what: str, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
         while not pred():
             dead = [sid for sid, (p, _, _) in procs.items() if p.poll() not in (None, 0) and sid not in killed]
@@ -96,21 +99,29 @@ def chaos(redis_client, redis_url, tmp_path: Path, rule: str) -> None:
         leases.revoke("n0", gpu, token)
         assert p.wait(timeout=120) == 0, (tmp_path / f"{sid}.log").read_text()[-3000:]
 
+    def kill(sid: str) -> None:
+        killed.add(sid)
+        procs[sid][0].send_signal(signal.SIGKILL)
+        procs[sid][0].wait(timeout=30)
+        leases.revoke("n0", procs[sid][1], procs[sid][2])  # the scheduler's reaction to a dead session
+
     start("a0", 0)
-    start("a1", 1)
+    start("a1", 1, pause_at_allreduce=3 if rule == "rounds" else 0)  # rounds: its third all-reduce, the others in it
     start("a2", 2, pause_at_merge=2)  # its second merge (rounds: publish) pauses at the commit point
     wait_until(marker.is_file, "a2 to pause inside a merge")
     killed_dir = Path(marker.read_text())  # written whole; its compare-and-swap has not run
-    killed.add("a2")
-    procs["a2"][0].send_signal(signal.SIGKILL)
-    procs["a2"][0].wait(timeout=30)
-    leases.revoke("n0", 2, procs["a2"][2])  # the scheduler's reaction to a dead session
+    kill("a2")
+    if rule == "rounds":
+        wait_until(reduce_marker.is_file, "a1 to pause inside an all-reduce")
+        kill("a1")
+        start("b1", 1)
     revoke_after_training("a0")
     start("b0", 0)  # the freed GPU is lent again
     start("b2", 2)
-    revoke_after_training("a1")
+    revoke_after_training("b1" if rule == "rounds" else "a1")
     revoke_after_training("b0")
     revoke_after_training("b2")
+    assert all(p.poll() is not None for p, _, _ in procs.values())  # no session process left
 
     from tailspec.drafter_trainer.lineage import Lineage
 
@@ -119,18 +130,25 @@ def chaos(redis_client, redis_url, tmp_path: Path, rule: str) -> None:
     assert isinstance(head, LineageHead)
     merged = lin.contributions()
     finished = {p.stem: json.loads(p.read_text()) for p in results.glob("*.json")}
-    assert set(finished) == {"a0", "a1", "b0", "b2"}
+    assert set(finished) == {"a0", "b0", "b2", "b1" if rule == "rounds" else "a1"}
     # the head holds exactly what the sessions merged, each session's own count agrees
     assert head.steps == sum(merged.values())
+    failed = int(redis_client.hget(state.key(cluster, "lineage_rounds"), "failed") or 0)
     for sid, out in finished.items():
-        assert out["merged_steps"] == merged.get(sid, 0) > 0, (sid, out, merged)
-        assert out["merged_steps"] == out["steps"], (sid, out)  # a revoked session's last merge went in
+        # rounds: a session whose only entries were in a failed round merged none
+        assert out["merged_steps"] == merged.get(sid, 0) > (0 if rule == "async" else -1), (sid, out, merged)
+        if rule == "async":
+            assert out["merged_steps"] == out["steps"], (sid, out)  # a revoked session's last merge went in
+    if rule == "rounds":  # every entry is in the head but those of failed rounds (one per participant, at most 3)
+        lost = sum(out["steps"] - out["merged_steps"] for out in finished.values())
+        assert 0 <= lost <= 3 * failed, (lost, failed, finished)
     assert merged["a2"] > 0
     if rule == "async":  # the killed session's first merge is in; the one it was killed in is not
         assert int(redis_client.hget(state.key(cluster, "lineage_contributions"), "a2:seq")) == 1
-    else:  # the head holds rounds, and the killed member is no longer a member
+    else:  # the head holds rounds, the killed members are no longer members, and a1's all-reduce lost its round
         assert head.round > 0
-        assert not redis_client.hexists(state.key(cluster, "lineage_members"), "a2")
+        assert not any(redis_client.hexists(state.key(cluster, "lineage_members"), k) for k in ("a1", "a2"))
+        assert failed >= 1
     # the head loads, and nothing but the head and the head it replaced (kept as the fallback if the head's
     # files are damaged) is left: no temp dir, the killed merge's dir collected
     ck = load_checkpoint(head.path)

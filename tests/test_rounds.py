@@ -1,15 +1,16 @@
-"""Synchronous rounds (drafter_trainer/rounds.py) on a real redis-server: one contributor is plain training, a
-round of two is one AdamW step on their token-weighted gradient, a joiner replays the log bit for bit, a member
-that never answers does not hold the others up, and every entry is counted once in the published head."""
+"""Synchronous rounds (drafter_trainer/rounds.py) on a real redis-server and gloo: one contributor is plain
+training, a round of two is one AdamW step on their token-weighted gradient (all-reduced), a joiner is caught up
+bit for bit in its first round, a member that never answers does not hold the others up, a round whose collective
+fails is lost whole within its timeout, and every entry is counted once in the published head."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from tailspec.core import state
 from tailspec.drafter_trainer.checkpoint import load_checkpoint
 from tailspec.drafter_trainer.lineage import Fence, Lineage
@@ -68,15 +69,22 @@ def test_a_round_of_two_is_one_adamw_step_on_their_token_weighted_gradient(tmp_p
     b = session(tmp_path, redis_client, "b", round_wait=50.0)
     register(redis_client, "a", "b")
     w0 = trainable(a)
+    sent = {}
+    for x in (a, b):  # each member's gradient as it enters the round (per-token mean)
+        def capture(s, scale, share, tokens, _step=x.rounds.step):
+            sent[s.session_id] = ({n: p.grad.detach().clone() * scale for n, p in s.drafter.named_parameters()
+                                   if p.requires_grad}, tokens)
+            _step(s, scale, share, tokens)
+        x.rounds.step = capture
     run_together(a, b, steps=1)
     entries = json.loads(redis_client.hget(state.key(CLUSTER, "lineage_rounds"), "1:in"))
-    assert sorted(e["s"] for e in entries) == ["a", "b"] and all(e["f"] == 1 for e in entries)
-    total = sum(e["t"] for e in entries)
+    assert sorted(e["s"] for e in entries) == ["a", "b"]
+    assert {e["s"]: e["t"] for e in entries} == {k: t for k, (_, t) in sent.items()}
+    total = sum(t for _, t in sent.values())
     grads = {}
-    for e in entries:
-        g = load_file(str(tmp_path / "lineage" / "rounds" / f"{e['s']}-{e['n']}.safetensors"))
-        for n, t in g.items():
-            grads[n] = grads.get(n, 0) + t.double() * e["t"] / total
+    for g, t in sent.values():
+        for n, x in g.items():
+            grads[n] = grads.get(n, 0) + x.double() * t / total
     c = a.cfg
     ref = {n: torch.nn.Parameter(w.clone()) for n, w in w0.items()}
     for n, p in ref.items():
@@ -93,9 +101,11 @@ def test_a_round_of_two_is_one_adamw_step_on_their_token_weighted_gradient(tmp_p
 
 
 def test_members_stay_identical_and_every_entry_is_counted_once(tmp_path, redis_client):
-    a = session(tmp_path, redis_client, "a", merge_every_steps=2)
-    b = session(tmp_path, redis_client, "b", merge_every_steps=2)
+    a = session(tmp_path, redis_client, "a", merge_every_steps=2, round_wait=50.0)
+    b = session(tmp_path, redis_client, "b", merge_every_steps=2, round_wait=50.0)
+    register(redis_client, "a", "b")
     run_together(a, b, steps=6)
+    assert a.rounds.rounds == b.rounds.rounds == 6 and a.rounds.late == b.rounds.late == 0
     wa, wb = trainable(a), trainable(b)
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
     sa, sb = a.backend.state_dict()["state"], b.backend.state_dict()["state"]
@@ -106,25 +116,33 @@ def test_members_stay_identical_and_every_entry_is_counted_once(tmp_path, redis_
     assert {k: v for k, v in lin.contributions().items() if v} == {"a": a.merged_steps, "b": b.merged_steps}
     published = load_checkpoint(head.path).drafter.state_dict()
     assert all(torch.equal(published[n], wa[n]) for n in wa)
-    assert not list((tmp_path / "lineage" / "rounds").glob(".*.tmp"))
+    assert a.rounds.exchange.built == 1  # one group for the two, kept across their rounds
 
 
-def test_a_joiner_replays_the_rounds_after_the_head_bit_for_bit(tmp_path, redis_client):
-    a = session(tmp_path, redis_client, "a", merge_every_steps=100)
+def test_a_joiner_is_caught_up_in_its_first_round_bit_for_bit(tmp_path, redis_client):
+    a = session(tmp_path, redis_client, "a", merge_every_steps=100, round_wait=50.0)
     a.rounds.join(a)
     for _ in range(3):  # the only member: each round closes at its entry; nothing is published (merge_every 100)
         a.train_step()
     assert Lineage(tmp_path / "lineage", redis_client, CLUSTER).head().round == 0
-    b = session(tmp_path, redis_client, "b")
+    b = session(tmp_path, redis_client, "b", merge_every_steps=100, round_wait=50.0)
     b.rounds.join(b)
-    assert b.rounds.next == a.rounds.next == 4
+    assert b.rounds.next == 1 and a.rounds.next == 4  # b holds the head; a holds rounds 1..3
+    register(redis_client, "a", "b")
+    run_together(a, b, steps=1)  # round 4: b receives a's state, then both apply the round
+    assert b.rounds.next == a.rounds.next == 5 and b.step == a.step == 5
     wa, wb = trainable(a), trainable(b)
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
     sa, sb = a.backend.state_dict()["state"], b.backend.state_dict()["state"]
     assert all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
+    assert all(torch.equal(sa[i]["step"], sb[i]["step"]) for i in sa)
+    b.merge(final=True)  # rounds 1..4 published (a closed round 4): a's three and the shared one, each counted once
+    lin = Lineage(tmp_path / "lineage", redis_client, CLUSTER)
+    assert lin.head().steps == 5 and {k: v for k, v in lin.contributions().items() if v} == {"a": 4, "b": 1}
 
 
-def test_a_member_gone_silent_holds_a_round_only_to_its_deadline_and_its_late_entry_counts_once(tmp_path, redis_client):
+def test_a_member_gone_silent_holds_a_round_only_to_its_deadline_and_its_late_entry_counts_once(tmp_path,
+                                                                                                 redis_client):
     a = session(tmp_path, redis_client, "a", round_wait=5.0, merge_every_steps=100)
     b = session(tmp_path, redis_client, "b", round_wait=5.0, merge_every_steps=100)
     a.rounds.join(a)
@@ -141,12 +159,15 @@ def test_a_member_gone_silent_holds_a_round_only_to_its_deadline_and_its_late_en
     for _ in range(3):  # b is waited for and computes nothing: each round closes at its deadline
         a.train_step()
     assert a.rounds.next == 5 and 0 < a.rounds.waited_s - waited < 5.0
-    b.train_step()  # b's gradient was for round 2, long closed: it goes into the open round, one round stale
-    assert b.rounds.late == 1 and b.rounds.next == 5
-    assert all(torch.equal(trainable(a)[n], trainable(b)[n]) for n in trainable(a))
+    # b's next gradient was for round 2, long closed: it goes into the open round, where a catches b up (b's entry
+    # waits there, or moves on with it, for a round a is in)
     run_together(a, b, steps=2)
+    assert b.rounds.late >= 1 and a.rounds.failed == b.rounds.failed == 0
+    assert all(torch.equal(trainable(a)[n], trainable(b)[n]) for n in trainable(a))
+    a.merge(final=True)
+    b.merge(final=True)
     lin = Lineage(tmp_path / "lineage", redis_client, CLUSTER)
-    assert lin.head().steps == 2 + 3 + 1 + 4 == a.merged_steps + b.merged_steps
+    assert lin.head().steps == 2 + 3 + 4 == a.merged_steps + b.merged_steps
     assert {k: v for k, v in lin.contributions().items() if v} == {"a": a.merged_steps, "b": b.merged_steps}
 
 
@@ -185,5 +206,31 @@ def test_a_round_log_lost_with_redis_continues_from_the_head(tmp_path, redis_cli
     redis_client.delete(state.key(CLUSTER, "lineage_rounds"))  # Redis restarted without the log
     a.train_step()  # its entry is for round 2, the log restarts at 1: continue from the head (round 0)
     assert a.rounds.next == 1 and all(torch.equal(head0[n], w) for n, w in trainable(a).items())
-    a.rounds._await(a, 7)  # a round that is not in the log is not waited for
+    assert a.rounds._await(a, 7) is None  # a round that is not in the log is not waited for
     assert a.rounds.next == 1
+
+
+def test_a_round_whose_collective_fails_is_lost_whole_within_its_timeout(tmp_path, redis_client):
+    """b's entry is in the round, then b never meets the group (as if SIGKILLed there): a's rendezvous times out, the
+    round is decided failed, a's weights are those before it, and a's next round goes on."""
+    a = session(tmp_path, redis_client, "a", round_wait=0.5, round_timeout_s=1.0, merge_every_steps=100)
+    b = session(tmp_path, redis_client, "b", round_wait=0.5, round_timeout_s=1.0, merge_every_steps=100)
+    a.rounds.join(a)
+    b.rounds.join(b)
+    register(redis_client, "a", "b")
+    b.rounds._exchange = lambda *args: time.sleep(3.0)  # in the round, never in its collective
+    w0 = trainable(a)
+    tb = threading.Thread(target=b.train_step)
+    tb.start()
+    t0 = time.monotonic()
+    a.train_step()
+    took = time.monotonic() - t0
+    tb.join(timeout=30)
+    rounds = state.key(CLUSTER, "lineage_rounds")
+    assert redis_client.hget(rounds, "1:commit") == b"0" and a.rounds.failed == 1 and a.rounds.next == 2
+    assert all(torch.equal(w0[n], w) for n, w in trainable(a).items())
+    assert took < 1.0 + 1.0 + 10.0  # rendezvous timeout + vote timeout + a step on a loaded machine
+    b.rounds.leave(b)
+    a.train_step()  # alone now: round 2 applies
+    assert a.rounds.rounds == 1 and a.rounds.next == 3
+    assert not all(torch.equal(w0[n], w) for n, w in trainable(a).items())

@@ -15,8 +15,9 @@ from tailspec.drafter_trainer.training_session import TrainingSession
 torch.set_num_threads(1)
 
 
-def cfg(tmp_path) -> TrainerConfig:
-    return TrainerConfig(batch_size=4, lr=1e-3, checkpoint_dir=str(tmp_path / "ck"), draft_vocab_size=16)
+def cfg(tmp_path, **kw) -> TrainerConfig:
+    return TrainerConfig(**{"batch_size": 4, "lr": 1e-3, "checkpoint_dir": str(tmp_path / "ck"), "draft_vocab_size": 16,
+                            **kw})
 
 
 def make_buffer(n: int = 32) -> SampleBuffer:
@@ -36,7 +37,7 @@ def frozen_teacher():
 
 def _session(tmp_path, redis, teacher, released: list) -> TrainingSession:
     lineage = Lineage(tmp_path / "lineage", redis, "rel")
-    s = TrainingSession(cfg(tmp_path), teacher, make_buffer(), lineage=lineage, session_id="s1",
+    s = TrainingSession(cfg(tmp_path, merge_rule="async"), teacher, make_buffer(), lineage=lineage, session_id="s1",
                         on_release=lambda: released.append((lineage.head().steps, s.step)))
     return s
 
@@ -92,7 +93,7 @@ def test_the_host_path_merges_the_weights_and_moments_it_moved(redis_client, tmp
 
     teacher = frozen_teacher()
     lineage = Lineage(tmp_path / "lineage", redis_client, "host")
-    s = TrainingSession(cfg(tmp_path), teacher, make_buffer(), lineage=lineage, session_id="h1")
+    s = TrainingSession(cfg(tmp_path, merge_rule="async"), teacher, make_buffer(), lineage=lineage, session_id="h1")
     for _ in range(2):
         assert s.train_step() is not None
     weights = {n: p.detach().clone() for n, p in s.drafter.named_parameters() if p.requires_grad}

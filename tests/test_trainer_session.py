@@ -167,12 +167,10 @@ def test_should_continue_false_stops_the_session(tmp_path, teacher):
     assert res.stop_latency_s < DEADLINE_S
 
 
-def test_should_continue_is_asked_inside_a_step(tmp_path, teacher, monkeypatch):
-    """A lease revoked mid-step is noticed at the step's next check point: the step is abandoned (no
-    optimizer update) instead of running to its end past the deadline."""
-    import tailspec.drafter_trainer.training_session as session_mod
-
-    monkeypatch.setattr(session_mod, "ASK_EVERY_S", 0.0)
+def test_should_continue_is_asked_inside_a_step(tmp_path, teacher):
+    """A lease revoked mid-step is noticed at the step's next check point (every check point reads
+    should_continue(), a local flag): the step is abandoned (no optimizer update) instead of running to its end
+    past the deadline."""
     calls = 0
 
     def should_continue():
@@ -345,16 +343,10 @@ def test_a_stop_after_a_micro_batch_still_takes_the_step(tmp_path, teacher):
         calls += 1
         return calls <= 1
 
-    import tailspec.drafter_trainer.training_session as session_mod
-
-    old, session_mod.ASK_EVERY_S = session_mod.ASK_EVERY_S, 0.0
-    try:
-        t = TrainingSession(cfg(tmp_path / "b", batch_size=8, micro_batch_size=2), teacher, buf,
-                            should_continue=should_continue)
-        start = [p.detach().clone() for p in t.params]
-        res = t.run(max_steps=5)
-    finally:
-        session_mod.ASK_EVERY_S = old
+    t = TrainingSession(cfg(tmp_path / "b", batch_size=8, micro_batch_size=2), teacher, buf,
+                        should_continue=should_continue)
+    start = [p.detach().clone() for p in t.params]
+    res = t.run(max_steps=5)
     assert res.steps == 0 and t.partial_steps == 0
     assert all(torch.equal(a, p.detach()) for a, p in zip(start, t.params))
 
@@ -430,3 +422,39 @@ def test_a_sessions_merges_write_its_moments_every_nth_time_and_when_it_stops(tm
     own = s.backend.state_dict()["state"]
     for i, st in head.optimizer_state["state"].items():
         assert torch.equal(st["exp_avg"], own[i]["exp_avg"]) and torch.equal(st["exp_avg_sq"], own[i]["exp_avg_sq"])
+
+
+def test_a_stop_inside_the_backward_leaves_at_the_next_unroll_step(tmp_path, teacher):
+    """The lease is gone once the backward has begun: the backward pass's own check (at each unroll step) raises
+    `Preempted` out of it, and the step leaves no update; a micro-batched step cut inside its second micro-batch's
+    backward is abandoned whole (its gradient would be partial), not taken on the first."""
+    from tailspec.drafter_trainer.training_session import Preempted
+
+    for micro in (0, 2):
+        seen: dict = {"bw": False, "raised": None, "calls": 0}
+
+        def should_continue():
+            return not seen["bw"]
+
+        s = TrainingSession(cfg(tmp_path / f"m{micro}", batch_size=8, micro_batch_size=micro), teacher,
+                            make_buffer(), should_continue=should_continue)
+        inner = s.backend.step if not micro else s.backend.accumulate
+
+        def backward(loss, *a):
+            seen["calls"] += 1
+            seen["bw"] = seen["calls"] >= (2 if micro else 1)  # micro-batched: inside the second micro-batch's
+            try:
+                inner(loss, *a)
+            except Exception as e:
+                seen["raised"] = e
+                raise
+
+        if micro:
+            s.backend.accumulate = backward
+        else:
+            s.backend.step = backward
+        before = [p.detach().clone() for p in s.params]
+        res = s.run(max_steps=3)
+        assert isinstance(seen["raised"], Preempted), seen
+        assert res.steps == 0 and res.stop_reason == "should_continue" and s.partial_steps == 0
+        assert all(torch.equal(a, p.detach()) for a, p in zip(before, s.params))

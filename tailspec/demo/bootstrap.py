@@ -80,13 +80,18 @@ def bootstrap_trainer(cfg: TailspecConfig) -> TrainerConfig:
     return cfg.trainer.model_copy(update={"lr": cfg.trainer.bootstrap_lr or cfg.trainer.lr})
 
 
+# Trainer settings the offline run does not read: where it checkpoints, where targets come from (below), and how a
+# lineage's rounds exchange (it trains alone). Left out of the key, so they never retrain an identical first drafter.
+_KEY_EXCLUDED = {"checkpoint_dir", "target_source", "round_timeout_s"}
+
+
 def _key(policy_dir: Path, cfg: TailspecConfig, n: int, seconds: float, seed: int, steps: int | None = None) -> str:
     """The cache key: what the offline run depends on. Its trainer settings as it runs them, so a co-training lr
     (sessions' `lr` beside a set `bootstrap_lr`) does not retrain an identical first drafter; not
     `target_source`: its samples carry no shipped targets, so it always trains on the teacher's forward."""
     weights = policy_dir / "model.safetensors"
     h = hashlib.sha256()
-    h.update(json.dumps({"trainer": bootstrap_trainer(cfg).model_dump(exclude={"checkpoint_dir", "target_source"}), "n": n, "s": seconds,
+    h.update(json.dumps({"trainer": bootstrap_trainer(cfg).model_dump(exclude=_KEY_EXCLUDED), "n": n, "s": seconds,
                          "seed": seed, "task": cfg.task.model_dump(), "format": 3,
                          **({"steps": steps} if steps is not None else {})}, sort_keys=True).encode())
     h.update(weights.read_bytes() if weights.is_file() else str(policy_dir).encode())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class PolicyPublisher:
             raise ValueError(f"keep must be >= 2 (a session may be loading the previous version), got {keep}")
         self.root, self.keep = root, keep
         self.published: dict[int, Path] = {}
+        self._lock = threading.Lock()  # a publish may run on a background thread while `latest()` is read
 
     def path_for(self, version: int) -> Path:
         return self.root / f"policy-v{version:08d}"
@@ -42,18 +44,22 @@ class PolicyPublisher:
         if version < 0:
             raise ValueError(f"policy version must be >= 0, got {version}")
         path = write_dir_atomic(self.path_for(version), write)
-        self.published[version] = path
+        with self._lock:
+            self.published[version] = path
         self._prune()
         return path
 
     def latest(self) -> tuple[int, Path] | None:
-        if not self.published:
-            return None
-        v = max(self.published)
-        return v, self.published[v]
+        """The newest version written whole, and its directory; None before the first."""
+        with self._lock:
+            if not self.published:
+                return None
+            v = max(self.published)
+            return v, self.published[v]
 
     def _prune(self) -> None:
         versions = sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _VERSION_DIR.match(p.name)))
         for v in versions[: -self.keep]:
+            with self._lock:
+                self.published.pop(v, None)
             shutil.rmtree(self.path_for(v), ignore_errors=True)
-            self.published.pop(v, None)

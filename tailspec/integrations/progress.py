@@ -29,6 +29,7 @@ class FinishedCounter:
             raise ValueError("FinishedCounter needs at least one EOS / padding id")
         self.every_s = every_s
         self.total = self.finished = self.steps = 0
+        self.seconds = 0.0  # time spent in the hook, reports included
         self._stop: torch.Tensor | None = None
         self._last = float("-inf")
         self._handle: Any = None
@@ -49,6 +50,13 @@ class FinishedCounter:
         self.close()
 
     def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._count(args, kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _count(self, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             return

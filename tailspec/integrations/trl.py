@@ -19,7 +19,9 @@ What it does, per RL step (one generation batch), on every rank unless said othe
   rewards (weighted sum over reward functions, as TRL's advantages use) and the policy version that generated
   them;
 - after each optimizer step (`on_step_end`) the main process publishes the new policy as a whole directory
-  (`PolicyPublisher`: temp dir, fsync, rename) for the sessions' teacher.
+  (`PolicyPublisher`: temp dir, fsync, rename) for the sessions' teacher: the weights are copied to host memory on
+  the trainer's thread and written on a background thread (one publish at a time), so the next generation does not
+  wait for the disk; the phase names the newest version written whole, and the run's end waits for the last.
 
 Subclass plus callback, no fork and nothing replaced at run time: the subclass wraps two GRPOTrainer methods
 (`_generate_single_turn`, `_calculate_rewards`; TRL has no callback between generation and scoring), calls the
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -69,11 +72,18 @@ class AttachStats:
     published: list[int] = field(default_factory=list)  # policy versions this process published
     progress_reports: int = 0
     verdicts: list[dict] = field(default_factory=list)  # the health guard's, with TRL's vLLM engine
+    # seconds the attachment took on the trainer's thread, by cause: "publish" (the policy's save), "phase"
+    # (set_phase), "progress" (the decoding hook and the reports), "wait_reclaimed", "submit" (samples), "flush"
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def timed(self, cause: str, t0: float) -> None:
+        """Add the time since `t0` (time.perf_counter()) to `cause`."""
+        self.seconds[cause] = self.seconds.get(cause, 0.0) + time.perf_counter() - t0
 
     def to_dict(self) -> dict:
         return {"waits": self.waits, "optimizer_steps": self.optimizer_steps, "samples": self.samples,
                 "samples_dropped": self.samples_dropped, "published": self.published,
-                "progress_reports": self.progress_reports, "verdicts": self.verdicts}
+                "progress_reports": self.progress_reports, "verdicts": self.verdicts, "seconds": self.seconds}
 
 
 class TailspecAttach:
@@ -82,9 +92,11 @@ class TailspecAttach:
 
     def __init__(self, client: TailspecClient, policy_root: str | Path, *, worker: str | None = None,
                  gpus: list[int] | None = None, reclaim_timeout_s: float = 30.0, publish_every: int = 1,
-                 keep_policies: int = 3, release_memory: bool = True, report_every_s: float = 0.05,
+                 keep_policies: int = 3, release_memory: bool = True, report_every_s: float = 0.25,
                  drafter_path: str | Path | None = None, drafter_version: int | None = None, drafter_k: int = 4,
                  guard: GuardPolicy | None = GuardPolicy()):
+        # report_every_s: how often the decoding hook reports progress (each report wakes the client's writer, a few
+        # hundred µs of the rank's CPU); the drain that lends the GPU is reported at the generation's end regardless.
         # drafter_*: with `use_vllm` (colocate), TRL's engine speculates with this EAGLE-3 export (lineage version
         # `drafter_version`, if it is one) and follows the promoted versions; `guard`: the health guard (None: off)
         if publish_every < 1:
@@ -125,6 +137,7 @@ class _TailspecCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kw):
         self.trainer._publish_policy(state.global_step)
+        self.trainer._published_whole()  # the first rollout's phase names a policy: the sessions need a teacher
 
     def on_pre_optimizer_step(self, args, state, control, **kw):
         self.trainer.tailspec.stats.optimizer_steps.append(time.time())
@@ -135,9 +148,12 @@ class _TailspecCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kw):
         ts = self.trainer.tailspec
+        t0 = time.perf_counter()
+        self.trainer._published_whole()
         if self.trainer.accelerator.is_main_process:
             ts.client.set_phase("idle", state.global_step, policy_version=state.global_step)
         ts.client.flush(2.0)
+        ts.stats.timed("flush", t0)
 
 
 class TailspecGRPOTrainer(GRPOTrainer):
@@ -160,6 +176,7 @@ class TailspecGRPOTrainer(GRPOTrainer):
         self._stop_ids = [*self.eos_token_ids] + ([tok.pad_token_id] if tok.pad_token_id is not None else [])
         self._rollout_version: int | None = None
         self._rollout_prompt_ids: list[list[int]] | None = None
+        self._publishing: threading.Thread | None = None  # the policy publish in flight (main process)
         self.add_callback(_TailspecCallback(self))
         if speculate:
             self._attach_engine()
@@ -177,16 +194,35 @@ class TailspecGRPOTrainer(GRPOTrainer):
 
     # -- policy -------------------------------------------------------------------------------------
     def _publish_policy(self, version: int) -> None:
+        """Publish `version` (the module doc): the weights copied to the host here, written on a background thread
+        once the previous publish is done."""
         if not self.accelerator.is_main_process:
             return
+        t0 = time.perf_counter()
+        self._published_whole()  # one at a time: in order, and at most one copy of the weights held
         model = self.accelerator.unwrap_model(self.model)
+        weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
         def write(tmp: Path) -> None:
-            model.save_pretrained(tmp, safe_serialization=True)
+            model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
             self.processing_class.save_pretrained(tmp)
 
-        self.tailspec.publisher.publish(version, write)
-        self.tailspec.stats.published.append(version)
+        def run() -> None:
+            try:
+                self.tailspec.publisher.publish(version, write)
+                self.tailspec.stats.published.append(version)
+            except Exception as e:  # noqa: BLE001 - the sessions keep the previous version's teacher
+                log.warning("tailspec: policy version %d not published: %s", version, e)
+
+        self._publishing = threading.Thread(target=run, name=f"tailspec-publish-v{version}", daemon=True)
+        self._publishing.start()
+        self.tailspec.stats.timed("publish", t0)
+
+    def _published_whole(self) -> None:
+        """Wait for the publish in flight, if any."""
+        if self._publishing is not None:
+            self._publishing.join()
+            self._publishing = None
 
     # -- generation ---------------------------------------------------------------------------------
     def _report(self, active: int, finished: int, total: int, **kw: Any) -> None:
@@ -203,11 +239,15 @@ class TailspecGRPOTrainer(GRPOTrainer):
         version = self.state.global_step
         self._rollout_version, self._rollout_prompt_ids = version, [list(p) for p in prompt_ids]
         if self.accelerator.is_main_process:
+            t0 = time.perf_counter()
             latest = ts.publisher.latest()
             path = str(latest[1]) if latest is not None else None
             ts.client.set_phase("rollout", version, policy_version=latest[0] if latest else version,
                                 policy_path=path)
+            ts.stats.timed("phase", t0)
+        t0 = time.perf_counter()
         self._report(len(prompt_ids), 0, len(prompt_ids), mem_released=False)
+        ts.stats.timed("progress", t0)
         counter = FinishedCounter(lambda a, f, t: self._report(a, f, t, mem_released=False), self._stop_ids,
                                   every_s=ts.report_every_s)
         if self._watch is not None:
@@ -216,14 +256,17 @@ class TailspecGRPOTrainer(GRPOTrainer):
         with counter.attach(self.accelerator.unwrap_model(self.model)):
             out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                 has_tool_images)
+        ts.stats.seconds["progress"] = ts.stats.seconds.get("progress", 0.0) + counter.seconds
         if self._watch is not None:
             ts.stats.verdicts += self._watch.after()
+        t0 = time.perf_counter()
         free = None
         if torch.cuda.is_available() and ts.release_memory:
             torch.cuda.empty_cache()
             free = int(torch.cuda.mem_get_info()[0])
         n = len(prompt_ids)
         self._report(0, n, n, mem_released=ts.release_memory, free_mem=free)
+        ts.stats.timed("progress", t0)
         return out
 
     # -- scoring: every rank finished generating (TRL gathered lengths in _generate) ------------------
@@ -232,13 +275,19 @@ class TailspecGRPOTrainer(GRPOTrainer):
             return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         ts = self.tailspec
         version = self._rollout_version if self._rollout_version is not None else self.state.global_step
+        t0 = time.perf_counter()
         if self.accelerator.is_main_process:
             ts.client.set_phase("train", version, policy_version=version)
+        ts.stats.timed("phase", t0)
+        t0 = time.perf_counter()
         w: ReclaimWait = ts.client.wait_reclaimed(timeout_s=ts.reclaim_timeout_s)
+        ts.stats.timed("wait_reclaimed", t0)
         ts.stats.waits.append({"step": version, "waited_s": w.waited_s, "reclaimed": w.reclaimed,
                                "held": list(w.held), "error": w.error, "returned_at": time.time()})
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        t0 = time.perf_counter()
         self._submit(rewards_per_func, completion_ids_list, version)
+        ts.stats.timed("submit", t0)
         return rewards_per_func
 
     def _submit(self, rewards_per_func: torch.Tensor, completion_ids: list, version: int) -> None:

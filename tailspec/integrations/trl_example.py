@@ -4,10 +4,14 @@ policy, with tailspec attached (or not, `--no-tailspec`, for a baseline with the
     # the scheduler, once per cluster (its sessions read the same shared directory)
     tailspec scheduler run --redis redis://HOST:6379/0 --set cluster.name=grpo \\
         --set trainer.checkpoint_dir=/shared/grpo/drafter
+    # the policy, once per machine before the ranks start (a preset is pre-trained on first use: minutes on a CPU)
+    python -m tailspec.integrations.trl_example --build-policy
     # the trainer, one process per GPU
     torchrun --nproc_per_node 2 -m tailspec.integrations.trl_example \\
         --redis redis://HOST:6379/0 --cluster grpo --shared-dir /shared/grpo --steps 20
 
+A rank that finds the policy preset missing builds it under the cache's file lock (tailspec.tasks.policy.get_policy:
+one rank builds, the others wait and load what it wrote), inside the run; `--build-policy` does it before.
 Every rank is one rollout worker on its own GPU. Results go to `--out` as JSON (TRL's log history and what
 the attachment did), written by the main process. On CPU (`--cpu`, the default without CUDA) TRL generates
 with transformers' `generate`; `--dataset tails` deals prompts so that each step's ranks get problems of very
@@ -42,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "uses; default $TAILSPEC_NODE, else the tailspec config's cluster.node)")
     p.add_argument("--no-tailspec", action="store_true", help="plain GRPOTrainer, nothing attached (baseline)")
     p.add_argument("--policy", default="tiny", help="policy preset (built and cached on first use) or directory")
+    p.add_argument("--build-policy", action="store_true", help="build and cache the policy preset if it is missing, "
+                   "then exit: once, before torchrun starts the ranks")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=8, help="completions per rank per step")
@@ -60,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="print every thread's stack to stderr if the run is still going after S seconds "
                         "(0: never); how a hang in a collective shows where it is")
     a = p.parse_args(argv)
-    if not a.no_tailspec:
+    if not a.no_tailspec and not a.build_policy:
         if not a.redis:
             p.error("--redis is required (or --no-tailspec)")
         if not a.shared_dir or not os.path.isabs(a.shared_dir):
@@ -131,6 +137,12 @@ def grpo_config(a: argparse.Namespace) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.build_policy:
+        # deferred: the policy kit (torch, transformers) loads after the arguments are checked
+        from tailspec.tasks.policy import resolve_policy
+
+        print(resolve_policy(a.policy))
+        return 0
     if a.stack_dump_after > 0:
         faulthandler.dump_traceback_later(a.stack_dump_after, exit=False)
 
