@@ -297,7 +297,10 @@ class Rounds:
     # -- a step ----------------------------------------------------------------------------------------
     def step(self, s: Any, scale: float, share: float, tokens: int) -> None:
         """Contribute the gradient accumulated in the session's parameters (× `scale`: a per-token mean), wait for
-        its round to close, exchange it with the round's other participants and apply the round."""
+        its round to close, exchange it with the round's other participants and apply the round. A step taken
+        outside a run (`train_step` called directly) joins first."""
+        if not self.joined:
+            self.join(s)
         params = self._params(s)
         with torch.no_grad():
             flat = flatten([(p.grad * scale if scale != 1.0 else p.grad) if p.grad is not None else torch.zeros_like(p)
