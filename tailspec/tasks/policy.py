@@ -18,9 +18,9 @@ Presets:
   main style. `tailspec bench task` reports its accuracy, tail and training time.
 - `gpu`   (~0.87B params, 16 layers at hidden size 2048, 16 heads / 4 KV heads of 128, MLP 7168): the main job's
   policy on a GPU (`--device cuda`). `deep` is 5.9 MB of weights, so on an H100 its decode step is launch-bound,
-  hundreds of times its HBM floor; this preset's 1.74 GB of bf16 weights make the batch-1 decode step
-  memory-bound (reading them takes ~0.4 ms on an H200, as long as 16 layers' kernels take to run when replayed),
-  as the rollouts of RL policies are, while an EAGLE-3 layer stays ~1/16 of a target forward. It pre-trains in bf16
+  hundreds of times its HBM floor; this preset's 1.74 GB of bf16 weights take about as long to read as its 16 layers'
+  kernels take to run when replayed, so the batch-1 decode step is memory-bound, as the rollouts of RL policies are,
+  while an EAGLE-3 layer stays ~1/16 of a target forward (`bench engine --hbm-floor` measures the ratio). It pre-trains in bf16
   autocast on the device (800 steps); on a CPU it builds and decodes too, slowly, and is never a CPU default.
 
 The training budget is chosen so the policy is imperfect on purpose (accuracy between 20% and 80% at
