@@ -294,7 +294,8 @@ KEYS: dict[str, KeySpec] = {
     s.name: s
     for s in [
         KeySpec("phase", "phase", "string", "RL framework (client)", PhaseInfo,
-                "current RL phase, step and policy version"),
+                "current RL phase, step and policy version; each change is also PUBLISHed on a channel of this name, "
+                "where the scheduler waits between ticks"),
         KeySpec("progress", "progress:{worker}", "string", "rollout worker (client)", Progress,
                 "latest progress report of one worker; PX-expiring so a dead worker disappears"),
         KeySpec("workers", "workers", "set", "rollout worker (client)", None, "names of workers that reported"),

@@ -131,6 +131,9 @@ class ClientWriter:
             return
         c = self.cluster
         pipe.set(state.key(c, "phase"), state.encode(phase))
+        # The scheduler waits for its next tick on this channel (scheduler/phase_wake.py): a phase change, the
+        # trainer's update above all, is acted on at once instead of up to a tick later.
+        pipe.publish(state.key(c, "phase"), phase.phase)
         event = Event(kind="phase", detail={"phase": phase.phase, "step": phase.step,
                                             "policy_version": phase.policy_version})
         pipe.xadd(state.key(c, "events"), {"data": state.encode(event)}, maxlen=20_000, approximate=True)

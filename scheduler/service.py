@@ -44,6 +44,7 @@ from tailspec.scheduler.leases import LeaderLost, Leases
 from tailspec.scheduler.lessor import Lessor
 from tailspec.scheduler.monitor import TelemetryMonitor
 from tailspec.scheduler.observe import Observer, Sent
+from tailspec.scheduler.phase_wake import PhaseWake
 from tailspec.scheduler.placement import simulated_gpu_placement
 from tailspec.scheduler.session_process import WARM_POLICY_ENV
 from tailspec.scheduler.telemetry import SharedDevice, make_telemetry
@@ -77,6 +78,7 @@ class Scheduler:
     bad_payloads: int = 0
     errors: int = 0
     ticks: int = 0
+    phase_wakes: int = 0  # waits between ticks a published phase change cut short (after serve returns)
     live: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # session id → (node, gpu, token)
 
     def __post_init__(self) -> None:
@@ -330,7 +332,15 @@ class Scheduler:
         stop = stop or self._stop
         _quiet_gc()
         period = self.cfg.scheduler.tick_s
+        wake = PhaseWake(self.r, state.key(self.c, "phase"), stop).start()
         next_t = time.monotonic()
+        try:
+            self._serve(stop, wake, period, next_t)
+        finally:
+            wake.close()
+            self.phase_wakes = wake.wakes
+
+    def _serve(self, stop: threading.Event, wake: PhaseWake, period: float, next_t: float) -> None:
         while not stop.is_set():
             try:
                 self.tick()
@@ -342,7 +352,8 @@ class Scheduler:
             delay = next_t - time.monotonic()
             if delay < 0:
                 next_t, delay = time.monotonic(), 0
-            stop.wait(delay)
+            if wake.wait(delay):  # a phase change: tick now, and the grid goes on from here
+                next_t = time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()
