@@ -3,7 +3,8 @@
 Runs `tailspec.integrations.trl_example` under torchrun (one rank per simulated GPU, each pinned to its GPU's
 share of the cores) three times with the same seed: unattached; attached with the scheduler lending drained
 GPUs to drafter-training sessions; attached with lending off (the hooks, policy publishing and the
-reclaim wait alone); `--repeats` times in turn (default 3: one run's step time moves ±10% on this machine).
+reclaim wait alone); `--repeats` times, each repeat running the three in turn in an order rotated by the repeat
+(default 3: one run's step time moves ±10% on this machine).
 Figures:
 - `attach_overhead`: the median over repeats of mean optimizer-step time attached (lending on) / unattached − 1
   within the repeat (`attach_overhead_runs`: each repeat's). On simulated GPUs a lent session computes on its
@@ -266,12 +267,14 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _repeat(i: int, r, url: str, work: Path, ranks: int, kw: dict, out, redis_pid: int | None) -> dict:
-    """One repeat: the unattached run, then attached with lending on and off, one after another (the three are
-    compared within a repeat: the machine's drift between repeats stays out of each ratio). The host CPU beside the
-    ranks is read around each attached run (benchmarks/attach_costs.py)."""
-    base = run_trl(work / f"plain-{i}.json", **kw)
-    got: dict = {"base": base}
-    for lend in (True, False):
+    """One repeat: the unattached run, attached with lending on, and attached with lending off, one after another
+    (the three are compared within a repeat: the machine's drift between repeats stays out of each ratio), their
+    order rotated by the repeat's index, so that over three repeats each runs first, second and third once and a
+    drift within a repeat does not favour one of them. The host CPU beside the ranks is read around each attached
+    run (benchmarks/attach_costs.py)."""
+    got: dict = {}
+
+    def attached(lend: bool) -> None:
         name = "lend" if lend else "nolend"
         cluster = f"attach-{name}-{i}"
         shared = work / cluster
@@ -283,7 +286,12 @@ def _repeat(i: int, r, url: str, work: Path, ranks: int, kw: dict, out, redis_pi
         if lend:
             got["counters"] = {k.decode(): float(v) for k, v in r.hgetall(state.key(cluster, "counters")).items()}
             got["reclaim_parts"] = reclaim_parts(r, cluster, summ[0]["tailspec"]["waits"])
-    print(f"  repeat {i + 1}: unattached {step_seconds(base[0]):.3f} s/step, lending on "
+
+    runs = [lambda: got.__setitem__("base", run_trl(work / f"plain-{i}.json", **kw)),
+            lambda: attached(True), lambda: attached(False)]
+    for k in range(3):
+        runs[(i + k) % 3]()
+    print(f"  repeat {i + 1}: unattached {step_seconds(got['base'][0]):.3f} s/step, lending on "
           f"{step_seconds(got['lend'][0]):.3f}, off {step_seconds(got['nolend'][0]):.3f}", file=out)
     return got
 

@@ -29,7 +29,11 @@ Giving the GPU back before the last merge. When the lend is over (any stop but a
 the device memory is freed (the teacher's module too), and `on_release()` says so, before the merge: writing a
 real drafter's head (weights and moments, gigabytes, fsynced to a shared filesystem) takes seconds, the copy to
 the host a fraction of that, and the GPU is not needed for it. On the CPU (simulated GPUs) there is nothing to
-move, and the merge's host work runs on the simulated GPU's cores as before.
+move, and the merge's host work runs on the simulated GPU's cores, which the trainer's update now uses: there it
+runs on its own thread at niceness `host_nice` (set where the session is pinned to a simulated GPU's cores), so it
+takes only the CPU the update leaves, as a GPU node's host work takes none of the GPU's compute. Niceness is a
+thread's own on Linux and cannot be lowered back without privileges; the thread ends with the merge, so the
+process's next lend trains at its own priority.
 
 Backends (backends.py): `torch` (AdamW); `deepspeed` (ZeRO-2, optimizer offload to CPU, deepspeed_backend.py).
 """
@@ -37,14 +41,16 @@ Backends (backends.py): `torch` (AdamW); `deepspeed` (ZeRO-2, optimizer offload 
 from __future__ import annotations
 
 import logging
+import os
 import random
+import sys
 import threading
 import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from tailspec.core.config import TrainerConfig
@@ -97,7 +103,7 @@ class TrainingSession:
                  reader: SampleReader | None = None, checkpoint_every_steps: int | None = None,
                  poll_every_steps: int = 10, report_every_s: float = 0.25, session_id: str | None = None,
                  lineage: Lineage | None = None, merge_every_steps: int | None = None,
-                 on_release: Callable[[], object] | None = None):
+                 on_release: Callable[[], object] | None = None, host_nice: int = 0):
         self.cfg = cfg
         self.teacher = teacher
         self.buffer = buffer
@@ -120,6 +126,7 @@ class TrainingSession:
                       and cfg.backend == "torch")
         self.rounds = Rounds(lineage, self.session_id, cfg, teacher.device) if use_rounds else None
         self.merge_every_steps = merge_every_steps
+        self.host_nice = host_nice  # the niceness of the merge after release (the module doc: Giving the GPU back)
         self.merged_steps = self.merges = self._seq = 0
         self.partial_steps = 0  # steps cut short by a stop and taken on the micro-batches done
         self.shipped_batches = 0  # (micro-)batches whose targets the rollout shipped (rollout_targets.py)
@@ -413,9 +420,10 @@ class TrainingSession:
         self.drafter.zero_grad(set_to_none=True)
         if self.rounds is not None:  # the round holding our last entry applied before the device goes
             self.rounds.leave(self)
-        if self.on_release is not None and reason != "max_seconds":
+        released = self.on_release is not None and reason != "max_seconds"
+        if released:
             self.release_device()
-        path = self.save()
+        path = _at_niceness(self.save, self.host_nice) if released and self.host_nice > 0 else self.save()
         if self.on_step is not None and losses:
             self.on_step(self.step, losses[-1], self.tokens_total)
         latency = time.monotonic() - self._stop_at if self._stop_at is not None else None
@@ -457,3 +465,27 @@ class TrainingSession:
         self.drafter.zero_grad(set_to_none=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _at_niceness(fn: Callable[[], Any], nice: int) -> Any:
+    """fn() on a thread of its own at niceness `nice` (that thread's alone, on Linux; elsewhere at the caller's
+    priority); its result, or its exception raised here."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        if sys.platform.startswith("linux"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            except OSError as e:  # the merge still runs, at the caller's priority
+                log.debug("host work at niceness %d: %s", nice, e)
+        try:
+            out["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, name="tailspec-host-merge")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("result")

@@ -99,6 +99,30 @@ def recompute_logprobs(model: torch.nn.Module, rollouts: list[Rollout], pad_id: 
     return [lp[i][resp[i]].tolist() for i in range(len(rollouts))]
 
 
+@torch.no_grad()
+def policy_drift(model: torch.nn.Module, rollouts: list[Rollout], prev: list[Rollout] | None, pad_id: int,
+                 temperature: float = 1.0) -> tuple[float, float | None]:
+    """The policy's entropy and its move since an earlier step, at the rollout's temperature:
+    - the mean entropy (nats) of the policy's next-token distribution over `rollouts`' response positions (its own
+      samples, so the entropy its rollouts see);
+    - the k3 estimate of KL(earlier policy || policy) over `prev`'s response tokens: they were sampled by the
+      earlier policy, whose logprobs they carry (`Rollout.logprobs`), so with r = p_now / p_then per token,
+      r - 1 - log r is unbiased for that KL and never negative. None without `prev`.
+    Both come from plain forwards of the policy as it is now (one over each list)."""
+    device = _device(model)
+    ids, attn, resp, _ = _pad(rollouts, pad_id, device)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
+    lsm = F.log_softmax(logits, -1)
+    ent = -(lsm.exp() * lsm).sum(-1)
+    entropy = float(ent[resp].mean()) if bool(resp.any()) else 0.0
+    if not prev:
+        return entropy, None
+    ids, attn, resp, old = _pad(prev, pad_id, device)
+    log_r = torch.where(resp, token_logprobs(model, ids, attn, temperature) - old, torch.zeros_like(old))
+    k3 = (torch.exp(log_r) - 1 - log_r)[resp]
+    return entropy, float(k3.mean()) if k3.numel() else None
+
+
 @dataclass
 class StepStats:
     loss: float

@@ -75,7 +75,10 @@ class Contributor:
         self.session = TrainingSession(
             tc, teacher, buffer, checkpoint_dir=self.root / "checkpoints", should_continue=should_continue,
             on_step=on_step, reader=self.reader, session_id=session_id, lineage=self.lineage,
-            merge_every_steps=tc.merge_every_steps or None, on_release=on_release)
+            merge_every_steps=tc.merge_every_steps or None, on_release=on_release,
+            # pinned to a simulated GPU's cores, which the trainer's update takes back: the merge after the release
+            # is host work and takes only what the update leaves (drafter_trainer/training_session.py)
+            host_nice=19 if os.environ.get(CPUS_ENV) else 0)
         # candidates are scored under the rollouts' published strategy mix (tailspec/mix_score.py)
         self.promotion = Promotion(tc, self.store, redis, cfg.cluster.name, self.root,
                                    scoring=scoring_source(redis, cfg.cluster.name) if redis is not None else None)

@@ -113,3 +113,44 @@ def test_the_host_path_merges_the_weights_and_moments_it_moved(redis_client, tmp
     for i, st in moments.items():
         for k, v in st.items():
             assert torch.equal(ck.optimizer_state["state"][i][k], v), (i, k)
+
+
+def _nice() -> int:
+    import os
+    import threading
+
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_the_merge_after_the_release_runs_at_host_niceness_and_the_caller_keeps_its_own(redis_client, tmp_path):
+    """Pinned to a simulated GPU's cores (host_nice > 0), the merge after the release is host work: it runs on a
+    thread at that niceness and lands whole; the session's own thread, which serves the next lend, keeps its own."""
+    released: list = []
+    s = _session(tmp_path, redis_client, frozen_teacher(), released)
+    s.host_nice = 19
+    seen: list = []
+    save = s.save
+    s.save = lambda: (seen.append(_nice()), save())[1]
+    before = _nice()
+    res = s.run(max_steps=2)
+    assert released == [(0, 2)] and seen == [19]
+    assert res.merged_steps == 2 and s.lineage.head().steps == 2
+    assert _nice() == before
+    s2 = _session(tmp_path / "b", redis_client, frozen_teacher(), [])
+    seen.clear()
+    save2 = s2.save
+    s2.save = lambda: (seen.append(_nice()), save2())[1]
+    s2.run(max_steps=1)
+    assert seen == [before]  # host_nice 0 (real GPUs): the merge stays on the caller's thread and priority
+
+
+def test_an_error_in_the_niced_merge_reaches_the_caller():
+    from tailspec.drafter_trainer.training_session import _at_niceness
+
+    def boom():
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        _at_niceness(boom, 19)
+    assert _at_niceness(lambda: 7, 19) == 7

@@ -74,6 +74,11 @@ class StepRow:
     # share of the step's responses written well-formed in the task's alternative scratchpad style: the drift
     # the reward's style bonus drives (tailspec/tasks/runsum.py)
     alt_style_share: float = 0.0
+    # the policy's mean token entropy (nats, at the rollout's temperature) on this step's measured responses, and the
+    # k3 estimate of KL(last step's policy || this step's) on the last step's (tailspec/rl.py: policy_drift); the
+    # projection's drift model reads them (tailspec/simulate/drift.py). None where not measured.
+    policy_entropy: float | None = None
+    policy_kl: float | None = None
     # sha256 of every response's token ids in request order: under rollout.verify_rule "coupled" the same in
     # every mode (no SD, frozen, co-trained) while the policies are the same, which pairs a bench's modes
     responses_digest: str = ""
@@ -98,6 +103,18 @@ def current_drafter(r, cluster: str) -> DrafterVersion | None:
 
 
 @dataclass
+class Instruments:
+    """What a step measures outside its time (`Demo.instrument`): the logprob check, the policy's drift, and at
+    measured steps both drafters' acceptance."""
+
+    lp_diff: float
+    policy_entropy: float | None = None
+    policy_kl: float | None = None
+    acc_frozen: float | None = None
+    acc_co: float | None = None
+
+
+@dataclass
 class StepTimes:
     """Wall-clock marks of one step (time.time()) and the spans measured inside it."""
 
@@ -113,7 +130,8 @@ class StepTimes:
 def step_row(step: int, mode: str, t: StepTimes, results: list[WorkResult], before: dict[str, float],
              after: dict[str, float], *, drafter_version: int | None, acc_frozen: float | None,
              acc_co: float | None, mean_reward: float, correct: list[bool], policy_version: int,
-             lp_diff: float, styles: list[str | None] | None = None) -> StepRow:
+             lp_diff: float, styles: list[str | None] | None = None, policy_entropy: float | None = None,
+             policy_kl: float | None = None) -> StepRow:
     """One step's figures from the workers' results and the scheduler's counters before and after it."""
     outs = [o for res in results for o in res.outputs]
     last_done = max(r.finished_at for r in results)
@@ -151,6 +169,7 @@ def step_row(step: int, mode: str, t: StepTimes, results: list[WorkResult], befo
         worker_drain_lead_s={r.worker: r.finished_at - r.drained_at for r in results if r.drained_at is not None},
         worker_finished_at={r.worker: r.finished_at for r in results},
         alt_style_share=float(np.mean([s == ALT for s in styles])) if styles else 0.0,
+        policy_entropy=policy_entropy, policy_kl=policy_kl,
         responses_digest=responses_digest(results),
     )
 

@@ -38,6 +38,7 @@ from tailspec.core.state import DrafterVersion, Sample
 from tailspec.demo.bootstrap import bootstrap_drafter, seed_store
 from tailspec.demo.export import export_run_drafter
 from tailspec.demo.measure import (
+    Instruments,
     StepRow,
     StepTimes,
     count_promotions,
@@ -54,7 +55,7 @@ from tailspec.demo.report import read_timeline
 from tailspec.demo.device_share import DeviceShares, share_devices
 from tailspec.demo.services import Services, place_workers, resolve_device, trainer_threads
 from tailspec.drafter_trainer.rollout_targets import prune_targets
-from tailspec.rl import Rollout, grpo_step, recompute_logprobs, save_policy_weights
+from tailspec.rl import Rollout, grpo_step, policy_drift, recompute_logprobs, save_policy_weights
 from tailspec.scheduler.dispatch import warm_ready
 from tailspec.tasks.policy import cached_policy, load_policy, resolve_policy
 from tailspec.tasks.runsum import grade, sample_problems
@@ -105,6 +106,7 @@ class Demo:
         self.export_errors: dict[str, str] = {}
         self.timeline: list[dict] = []
         self.rows: list[StepRow] = []
+        self._drift_prev: list[Rollout] | None = None  # the last step's measured responses (policy_drift's KL)
         self.metrics = None  # metrics.jsonl, open inside `opened`
         self.promotions = 0
         self.worker_restarts = 0
@@ -347,22 +349,28 @@ class Demo:
                                   states_path=o.states_path, states_key=o.states_key))
         return rollouts, samples, correct, styles
 
-    def instrument(self, step: int, rollouts: list[Rollout], samples: list[Sample]
-                   ) -> tuple[float, float | None, float | None]:
+    def instrument(self, step: int, rollouts: list[Rollout], samples: list[Sample]) -> Instruments:
         """Not part of an RL step (a user's trainer does neither): the logprob check (one forward of 8
-        responses) and, every `measure_every` steps and at the last, both drafters' acceptance. Run after the
-        GPUs are back, so it takes no compute from a session; its time is left out of step_time_s."""
+        responses), the policy's entropy and its move since the last step (`policy_drift`: two forwards of
+        `measure_samples` responses) and, every `measure_every` steps and at the last, both drafters'
+        acceptance. Run after the GPUs are back, so it takes no compute from a session; its time is left out of
+        step_time_s."""
         check = rollouts[: min(8, len(rollouts))]
         ref = recompute_logprobs(self.model, check, self.tokenizer.pad_token_id, temperature=self.o.temperature)
         lp_diff = max((abs(a - b) for ro, rf in zip(check, ref) for a, b in zip(ro.logprobs, rf)), default=0.0)
+        drift_on = rollouts[: self.o.measure_samples]
+        entropy, kl = policy_drift(self.model, drift_on, self._drift_prev, self.tokenizer.pad_token_id,
+                                   temperature=self.o.temperature)
+        self._drift_prev = drift_on  # sampled by this step's policy, which the update is about to move
+        out = Instruments(lp_diff=lp_diff, policy_entropy=entropy, policy_kl=kl)
         if self.o.mode == "nospec" or not (step % self.o.measure_every == 0 or step == self.o.steps - 1):
-            return lp_diff, None, None
+            return out
         cur = self.current_drafter()
-        acc_frozen, acc_co = measure_acceptance(self.model, self.frozen_path, cur, samples, self.o.measure_samples,
-                                                self.o.k, self.policy_version)
-        record_health(self.r, self.cluster, cur, step, self.policy_version, acc_frozen, acc_co,
+        out.acc_frozen, out.acc_co = measure_acceptance(self.model, self.frozen_path, cur, samples,
+                                                        self.o.measure_samples, self.o.k, self.policy_version)
+        record_health(self.r, self.cluster, cur, step, self.policy_version, out.acc_frozen, out.acc_co,
                       min(len(samples), self.o.measure_samples))
-        return lp_diff, acc_frozen, acc_co
+        return out
 
     def step(self, step: int, on_progress=None) -> StepRow:
         before = counters(self.r, self.cluster)
@@ -374,7 +382,7 @@ class Demo:
         # The RL trainer needs every GPU back before its update (the wait a real trainer does for reclaim).
         wait_s = self.wait_sessions_stopped()
         t_measure = time.time()
-        lp_diff, acc_frozen, acc_co = self.instrument(step, rollouts, samples)
+        inst = self.instrument(step, rollouts, samples)
         measure_s = time.time() - t_measure
         stats = grpo_step(self.model, self.optimizer, rollouts, self.tokenizer.pad_token_id,
                           temperature=self.o.temperature, kl_coef=self.o.kl_coef, ref_model=self.ref_model)
@@ -387,9 +395,10 @@ class Demo:
         times = StepTimes(start=t_start, train=t_train, end=time.time(), rollout_s=rollout_s, measure_s=measure_s,
                           wait_sessions_s=wait_s, phase_lag_s=self.phase_lag_s)
         row = step_row(step, self.o.mode, times, results, before, counters(self.r, self.cluster),
-                       drafter_version=self.current_drafter_version, acc_frozen=acc_frozen, acc_co=acc_co,
-                       mean_reward=stats.mean_reward, correct=correct, policy_version=self.policy_version,
-                       lp_diff=lp_diff, styles=styles)
+                       drafter_version=self.current_drafter_version, acc_frozen=inst.acc_frozen,
+                       acc_co=inst.acc_co, mean_reward=stats.mean_reward, correct=correct,
+                       policy_version=self.policy_version, lp_diff=inst.lp_diff, styles=styles,
+                       policy_entropy=inst.policy_entropy, policy_kl=inst.policy_kl)
         publish_rollout_stats(self.r, self.cluster, row)
         return row
 
