@@ -40,6 +40,7 @@ from tailspec.drafter_trainer.teacher import Teacher
 from tailspec.drafter_trainer.training_session import SessionResult, TrainingSession
 from tailspec.drafter_trainer.versions import VersionStore
 from tailspec.mix_score import scoring_source
+from tailspec.scheduler.placement import CPUS_ENV
 from tailspec.scheduler.session_process import WARM_POLICY_ENV, SessionContext, SessionEntry
 from tailspec.scheduler.telemetry import free_memory
 from tailspec.warm import device_and_dtype, keep_teacher, load_teacher, remember

@@ -12,6 +12,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tailspec.simulate import hardware as hw
@@ -196,3 +197,30 @@ def test_cli_anchors_json():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert all({"name", "published", "projected"} <= set(a) for a in result["anchors"])
     assert "published" in out.stdout and "NeMo-RL" in out.stdout
+
+
+def test_policy_drift_fit_recovers_the_kl_a_step_its_trend_and_the_loss_per_nat(tmp_path):
+    """A run whose policy moves 0.02 nats a step, shrinking by 10% a step, whose entropy falls 0.05 a step, and whose
+    frozen drafter loses 0.8 of log-alpha per nat of cumulative KL: the fit returns each; the projection gains a
+    decay end driven by the policy's KL, which stays bounded (the shrinking KL a step sums to a finite total)."""
+    a0, k, kl0, trend = 0.75, 4, 0.02, -0.1
+    kls = [None] + [kl0 * math.exp(trend * s) for s in range(1, 8)]
+    cum = [sum(x for x in kls[1 : s + 1]) for s in range(8)]
+    frozen = [1 + sum((a0 * math.exp(-0.8 * c)) ** j for j in range(1, k + 1)) for c in cum]
+    path = synthetic_run(tmp_path / "p", "cotrained", frozen, None)
+    rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+    for s, row in enumerate(rows):
+        row["policy_kl"], row["policy_entropy"] = kls[s], 2.0 - 0.05 * s
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pol = fit_drift([path]).policy
+    assert pol is not None
+    assert pol.kl_trend.value == pytest.approx(trend, abs=1e-9)
+    assert pol.entropy_per_step.value == pytest.approx(-0.05, abs=1e-9)
+    assert pol.loss_per_kl.value == pytest.approx(0.8, rel=1e-6)
+    assert pol.kl_per_step.value == pytest.approx(float(np.mean(kls[1:])), rel=1e-9)
+    assert pol.cum_kl(1000)[-1] < kl0 / (1 - math.exp(trend)) * 1.01 + 1e-9
+    st = step_time_curve({0.0: 10.0, 0.9: 4.0})
+    fit = fit_drift([path])
+    cases = project_gap(300, fit, 0.68, st)["cases"]
+    assert {c["decay_end"] for c in cases} == {"miniature", "marin", "policy_kl"}
+    assert fit_drift([synthetic_run(tmp_path / "q", "cotrained", frozen, None)]).policy is None  # no KL recorded

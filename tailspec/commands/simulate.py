@@ -186,6 +186,15 @@ def drift_report(dirs: list[str], sc, steps: str) -> dict:
     d, r = fitted.decay, fitted.recovery
     print(f"drift fitted on {len(dirs)} recorded runs: frozen log-alpha {d.value:.4f} ± {d.se:.4f} a step "
           f"(n {d.n}), saturating at {fitted.saturation:.3f}; co-trained recovery {r.value:.2f} ± {r.se:.2f} (n {r.n})")
+    p = fitted.policy
+    if p is None:
+        print("  the policy's KL and entropy: not in these runs' record")
+    else:
+        per_kl = (f"{p.loss_per_kl.value:.3f} ± {p.loss_per_kl.se:.3f} log-alpha lost per nat of cumulative KL "
+                  f"(n {p.loss_per_kl.n})" if p.loss_per_kl else "no frozen drafter measured beside it")
+        print(f"  the policy: KL a step {p.kl_per_step.value:.4f} ± {p.kl_per_step.se:.4f} nats (trend "
+              f"{p.kl_trend.value:+.3f} ± {p.kl_trend.se:.3f} log a step), entropy {p.entropy_per_step.value:+.4f} ± "
+              f"{p.entropy_per_step.se:.4f} nats a step; the frozen drafter {per_kl}")
     step_time = scenario_step_time(sc)
     gaps = []
     for n in (int(x) for x in steps.split(",")):
