@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 HOLDOUT_FIT = "e2e-w4-cotrained"  # fitted on: the longest recorded co-trained run (10 steps)
 HOLDOUT = ("e2e-w4-nospec", "e2e-w4-frozen", "oos-w2-cotrained-s0", "oos-w4-cotrained-s1",
-           "oos-w4-cotrained-residual-s4")  # recorded with other settings
+           "oos-w4-cotrained-residual-s4", "drift-w4-cotrained-s1", "drift-w2-cotrained-s0")  # other settings
 
 
 def holdout_dirs() -> list[str]:

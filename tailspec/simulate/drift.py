@@ -143,24 +143,27 @@ def _pooled_slope(groups: list[tuple[list[float], list[float]]]) -> Estimate:
 class PolicyDrift:
     """The policy's own drift, fitted on the recorded runs that measured it (their `policy_kl`, `policy_entropy`)."""
 
-    kl_per_step: Estimate  # mean KL(policy a step before || policy), nats
+    kl_per_step: Estimate  # mean KL(policy a step before || policy), nats, over the recorded steps
     kl_trend: Estimate  # d log(KL a step) / d step, runs pooled with a level each
+    kl_step1: float  # the KL of a run's first step on that fit (the runs' levels averaged in log)
     entropy_per_step: Estimate  # d entropy / d step, nats, runs pooled with a level each
     loss_per_kl: Estimate | None  # frozen: log-alpha lost per nat of the policy's cumulative KL
     loss_per_entropy: Estimate | None  # frozen: relative acceptance-length loss per nat of entropy change
 
     def cum_kl(self, steps: int) -> list[float]:
-        """The cumulative KL after t = 0 … steps-1 steps: the KL a step carried forward with its trend, held at no
-        growth (a positive fitted trend over a few steps is not extrapolated to hundreds)."""
-        trend = min(0.0, self.kl_trend.value) if math.isfinite(self.kl_trend.se) else 0.0
+        """The cumulative KL after t = 0 … steps-1 steps: the fitted KL a step (`kl_step1` at the first, then with
+        its trend), held at no growth (a positive fitted trend over a few steps is not extrapolated to hundreds:
+        the recorded mean KL a step is carried instead)."""
+        falling = math.isfinite(self.kl_trend.se) and self.kl_trend.value < 0
         out, total = [], 0.0
         for t in range(steps):
             out.append(total)
-            total += self.kl_per_step.value * math.exp(trend * t)
+            total += self.kl_step1 * math.exp(self.kl_trend.value * t) if falling else self.kl_per_step.value
         return out
 
     def to_dict(self) -> dict:
         return {"kl_per_step": self.kl_per_step.to_dict(), "kl_trend": self.kl_trend.to_dict(),
+                "kl_step1": self.kl_step1,
                 "entropy_per_step": self.entropy_per_step.to_dict(),
                 "loss_per_kl": self.loss_per_kl.to_dict() if self.loss_per_kl else None,
                 "loss_per_entropy": self.loss_per_entropy.to_dict() if self.loss_per_entropy else None}
@@ -214,7 +217,10 @@ def fit_policy_drift(trajs: list[Trajectory]) -> PolicyDrift | None:
                 rel_loss.append(1 - f / f0)
     if not kls:
         return None
-    return PolicyDrift(_mean(kls), _pooled_slope(kl_groups), _pooled_slope(ent_groups),
+    trend = _pooled_slope(kl_groups)
+    b = trend.value if math.isfinite(trend.se) else 0.0
+    level = float(np.mean([np.mean(gy) - b * np.mean(gx) for gx, gy in kl_groups]))  # log KL at step 0, per run
+    return PolicyDrift(_mean(kls), trend, math.exp(level + b), _pooled_slope(ent_groups),
                        _through_origin(cum, log_loss) if cum else None,
                        _through_origin(d_ent, rel_loss) if d_ent else None)
 
