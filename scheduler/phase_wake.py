@@ -88,5 +88,5 @@ def _close(sub: Any) -> None:
     if sub is not None:
         try:
             sub.close()
-        except Exception:  # noqa: BLE001 - closing a broken connection
+        except Exception:  # noqa: BLE001, S110 - closing a broken connection
             pass

@@ -9,7 +9,6 @@ import time
 import redis
 from tailspec.core import state
 from tailspec.scheduler.phase_wake import PhaseWake
-
 from test_scheduler_service import lend_two_gpus, make_cfg, running_sessions, wait_for
 
 
