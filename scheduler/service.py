@@ -78,7 +78,6 @@ class Scheduler:
     bad_payloads: int = 0
     errors: int = 0
     ticks: int = 0
-    phase_wakes: int = 0  # waits between ticks a published phase change cut short (after serve returns)
     live: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # session id → (node, gpu, token)
 
     def __post_init__(self) -> None:
@@ -333,14 +332,13 @@ class Scheduler:
         _quiet_gc()
         period = self.cfg.scheduler.tick_s
         wake = PhaseWake(self.r, state.key(self.c, "phase"), stop).start()
-        next_t = time.monotonic()
         try:
-            self._serve(stop, wake, period, next_t)
+            self._serve(stop, wake, period)
         finally:
             wake.close()
-            self.phase_wakes = wake.wakes
 
-    def _serve(self, stop: threading.Event, wake: PhaseWake, period: float, next_t: float) -> None:
+    def _serve(self, stop: threading.Event, wake: PhaseWake, period: float) -> None:
+        next_t = time.monotonic()
         while not stop.is_set():
             try:
                 self.tick()

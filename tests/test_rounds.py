@@ -213,8 +213,8 @@ def test_a_round_log_lost_with_redis_continues_from_the_head(tmp_path, redis_cli
 def test_a_round_whose_collective_fails_is_lost_whole_within_its_timeout(tmp_path, redis_client):
     """b's entry is in the round, then b never meets the group (as if SIGKILLed there): a's rendezvous times out, the
     round is decided failed, a's weights are those before it, and a's next round goes on."""
-    # round_wait 5 x a step: b's entry reaches round 1 even when its thread starts late on a loaded machine (at
-    # 0.5, a full test suite beside it once closed the round on a's entry alone, which then applied)
+    # round_wait 5 x a step: b's entry reaches round 1 even when its thread starts late on a loaded machine, so the
+    # round cannot close on a's entry alone
     a = session(tmp_path, redis_client, "a", round_wait=5.0, round_timeout_s=1.0, merge_every_steps=100)
     b = session(tmp_path, redis_client, "b", round_wait=5.0, round_timeout_s=1.0, merge_every_steps=100)
     a.rounds.join(a)

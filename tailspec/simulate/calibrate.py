@@ -57,15 +57,22 @@ class Calibration:
                 "per_step_rollout_rel_error_median": float(np.median(self.per_step_rollout_rel_error))}
 
 
-def load_run(run_dir: str | Path, need_costs: bool = True) -> tuple[dict, list[dict]]:
-    """run.json and metrics.jsonl of a recorded demo run; need_costs: it must hold the workers' warm-up cost
-    tables (a run without a drafter times none)."""
+def read_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
+    """run.json and the rows of metrics.jsonl of a recorded demo run, as recorded."""
     d = Path(run_dir)
     try:
         record = json.loads((d / "run.json").read_text())
         rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
     except (OSError, ValueError) as e:
         raise ValueError(f"{d}: not a recorded demo run (run.json and metrics.jsonl): {e}") from e
+    return record, rows
+
+
+def load_run(run_dir: str | Path, need_costs: bool = True) -> tuple[dict, list[dict]]:
+    """run.json and metrics.jsonl of a recorded demo run, with what calibration replays: the per-worker lengths
+    and, with need_costs, the workers' warm-up cost tables (a run without a drafter times none)."""
+    d = Path(run_dir)
+    record, rows = read_run(d)
     if not rows or not rows[0].get("worker_lengths") or (need_costs and not record.get("cost_models")):
         raise ValueError(f"{d}: the run has no per-worker lengths or cost tables (recorded before they were kept)")
     return record, rows

@@ -38,7 +38,6 @@ value ± one standard error.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -46,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tailspec.simulate.calibrate import read_run
 from tailspec.simulate.drafter import DrafterCurve
 from tailspec.simulate.fit import alpha_for
 from tailspec.simulate.run import Scenario, simulate
@@ -91,11 +91,7 @@ class Trajectory:
 
 def read_trajectory(run_dir: str | Path) -> Trajectory:
     d = Path(run_dir)
-    try:
-        record = json.loads((d / "run.json").read_text())
-        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{d}: cannot read run.json and metrics.jsonl: {e}") from e
+    record, rows = read_run(d)
     k = int(record["options"].get("k") or record["config"]["rollout"]["k"])
     pts = [(r["step"], r["acceptance_frozen"], r.get("acceptance_cotrained"), r.get("alt_style_share"))
            for r in rows if r.get("acceptance_frozen")]
