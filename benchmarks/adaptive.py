@@ -325,9 +325,10 @@ def _cost_table(make_engine, pool_prompts, batches: list[int], ks: list[int], k_
     cost = cost_model.measure(warm, pool_prompts, buckets=cost_model.default_buckets(max(batches)), ks=ks,
                               steps=6, temperature=args.temperature, passes=2, on_step=acceptance.observe)
     print(f"cost model measured in {time.perf_counter() - t_start:.1f}s (ms per step):", file=out)
-    print("  b \\ k " + "".join(f"{k:>8}" for k in cost.ks), file=out)
+    widths = [max(8, len(k.label) + 1) for k in cost.ks]  # a tree's label is longer than a column of numbers
+    print("  b \\ k " + "".join(f"{k:>{w}}" for k, w in zip(cost.ks, widths)), file=out)
     for b in cost.buckets:
-        print(f"  {b:>5} " + "".join(f"{cost.table[(b, k)] * 1e3:8.2f}" for k in cost.ks), file=out)
+        print(f"  {b:>5} " + "".join(f"{cost.table[(b, k)] * 1e3:{w}.2f}" for k, w in zip(cost.ks, widths)), file=out)
     return cost, acceptance
 
 

@@ -187,8 +187,9 @@ class AdaptiveSelector:
         for record in pending:
             self.acceptance.observe(record)
             if self.learn_cost and record.rows > 0 and record.step > self.cold_steps:
-                self.cost.observe(record.rows, record.k, record.seconds)
-                self._seen_load[(self.cost.bucket(record.rows), record.k)] = self.cost.load
+                # the strategy, not its depth: a tree's step times its own entry, never the chain as deep as it
+                self.cost.observe(record.rows, record.strategy, record.seconds)
+                self._seen_load[(self.cost.bucket(record.rows), record.strategy)] = self.cost.load
 
     # -- the choice ------------------------------------------------------------------------------------------
     def __call__(self, batch_size: int, last: StepRecord | None = None) -> int:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 KINDS = ("none", "chain", "tree", "dynamic")
+_CHAINS: dict[int, Strategy] = {}  # Strategy.chain(k) by k, built once each
 _LABEL = re.compile(r"^(?:none|chain(\d+)|tree([\d-]+)n(\d+)|dyn(\d+)x(\d+)n(\d+))$")
 
 
@@ -64,10 +65,12 @@ class Strategy:
         if not ok:
             raise ValueError(f"not a valid strategy: kind={self.kind!r}, depth={self.depth}, nodes={self.nodes}, "
                              f"branching={self.branching} (a tree verifies depth <= nodes <= its full size)")
+        # the identity, computed once: selectors and cost tables compare and hash strategies at every decision
+        object.__setattr__(self, "_identity", (self.nodes, self.depth, KINDS.index(self.kind), self.branching))
 
     # -- identity: a chain is its k --------------------------------------------------------------------------------
     def _key(self) -> tuple:
-        return (self.nodes, self.depth, KINDS.index(self.kind), self.branching)
+        return self._identity
 
     @staticmethod
     def _other(other) -> Strategy | None:
@@ -78,6 +81,8 @@ class Strategy:
         return None
 
     def __eq__(self, other) -> bool:
+        if other is self:
+            return True
         o = self._other(other)
         return NotImplemented if o is None else self._key() == o._key()
 
@@ -115,9 +120,15 @@ class Strategy:
     @classmethod
     def chain(cls, k: int) -> Strategy:
         """k drafted tokens in a line; chain(0) is plain decoding."""
+        hit = _CHAINS.get(k) if type(k) is int else None
+        if hit is not None:
+            return hit
         if not isinstance(k, int) or k < 0:
             raise ValueError(f"a chain's k must be an int >= 0, got {k!r}")
-        return cls.none() if k == 0 else cls(k, k, "chain", (1,) * k)
+        s = cls.none() if k == 0 else cls(k, k, "chain", (1,) * k)
+        if type(k) is int and k <= 64:  # immutable: one instance per k, as an int stands for one wherever a strategy is taken
+            _CHAINS[k] = s
+        return s
 
     @classmethod
     def tree(cls, branching: Sequence[int], nodes: int) -> Strategy:

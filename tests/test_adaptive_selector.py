@@ -16,7 +16,7 @@ from tailspec.core.config import RolloutConfig
 from tailspec.rollout.acceptance import AcceptanceTracker
 from tailspec.rollout.cost_model import CostModel, default_buckets, default_ks
 from tailspec.rollout.selector import AdaptiveSelector, candidate_ks, make_selector
-from tailspec.rollout.strategy import StepRecord
+from tailspec.rollout.strategy import StepRecord, Strategy
 from tailspec.rollout.table_selector import (
     beg_selector,
     check_schedule,
@@ -614,3 +614,20 @@ def test_a_new_batch_size_does_not_explore_because_the_load_moved_elsewhere():
         last = StepRecord.following(last, batch, k, sum(reach), reach, synthetic_time(batch, k) * slow)
     assert abs(math.log(sel.cost.load)) > math.log1p(sel.stale_load)  # the load moved past the threshold
     assert chosen == [true_best(4, 0.7)] * len(chosen), Counter(chosen)
+
+
+def test_a_tree_steps_time_goes_to_its_own_cost_entry_not_the_chain_as_deep():
+    """A tree step's depth is a chain's k (tree2-1-1-1n5 is 4 deep). Its seconds must time the tree's own entry:
+    folded into chain4's, every exploration of the tree made chain4 look dearer and left the tree at its
+    warm-up cost, so the selector kept picking a tree that measured slower than the chain."""
+    tree = Strategy.parse("tree2-1-1-1n5")
+    ks = [Strategy.of(k) for k in (0, 1, 2, 3, 4)] + [tree]
+    cost = CostModel([1, 2], ks, {(b, k): 0.010 for b in (1, 2) for k in ks})
+    sel = AdaptiveSelector(cost, AcceptanceTracker(k_max=4), cold_steps=0, stale_load=0)
+    last = None
+    for _ in range(6):
+        last = StepRecord.following(last, 1, tree, 2, (1, 1, 0, 0), 0.020, ((1,), (0,), (0,), (0,)), ((0,), (0,), (0,), (0,)))
+        sel.observe(last)
+    sel.flush()
+    assert cost.samples(1, tree) > 0 and cost.samples(1, 4) == 0
+    assert cost.t(1, tree) > 1.3 * cost.t(1, 4)  # the tree's steps took twice chain4's warm-up time
