@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> dict:
     cost, acceptance = _planned_cost_table(make_engine, planned if graphs else None, pool_prompts, batches, ks, k_max,
                                            args, out, t_start)
     starts = _starts(make_engine, pool_prompts, max_seq, args, out)
-    selectors = _selectors(cost, acceptance, ks, chains, cfg.rollout.epsilon)
+    selectors = _selectors(cost, acceptance, ks, chains, cfg.rollout.epsilon, planned=graphs)
     adaptive, chain_only = selectors["adaptive"], selectors["adaptive_chain_only"]
     accept1: dict = {}
     per_batch = [_batch_row(make_engine, selectors, adaptive, starts, b, ks, args, out, lockstep=not graphs,
@@ -272,15 +272,18 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _selectors(cost, acceptance, ks: list, chains: list, epsilon: float) -> dict:
+def _selectors(cost, acceptance, ks: list, chains: list, epsilon: float, planned: bool = False) -> dict:
     """Every policy the bench runs: each fixed strategy, adaptive over them all, adaptive over the chains alone (on
-    its own copies of the estimates: both learn online from their steps), BEG, threshold and the twin."""
+    its own copies of the estimates: both learn online from their steps), BEG, threshold and the twin. `planned`:
+    graph pools captured the warm-up's candidates, which the adaptive selectors keep to."""
     # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
     from tailspec.rollout.selector import AdaptiveSelector
     from tailspec.rollout.table_selector import beg_selector, fixed_selector, threshold_selector
 
-    adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=epsilon, seed=0)
-    chain_only = AdaptiveSelector(copy.deepcopy(cost), copy.deepcopy(acceptance), ks=chains, epsilon=epsilon, seed=0)
+    refresh = {"refresh_steps": 0} if planned else {}
+    adaptive = AdaptiveSelector(cost, acceptance, ks=ks, epsilon=epsilon, seed=0, **refresh)
+    chain_only = AdaptiveSelector(copy.deepcopy(cost), copy.deepcopy(acceptance), ks=chains, epsilon=epsilon, seed=0,
+                                  **refresh)
     selectors = {k.label: fixed_selector(k) for k in ks}
     chain_max = max(k.depth for k in chains)
     selectors |= {"adaptive": adaptive, "adaptive_chain_only": chain_only, "beg": beg_selector(max(chain_max, 1)),

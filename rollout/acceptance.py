@@ -36,7 +36,10 @@ trials and acceptances per depth go into the position counts; its later sibling 
 (depth, rank): P(the rank-r child is accepted | it was drafted), shrunk toward the rate one depth up (at the root
 toward `rank_prior`, halved per rank). A tree's expected accepted length is the sum over its nodes of their
 path's probability under these rates (`rollout.strategy.expected_accepted`), shrunk toward the tree's own settled
-mean like a chain's. A dynamic tree is valued as the static tree of its budget and shape: what it drafts per row is
+mean like a chain's. The rates multiply along a path as if independent, and they are not: a branch taken after the
+drafter's first choice missed continues less well than the first choice does, so the model overrates trees, the
+more the more nodes sit off the first-choice path. A tree's regime ratio (as a chain's: its settled steps' accepted
+drafts over the model's prediction for them, kept over its own rows) corrects the model toward what it delivers. A dynamic tree is valued as the static tree of its budget and shape: what it drafts per row is
 at least as likely, and its own mean corrects the rest.
 
 Position counts decay by exp(-rows / memory_rows) per informative step (k > 0): the estimate remembers about
@@ -142,6 +145,10 @@ class AcceptanceTracker:
         if not ok:
             self.dropped += 1
             return
+        settled = record.run > self.settle_steps
+        # the tree model's prediction for this step before it sees it, for the tree's regime ratio (as a chain's)
+        regime = self.regime() if settled and self.pos_trials[0] >= 4 * self.prior_weight else None
+        predicted = rows * self._tree_model(s) if regime is not None and regime != s else 0.0
         self._decay(s, rows)
         self.regime_w[s] = self.regime_w.get(s, 0.0) + rows
         for d, (t, a) in enumerate(zip(trials, acc)):
@@ -151,9 +158,13 @@ class AcceptanceTracker:
                 if t[r]:
                     self.rank_trials[(d, r)] = self.rank_trials.get((d, r), 0.0) + t[r]
                     self.rank_acc[(d, r)] = self.rank_acc.get((d, r), 0.0) + a[r]
-        if record.run > self.settle_steps:
+        if settled:
             self.k_acc[s] = self.k_acc.get(s, 0.0) + accepted
             self.k_rows[s] = self.k_rows.get(s, 0.0) + rows
+            if predicted > 0:
+                key, f = (s, regime), math.exp(-rows / self.regime_memory_rows)
+                self.regime_acc[key] = self.regime_acc.get(key, 0.0) * f + accepted
+                self.regime_pred[key] = self.regime_pred.get(key, 0.0) * f + predicted
         self.updates += 1
 
     def _decay(self, k, rows: int) -> None:
@@ -289,11 +300,18 @@ class AcceptanceTracker:
             return self.token_table()[s.depth]
         hit = self._trees.get(s)
         if hit is None:
-            alphas = self.alphas()
-            model = expected_accepted(s, lambda d, r: alphas[d] if r == 0 else self.rank_rate(d, r))
+            model, regime = self._tree_model(s), self.regime()
+            if regime != s:  # the position and rank counts' independence along a path, corrected as a chain's regime
+                model = min(model * self._regime_ratio(s, regime, model), float(s.depth))
             rows = self.k_rows.get(s, 0.0)
             hit = self._trees[s] = 1.0 + (self.k_acc.get(s, 0.0) + self.k_weight * model) / (rows + self.k_weight)
         return hit
+
+    def _tree_model(self, s: Strategy) -> float:
+        """E[accepted drafts per row] of tree s from the position rates (rank 0) and the rank rates, independently
+        along a path."""
+        alphas = self.alphas()
+        return expected_accepted(s, lambda d, r: alphas[d] if r == 0 else self.rank_rate(d, r))
 
     def rank_rate(self, d: int, r: int) -> float:
         """P(the rank-r child of a node at depth d is accepted | it was drafted), r >= 1: its decayed counts shrunk

@@ -13,7 +13,9 @@ chains the shape of vLLM's `num_speculative_tokens_per_batch_size`, for the vLLM
   switch still settle into the new strategy's regime; hysteresis (switch only for a clear gain) against
   thrashing on noisy timings, per batch bucket. The estimates fold the noted steps in and the pick is
   re-decided every `decide_every` steps, or at once when the batch size changes. An engine's first
-  `cold_steps` steps do not time the cost model (they run slow whatever k).
+  `cold_steps` steps do not time the cost model (they run slow whatever k). The candidates are the warm-up
+  table's, and every `refresh_steps` timed steps they also take in what the online estimates put within the
+  margin (not where a graph pool captured the warm-up's alone).
 - `fixed`, `beg`, `threshold`: a fixed batch-size table each (rollout/table_selector.py).
 """
 
@@ -23,10 +25,11 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from tailspec.rollout.acceptance import AcceptanceTracker
 from tailspec.rollout.cost_model import CostModel
-from tailspec.rollout.strategy import StepRecord, Strategy, expected_accepted
+from tailspec.rollout.strategy import StepRecord, Strategy
 from tailspec.rollout.table_selector import (
     Schedule,
     beg_selector,
@@ -51,19 +54,34 @@ def model_tokens(alpha: float, strategy) -> float:
     s = Strategy.of(strategy)
     if not s.is_tree:
         return geometric_tokens(alpha, s.depth)
-    return 1.0 + expected_accepted(s, lambda d, r: alpha * (1 - alpha) ** r)
+    return 1.0 + sum(alpha**d * (1 - alpha) ** r for d, r in _path_powers(s))
+
+
+@lru_cache(maxsize=256)
+def _path_powers(s: Strategy) -> tuple[tuple[int, int], ...]:
+    """Per verified node of tree s (a dynamic one as the static tree of its shape, as `expected_accepted` values
+    it): (its depth, the sum of its path's sibling ranks), so that under `model_tokens`' drafter its path's
+    probability is alpha**depth * (1 - alpha)**ranks (candidate_ks evaluates every tree at 51 alphas)."""
+    shape = s if s.kind == "tree" else Strategy.tree(s.branching, s.nodes)
+    depth, ranks = [0], [0]
+    for parent, rank in zip(shape.parents, shape.ranks):
+        depth.append(depth[parent] + 1)
+        ranks.append(ranks[parent] + rank)
+    return tuple(zip(depth[1:], ranks[1:]))
 
 
 def candidate_ks(
-    cost: CostModel, bucket: int, ks: Sequence | None = None, margin: float = 0.1, alpha_max: float = ALPHA_MAX
+    cost: CostModel, bucket: int, ks: Sequence | None = None, margin: float = 0.1, alpha_max: float = ALPHA_MAX,
+    current: bool = False,
 ) -> list[Strategy]:
     """The strategies the adaptive selector can pick at this batch bucket: every one within `margin` of the
     best expected tokens/s for some per-token acceptance in [0, alpha_max] (`model_tokens`). Plain decoding is
-    always among them (it wins at acceptance 0). The graph pool captures exactly these, so exploration never
-    leaves the plan."""
+    always among them (it wins at acceptance 0). Priced by the warm-up table, or with `current` by the cost
+    model's estimates now (load and the entries' factors). The graph pool captures exactly the warm-up's, so
+    exploration never leaves the plan."""
     ks = [Strategy.of(k) for k in (cost.ks if ks is None else ks)]
     out: set[Strategy] = set()
-    times = {k: cost.base(bucket, k) for k in ks}
+    times = {k: cost.t(bucket, k) if current else cost.base(bucket, k) for k in ks}
     for i in range(51):
         alpha = alpha_max * i / 50
         scores = {k: model_tokens(alpha, k) / times[k] for k in ks}
@@ -111,13 +129,16 @@ class AdaptiveSelector:
     # the runner-up's estimate is stale once the cost model's shared load level has moved by more than this share
     # since the runner-up last ran at this bucket: then it is explored at the next decision (0: never)
     stale_load: float = 0.2
+    # the candidates also take in, every this many timed steps, those the cost model's estimates now put within
+    # `margin` (0: the warm-up's alone, where a graph pool captured exactly those; see `candidates`)
+    refresh_steps: int = 64
     name: str = "adaptive"
     k: int | None = None  # the committed strategy at the current batch size's bucket
     committed: dict[int, int] = field(default_factory=dict)  # bucket -> its committed strategy
     switches: int = 0
     explored: int = 0
     _rng: random.Random = field(init=False, repr=False)
-    _cands: dict[int, list[int]] = field(init=False, repr=False, default_factory=dict)
+    _cands: dict[int, tuple[int, list[Strategy]]] = field(init=False, repr=False, default_factory=dict)  # bucket -> (refresh epoch, candidates)
     _noted: StepRecord | None = field(init=False, repr=False, default=None)  # the last record observed
     _pending: list[StepRecord] = field(init=False, repr=False, default_factory=list)  # observed, not yet folded in
     _exploring: Exploration | None = field(init=False, repr=False, default=None)
@@ -141,17 +162,26 @@ class AdaptiveSelector:
         if bad:
             raise ValueError(f"strategies {bad} are not in the cost model {[k.label for k in self.cost.ks]} or exceed "
                              f"k_max={self.acceptance.k_max}")
-        if self.stale_load < 0:
-            raise ValueError(f"stale_load must be >= 0, got {self.stale_load}")
+        if self.stale_load < 0 or self.refresh_steps < 0:
+            raise ValueError(f"stale_load and refresh_steps must be >= 0, got {self.stale_load}, {self.refresh_steps}")
         self._rng = random.Random(self.seed)
 
     # -- estimates -------------------------------------------------------------------------------------------
-    def candidates(self, batch_size: int) -> list[int]:
-        cands = self._cands.get(batch_size)
-        if cands is None:  # the plan's strategies for this batch size's bucket (the warm-up table's, fixed)
-            bucket = self.cost.bucket(batch_size)
-            cands = next((c for b, c in self._cands.items() if self.cost.bucket(b) == bucket), None)
-            cands = self._cands[batch_size] = cands or candidate_ks(self.cost, bucket, self.ks, self.margin)
+    def candidates(self, batch_size: int) -> list[Strategy]:
+        """The strategies this batch size's bucket may run: the warm-up table's `candidate_ks` (the graph pool's
+        plan), and with `refresh_steps` those the online estimates have put within the margin since. A warm-up
+        entry timed low on a shared machine can push the strategies that win out of the warm-up's candidates for
+        good, and a strategy that is not a candidate is never run, so nothing would correct it."""
+        bucket = self.cost.bucket(batch_size)
+        epoch = self.cost.observed // self.refresh_steps if self.refresh_steps else 0
+        hit = self._cands.get(bucket)
+        if hit is not None and hit[0] == epoch:
+            return hit[1]
+        if hit is None:
+            cands = candidate_ks(self.cost, bucket, self.ks, self.margin)
+        else:
+            cands = sorted(set(hit[1]) | set(candidate_ks(self.cost, bucket, self.ks, self.margin, current=True)))
+        self._cands[bucket] = (epoch, cands)
         return cands
 
     def score(self, batch_size: int, k) -> float:
@@ -299,11 +329,13 @@ def make_selector(
     *,
     gate: int = 32,
     seed: int = 0,
+    planned: bool = False,
 ):
     """The selector named by `rollout.selector` (adaptive | fixed | beg | threshold).
 
     adaptive needs the cost model measured on this engine (`cost_model.measure`); an acceptance tracker is
-    made if none is given. With `rollout.drafter: none` every selector is plain decoding.
+    made if none is given. `planned`: a graph pool captured the warm-up's candidates, so adaptive keeps to them
+    (`AdaptiveSelector.refresh_steps` 0). With `rollout.drafter: none` every selector is plain decoding.
     """
     cfg = rollout_config
     name = cfg.selector
@@ -323,5 +355,5 @@ def make_selector(
             )
         acceptance = acceptance or AcceptanceTracker(k_max=cfg.k_max)
         return AdaptiveSelector(cost, acceptance, ks=[k for k in cost.ks if k.depth <= cfg.k_max], epsilon=cfg.epsilon,
-                                seed=seed)
+                                seed=seed, **({"refresh_steps": 0} if planned else {}))
     raise ValueError(f"unknown rollout.selector {name!r}; choose adaptive, fixed, beg or threshold")

@@ -30,7 +30,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 KINDS = ("none", "chain", "tree", "dynamic")
 _CHAINS: dict[int, Strategy] = {}  # Strategy.chain(k) by k, built once each
@@ -246,6 +246,12 @@ PRIOR_ACCEPT, PRIOR_RANK_DECAY = 0.7, 0.25
 
 
 def static_tree(branching: Sequence[int], nodes: int) -> list[tuple[int, int]]:
+    """`_static_tree`, computed once per shape: selectors value trees at every decision."""
+    return list(_static_tree(tuple(int(b) for b in branching), int(nodes)))
+
+
+@lru_cache(maxsize=512)
+def _static_tree(branching: tuple[int, ...], nodes: int) -> tuple[tuple[int, int], ...]:
     """(parent, rank) of nodes 1..nodes of a static tree, node 0 being the root: the `nodes` most probable
     nodes of the full tree (branching[d] children per node at level d + 1) under the fixed rank prior (a node's
     probability is its path's product of PRIOR_ACCEPT * PRIOR_RANK_DECAY**rank), ties to the shallower node and
@@ -266,7 +272,7 @@ def static_tree(branching: Sequence[int], nodes: int) -> list[tuple[int, int]]:
         raise ValueError(f"a tree with branching {tuple(branching)} has {len(chosen)} nodes, fewer than {nodes}")
     chosen.sort()
     index = {path: i + 1 for i, (_, path) in enumerate(chosen)}
-    return [(index.get(path[:-1], 0), path[-1]) for _, path in chosen]
+    return tuple((index.get(path[:-1], 0), path[-1]) for _, path in chosen)
 
 
 def expected_accepted(strategy: Strategy, accept: Callable[[int, int], float]) -> float:

@@ -236,7 +236,8 @@ class Worker:
             self._attach_pool(engine, item, rc, on_step)
         if drafter is not None:
             selector = make_selector(rc.model_copy(update={"k": min(rc.k, k_max)}), self.cost,
-                                     self.acceptance if adaptive else None, seed=item.step)
+                                     self.acceptance if adaptive else None, seed=item.step,
+                                     planned=self.pool is not None)
             if self.guard is not None and self.drafter_module is not None:
                 selector = guarded(selector, self.guard, on_verdict=self._on_verdict)
             engine.configure(selector=selector)
