@@ -5,7 +5,9 @@ settings (worker count, steps, seed, mode, verify rule).
 level (measured decode seconds against the replay at the engine's warm-up table), the seconds a worker spends
 outside decode per request, the dispatch delay, the scheduler's counting lags, the RL update's seconds per
 response token, the step's seconds outside rollout and update, the reclaim wait, the drafter's accepted tokens
-per k and the lent seconds a session spends not training. `predict` replays a held-out run from its own inputs only: its configuration, its warm-up
+per k and how they move over the run's steps (`step_quality`: a held-out run's step i meets the same first drafter
+and policy the fitted run's step i did), and the lent seconds a session spends not training: validating, in
+proportion to the seconds trained, and starting, merging and stopping, per lend. `predict` replays a held-out run from its own inputs only: its configuration, its warm-up
 cost tables (timed before its first step) and the response lengths its policy wrote (the workload, as a trace
 is to the cluster projection). Nothing a held-out run measured during its steps enters its prediction. A run
 without a drafter times no warm-up table; it takes the fitted run's mean table at the CPU share of a core its
@@ -61,7 +63,9 @@ class Fitted:
     other_s: float  # a step's seconds outside its rollout and its update
     stop_s: float  # the reclaim wait of a step that lent
     acceptance: list[float] | None  # E[tokens per row per step | k], k = 0..k_max
-    idle_per_lend_s: float  # lent GPU-seconds that were not whole optimizer steps, per lend
+    quality: list[float]  # per step of the fitted run: its drafts' acceptance over the whole run's (`step_quality`)
+    idle_per_lend_s: float  # lent GPU-seconds neither in optimizer steps nor validating, per lend (start-up, merge, stop)
+    validate_per_train: float  # validating seconds per training second (a candidate every propose_min_steps steps)
     warmup: dict  # the fitted run's workers' mean warm-up table (CostModel.to_dict), for a run that timed none
     core_share: float  # the share of a core each of its simulated GPUs had
 
@@ -134,24 +138,52 @@ def fit(run_dir: str | Path, model: hw.ModelSpec | None = None) -> Fitted:
     train_per_token = sum(r["train_time_s"] - r["wait_sessions_s"] for r in rows) / max(tokens, 1)
     other = _mean([r["step_time_s"] - r["rollout_time_s"] - r["train_time_s"] for r in rows])
     acceptance = measured_acceptance(rows, cfg["rollout"]["k_max"]) if mode != "nospec" else None
+    quality = step_quality(rows, acceptance.tokens if acceptance else None)
     lends = sum(r.get("sessions", 0) for r in rows)
     trained = sum((r.get("session_seconds") or {}).get("train", 0.0) for r in rows)
     lent = sum(r["lent_gpu_seconds"] for r in rows)
-    idle_per_lend = (lent - trained) / lends if lends else 0.0
+    validating = sum((r.get("session_seconds") or {}).get("validate", 0.0) for r in rows)
+    idle_per_lend = max(0.0, lent - trained - validating) / lends if lends else 0.0
+    validate_per_train = validating / trained if trained > 0 else 0.0
     # the level: the measured decode seconds over the replay's at the warm-up tables, this run's own inputs
     ctx = engine_context(record, rows, workers, warmup, model)
     measured = projected = 0.0
-    for r, f in zip(rows, fixed):
+    for r, f, q in zip(rows, fixed, quality):
         arr = lengths_array(r, workers)
-        inp = StepInputs(arr, min(cfg["rollout"]["max_batch"], arr.shape[1]), warmup, _acceptance(acceptance), np.array(f), 0.0, 1,
+        inp = StepInputs(arr, min(cfg["rollout"]["max_batch"], arr.shape[1]), warmup, _at_quality(acceptance, q),
+                         np.array(f), 0.0, 1,
                          _latencies(sc, stop_s, phase_lag, lead), lend=False, drafter_tokens_per_s=0.0,
                          dispatch_s=dispatch)
         out = replay_step(inp, ctx)
         projected += float((out.finish - inp.fixed_s - dispatch).sum())
         measured += sum(r["worker_decode_s"][w] for w in workers)
     return Fitted(str(run_dir), measured / projected if projected else 1.0, mode != "nospec", fixed_per_request, dispatch, phase_lag,
-                  lead, train_per_token, other, stop_s, acceptance.tokens if acceptance else None, idle_per_lend,
+                  lead, train_per_token, other, stop_s, acceptance.tokens if acceptance else None, quality, idle_per_lend,
+                  validate_per_train,
                   mean_table(warmup).to_dict(), core_share(record))
+
+
+def step_quality(rows: list[dict], tokens: list[float] | None) -> list[float]:
+    """Per step: the drafts its chains accepted over what the whole run's per-k means (`tokens`) give for the same
+    steps at the same k, so 1 is a step like the run's mean whatever its strategy mix. The drafter's acceptance
+    moves over a run (a fresh drafter on the first policy accepts most; the policy then drifts from it), and a
+    held-out run's step i meets the fitted run's step i's drafter and drift (the same first drafter and policy)."""
+    out = []
+    for r in rows:
+        got = want = 0.0
+        for k, (n, a) in (r.get("accepted_by_k") or {}).items():
+            if k.isdigit() and 0 < int(k) < len(tokens or []) and n:
+                got += a
+                want += n * (tokens[int(k)] - 1)
+        out.append(got / want if want > 0 else 1.0)
+    return out
+
+
+def _at_quality(a: FixedAcceptance | None, q: float) -> FixedAcceptance | None:
+    """Acceptance `a` with its accepted drafts scaled by q (at most k per step)."""
+    if a is None:
+        return None
+    return FixedAcceptance([1.0] + [min(k + 1.0, 1 + (t - 1) * q) for k, t in enumerate(a.tokens[1:], start=1)])
 
 
 def _acceptance(a: FixedAcceptance | list[float] | None) -> FixedAcceptance | None:
@@ -180,10 +212,13 @@ class Holdout:
                 "max_rel_error": self.max_rel_error}
 
 
-def _trained(out: StepOut, idle_per_lend: float) -> float:
-    """GPU-seconds of whole optimizer steps: each lend's lent interval less what a lend spends not training."""
+def _trained(out: StepOut, fitted: Fitted) -> float:
+    """GPU-seconds of whole optimizer steps: each lend's lent interval less what a lend spends starting, merging and
+    stopping, of which a share goes to validating candidates in proportion to the training (a session proposes a
+    candidate once the lineage holds `trainer.propose_min_steps` more optimizer steps, so validations follow the
+    steps trained, not the lends)."""
     lent = out.lending.revoked - out.lending.lent
-    return float(np.nansum(np.clip(lent - idle_per_lend, 0.0, None)))
+    return float(np.nansum(np.clip(lent - fitted.idle_per_lend_s, 0.0, None))) / (1 + fitted.validate_per_train)
 
 
 def predict(run_dir: str | Path, fitted: Fitted, model: hw.ModelSpec | None = None) -> Holdout:
@@ -201,18 +236,19 @@ def predict(run_dir: str | Path, fitted: Fitted, model: hw.ModelSpec | None = No
     lat = _latencies(sc, fitted.stop_s, fitted.phase_lag_s, fitted.drain_lead_s)
     ctx = engine_context(record, rows, workers, warmup, model)
     pred = {"step_s": [], "rollout_s": [], "idle": 0.0, "trained": 0.0}
-    for r in rows:
+    for i, r in enumerate(rows):
         arr = lengths_array(r, workers)
         fixed = fitted.fixed_per_request * _requests(r, workers) * _t10(warmup)
+        q = fitted.quality[min(i, len(fitted.quality) - 1)] if fitted.quality else 1.0
         train_s = fitted.train_s_per_token * float(arr.sum())
-        inp = StepInputs(arr, min(rc["max_batch"], arr.shape[1]), costs, acceptance, fixed, train_s, 1,
+        inp = StepInputs(arr, min(rc["max_batch"], arr.shape[1]), costs, _at_quality(acceptance, q), fixed, train_s, 1,
                          replace(lat), lend=mode == "cotrained", drafter_tokens_per_s=0.0,
                          dispatch_s=fitted.dispatch_s)
         out = replay_step(inp, ctx)
         pred["step_s"].append(out.step_s + fitted.other_s)
         pred["rollout_s"].append(out.rollout_s)
         pred["idle"] += out.idle_gpu_s
-        pred["trained"] += _trained(out, fitted.idle_per_lend_s)
+        pred["trained"] += _trained(out, fitted)
     idle = sum(r["idle_gpu_seconds"] for r in rows)
     measured = {"step_s": _mean([r["step_time_s"] for r in rows]), "rollout_s": _mean([r["rollout_time_s"] for r in rows]),
                 "idle_gpu_s": idle}
