@@ -13,7 +13,8 @@ Lines (every figure a projection except the measured demo runs it is calibrated 
   (target: NeMo-RL's rollout and SkyRL's step figure within 25%);
 - drift: the frozen drafter's decay and the co-trained drafter's recovery fitted on the recorded runs, and the
   co-trained vs frozen gap for 100, 300 and 1,000 steps of the default scenario, an interval;
-- constants: which of the hardware model's constants a lent GPU measured and which are assumed;
+- constants: which of the hardware model's constants a lent GPU measured and which are assumed, and the default
+  drafter curve's (all assumed: the sweep's co-trained ÷ frozen gap rests on them; the drift fit is the measured one);
 - the sweep: Qwen2.5-7B / Qwen3-32B / Qwen3-235B-A22B at 64 / 256 / 1,024 H100s, sync and async.
 """
 
@@ -39,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 HOLDOUT_FIT = "e2e-w4-cotrained"  # fitted on: the longest recorded co-trained run (10 steps)
 HOLDOUT = ("e2e-w4-nospec", "e2e-w4-frozen", "oos-w2-cotrained-s0", "oos-w4-cotrained-s1",
-           "oos-w4-cotrained-residual-s4", "drift-w4-cotrained-s1", "drift-w2-cotrained-s0")  # other settings
+           "oos-w4-cotrained-residual-s4", "drift-w4-cotrained-s1", "drift-w2-cotrained-s0",
+           "oos-w4-cotrained-residual-s5")  # other settings
 
 
 def holdout_dirs() -> list[str]:
@@ -103,6 +105,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"calibration on {cal['run_dir']} ({cal['steps']} steps): {errs} (max {cal['max_rel_error']:.1%})")
     # deferred: the CLI imports every bench module to build its parser; these load when the bench runs
     from tailspec.commands.simulate import anchors_report, drift_report, holdout_report
+    from tailspec.simulate.drafter import CONSTANTS as DRAFTER_CONSTANTS
     from tailspec.simulate.hardware import constants
 
     oos = holdout_report(args.holdout or holdout_dirs())
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     result["calibration_out_of_sample_max_rel_error"] = oos["max_rel_error"]
     result["anchors"] = anchors_report()
     result["drift"] = drift_report(drift_dirs(), Scenario(), "100,300,1000")
-    result["constants"] = constants()
+    result["constants"] = constants() | {k: status for k, (status, _) in DRAFTER_CONSTANTS.items()}
     print("constants: " + ", ".join(f"{k} {v}" for k, v in result["constants"].items()))
     rows = run_sweep(replace(Scenario(), steps=args.steps))
     print_sweep(rows)

@@ -85,6 +85,8 @@ def print_summary(s: dict) -> None:
     print(f"  speedup vs no SD   co-trained {s['speedup_cotrained']:.2f}x (rollout {s['rollout_speedup_cotrained']:.2f}x)"
           f" | frozen {s['speedup_frozen']:.2f}x (rollout {s['rollout_speedup_frozen']:.2f}x)"
           f" | co-trained vs frozen {s['speedup_vs_frozen']:.2f}x")
+    print("  (co-trained vs frozen rests on the drafter curve's assumed lift and decay, simulate/drafter.py; what the "
+          "recorded runs support: tailspec simulate --drift)")
     a = s["alpha_first_last"]
     print(f"  tail idle share {s['tail_idle_share']:.2f} | reclaimed share {s['reclaimed_share']:.2f} | "
           f"drafter training / tail idle {s['training_share_of_tail']:.2f} "

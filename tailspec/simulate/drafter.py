@@ -34,6 +34,18 @@ from dataclasses import dataclass, field
 from tailspec.rollout.selector import geometric_tokens
 
 
+# The default curve's constants, as the hardware model's (`hardware.CONSTANTS`): the sweep's co-trained ÷ frozen gap
+# comes from alpha_max and decay, which no recorded run measured; the drift fit (drift.py) is what the runs support.
+CONSTANTS: dict[str, tuple[str, str]] = {
+    "drafter.alpha0": ("assumed", "NeMo-RL's EAGLE-3 acceptance 2.47 at k = 3 on Qwen3-8B RL-Zero (published)"),
+    "drafter.alpha_max": ("assumed", ("0.78: what a drafter distilled on the policy's own outputs reaches; the recorded "
+                                      "runs show no co-trained drafter above its first acceptance")),
+    "drafter.decay": ("assumed", ("0.3% of alpha a step; the recorded runs' fit (tailspec simulate --drift) gives the "
+                                  "miniature's decay and the co-trained recovery, and the gap they project")),
+    "drafter.saturate_and_refresh_tokens": ("assumed", "5e7 and 2e6 tokens"),
+}
+
+
 @dataclass(frozen=True)
 class DrafterCurve:
     alpha0: float = 0.68
