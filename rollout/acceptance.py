@@ -31,16 +31,17 @@ what it accepts. The regime's own strategy takes no ratio
 (the counts are its own regime's). The ratio multiplies a model that follows the drafter within `memory_rows`,
 so a drop in acceptance still reaches every estimate at once.
 
-Trees (rollout.strategy): a tree's first choice at every node is the chain's draft, so a tree step's rank-0
-trials and acceptances per depth go into the position counts; its later sibling ranks into their own counts per
-(depth, rank): P(the rank-r child is accepted | it was drafted), shrunk toward the rate one depth up (at the root
-toward `rank_prior`, halved per rank). A tree's expected accepted length is the sum over its nodes of their
-path's probability under these rates (`rollout.strategy.expected_accepted`), shrunk toward the tree's own settled
-mean like a chain's. The rates multiply along a path as if independent, and they are not: a branch taken after the
-drafter's first choice missed continues less well than the first choice does, so the model overrates trees, the
-more the more nodes sit off the first-choice path. A tree's regime ratio (as a chain's: its settled steps' accepted
-drafts over the model's prediction for them, kept over its own rows) corrects the model toward what it delivers. A dynamic tree is valued as the static tree of its budget and shape: what it drafts per row is
-at least as likely, and its own mean corrects the rest.
+Trees (rollout.strategy): a tree's first choice at every node is the chain's draft, so a tree step's rank-0 trials
+and acceptances per depth go into the position counts; its later sibling ranks into their own counts per (depth,
+rank): P(the rank-r child is accepted | it was drafted), shrunk toward the rate one depth up (at the root toward
+`rank_prior`, halved per rank). A tree's expected accepted length is the sum over its nodes of their path's
+probability under these rates (`rollout.strategy.expected_accepted`), shrunk toward the tree's own settled mean like
+a chain's. The rates multiply along a path as if independent, and they are not: a branch taken after the drafter's
+first choice missed continues less well than the first choice does, so the model overrates trees, the more the more
+nodes sit off the first-choice path. A tree's regime ratio (as a chain's: its settled steps' accepted drafts over
+the model's prediction for them, kept over its own rows) corrects the model toward what it delivers. A dynamic tree
+is valued as the static tree of its budget and shape: what it drafts per row is at least as likely, and its own mean
+corrects the rest.
 
 Position counts decay by exp(-rows / memory_rows) per informative step (k > 0): the estimate remembers about
 `memory_rows` drafted rows whatever the batch size (a batch-1 tail needs more steps than a batch-64 start for

@@ -1,17 +1,17 @@
 """Out-of-sample calibration: constants fitted on one recorded `tailspec demo` run predict runs recorded with other
 settings (worker count, steps, seed, mode, verify rule).
 
-`fit` takes from the fitted run only what a user of the projection would carry to another run: the decode
-level (measured decode seconds against the replay at the engine's warm-up table), the seconds a worker spends
-outside decode per request, the dispatch delay, the scheduler's counting lags, the RL update's seconds per
-response token, the step's seconds outside rollout and update, the reclaim wait, the drafter's accepted tokens
-per k and how they move over the run's steps (`step_quality`: a held-out run's step i meets the same first drafter
-and policy the fitted run's step i did), and the lent seconds a session spends not training: validating, in
-proportion to the seconds trained, and starting, merging and stopping, per lend. `predict` replays a held-out run from its own inputs only: its configuration, its warm-up
-cost tables (timed before its first step) and the response lengths its policy wrote (the workload, as a trace
-is to the cluster projection). Nothing a held-out run measured during its steps enters its prediction. A run
-without a drafter times no warm-up table; it takes the fitted run's mean table at the CPU share of a core its
-workers had (run.json's placement: a simulated GPU's decode time goes as 1 / its share).
+`fit` takes from the fitted run only what a user of the projection would carry to another run: the decode level
+(measured decode seconds against the replay at the engine's warm-up table), the seconds a worker spends outside
+decode per request, the dispatch delay, the scheduler's counting lags, the RL update's seconds per response token,
+the step's seconds outside rollout and update, the reclaim wait, the drafter's accepted tokens per k and how they
+move over the run's steps (`step_quality`: a held-out run's step i meets the same first drafter and policy the
+fitted run's step i did), and the lent seconds a session spends not training: validating, in proportion to the
+seconds trained, and starting, merging and stopping, per lend. `predict` replays a held-out run from its own inputs
+only: its configuration, its warm-up cost tables (timed before its first step) and the response lengths its policy
+wrote (the workload, as a trace is to the cluster projection). Nothing a held-out run measured during its steps
+enters its prediction. A run without a drafter times no warm-up table; it takes the fitted run's mean table at the
+CPU share of a core its workers had (run.json's placement: a simulated GPU's decode time goes as 1 / its share).
 
 The decode level is a correction of speculative steps (the replay's chains-only selector at mean per-k
 acceptance, the selector's exploration, trees the replay does not run): a run that speculates fits it, and it
