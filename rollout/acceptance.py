@@ -267,10 +267,13 @@ class AcceptanceTracker:
         """The strategy whose steps make up most of the position counts now (their regime), None before any."""
         return max(self.regime_w, key=self.regime_w.get) if self.regime_w else None
 
-    def regime_ratio(self, k: int, regime: int | None = None) -> float:
-        """What k's settled steps accepted over what the position model predicted for them, while the position
-        counts were in `regime` (default: now), shrunk toward 1 by `regime_prior_rows` rows at the model's rate."""
-        return self._regime_ratio(k, self.regime() if regime is None else regime, self.position_model(k))
+    def regime_ratio(self, k, regime: int | None = None) -> float:
+        """What strategy k's settled steps accepted over what its model predicted for them (a chain's: the position
+        model; a tree's: `_tree_model`), while the position counts were in `regime` (default: now), shrunk toward 1
+        by `regime_prior_rows` rows at the model's rate."""
+        s = Strategy.of(k)
+        model = self._tree_model(s) if s.is_tree else self.position_model(s.depth)
+        return self._regime_ratio(s, self.regime() if regime is None else regime, model)
 
     def _regime_ratio(self, k: int, regime: int | None, model: float) -> float:
         """regime_ratio with the position model's E[accepted | k] given (token_table has it in hand)."""

@@ -120,13 +120,12 @@ class Strategy:
     @classmethod
     def chain(cls, k: int) -> Strategy:
         """k drafted tokens in a line; chain(0) is plain decoding."""
-        hit = _CHAINS.get(k) if type(k) is int else None
-        if hit is not None:
-            return hit
+        if type(k) is int and k in _CHAINS:
+            return _CHAINS[k]
         if not isinstance(k, int) or k < 0:
             raise ValueError(f"a chain's k must be an int >= 0, got {k!r}")
         s = cls.none() if k == 0 else cls(k, k, "chain", (1,) * k)
-        if type(k) is int and k <= 64:  # immutable: one instance per k, as an int stands for one wherever a strategy is taken
+        if type(k) is int and k <= 64:  # immutable: one instance per k serves every int that stands for it
             _CHAINS[k] = s
         return s
 

@@ -715,5 +715,26 @@ def test_model_tokens_of_a_tree_is_its_expected_accepted_length(label):
 
     s = Strategy.parse(label)
     for alpha in (0.0, 0.1, 0.5, 0.85, 0.9):
-        assert model_tokens(alpha, s) == pytest.approx(1 + expected_accepted(s, lambda d, r: alpha * (1 - alpha) ** r),
-                                                       abs=1e-12)
+        exact = 1 + expected_accepted(s, lambda d, r, a=alpha: a * (1 - a) ** r)
+        assert model_tokens(alpha, s) == pytest.approx(exact, abs=1e-12)
+
+
+def test_regime_ratio_of_a_tree_reads_the_trees_own_model():
+    """`regime_ratio` of a tree is its settled steps' accepted drafts over the tree model's prediction (what
+    `expected_tokens` multiplies that model by), not the position model of a chain as deep as it."""
+    tree = Strategy.parse("tree2-1n4")
+    rng = random.Random(5)
+    acc = AcceptanceTracker(k_max=2)
+    last = None
+    for _ in range(100):
+        for _ in range(45):
+            reach = sample_reach(rng, 2, 2, [0.6, 0.8])
+            last = StepRecord.following(last, 2, 2, sum(reach), reach, 0.0)
+            acc.observe(last)
+        for _ in range(5):
+            accepted, reach, trials, accs = tree_step(rng, 2, 0.6, 0.8, 0.3)
+            last = StepRecord.following(last, 2, tree, accepted, reach, 0.0, trials, accs)
+            acc.observe(last)
+    model = acc._tree_model(tree)
+    assert acc.regime_ratio(tree) == pytest.approx(acc._regime_ratio(tree, acc.regime(), model))
+    assert acc.regime_ratio(tree) < 0.98  # the branch after a miss continues worse than the model says

@@ -214,7 +214,7 @@ class Holdout:
 
 def _trained(out: StepOut, fitted: Fitted) -> float:
     """GPU-seconds of whole optimizer steps: each lend's lent interval less what a lend spends starting, merging and
-    stopping, of which a share goes to validating candidates in proportion to the training (a session proposes a
+    stopping; the rest splits between training and validating candidates in proportion (a session proposes a
     candidate once the lineage holds `trainer.propose_min_steps` more optimizer steps, so validations follow the
     steps trained, not the lends)."""
     lent = out.lending.revoked - out.lending.lent
