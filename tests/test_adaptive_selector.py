@@ -666,8 +666,8 @@ def test_a_new_batch_size_does_not_explore_because_the_load_moved_elsewhere():
 
 def test_a_tree_steps_time_goes_to_its_own_cost_entry_not_the_chain_as_deep():
     """A tree step's depth is a chain's k (tree2-1-1-1n5 is 4 deep). Its seconds must time the tree's own entry:
-    folded into chain4's, every exploration of the tree made chain4 look dearer and left the tree at its
-    warm-up cost, so the selector kept picking a tree that measured slower than the chain."""
+    folded into chain4's, every exploration of the tree would make chain4 look dearer and leave the tree at its
+    warm-up cost, and the selector would keep picking a tree slower than the chain."""
     tree = Strategy.parse("tree2-1-1-1n5")
     ks = [Strategy.of(k) for k in (0, 1, 2, 3, 4)] + [tree]
     cost = CostModel([1, 2], ks, {(b, k): 0.010 for b in (1, 2) for k in ks})
