@@ -67,7 +67,7 @@ def scheduler_config(url: str, cluster: str, shared: Path, gpus: int, lend: bool
     return TailspecConfig.model_validate({
         "cluster": {"name": cluster, "redis_url": url},
         "scheduler": {"telemetry": "simulated", "simulated_gpus": gpus, "warm_sessions": gpus, "lend": lend,
-                      "idle_window_s": 0.05, "session_startup_s": 0.0, "sample_period_s": 0.05,
+                      "idle_window_s": 0.05, "session_startup_s": 0.0,
                       "lease_ttl_s": 5.0},
         "trainer": {"checkpoint_dir": str(shared / "drafter"), "batch_size": 4, "merge_every_steps": 2},
     })

@@ -1,7 +1,7 @@
 """The client's write path: the background thread that takes what the calls buffered and writes it to Redis.
 
 One pipeline per batch: the phase (and its event), each worker's latest progress (re-sent before its key
-expires), up to 1,000 samples, the drop counters, and the reads that refresh the cached drafter version and
+expires; a report that drains a worker's GPUs is announced on the phase's channel), up to 1,000 samples, the drop counters, and the reads that refresh the cached drafter version and
 phase. Redis down or slow: progress and phase are put back (newest wins) and retried with a growing backoff;
 the batch's samples are dropped and counted (`redis_unavailable`), so the buffers stay bounded.
 """
@@ -140,9 +140,15 @@ class ClientWriter:
 
     def _queue_progress(self, pipe: Any, progress: dict[str, Progress]) -> None:
         px = int(self.progress_ttl_s * 1000)
+        drained = False
         for w, p in progress.items():
             pipe.set(state.key(self.cluster, "progress", worker=w), state.encode(p), px=px)
             pipe.sadd(state.key(self.cluster, "workers"), w)
+            last = self._last_sent.get(w)
+            drained |= newly_drained(None if last is None else last[0], p)
+        if drained:  # after the progress it announces, on the phase's channel: the scheduler and a simulated GPU's
+            # monitor wait on it (scheduler/phase_wake.py), so a drained GPU is sampled and lent at once
+            pipe.publish(state.key(self.cluster, "phase"), "drained")
 
     def _queue_samples(self, pipe: Any, samples: list[tuple[Sample, bytes]], dropped: collections.Counter[str]) -> None:
         c = self.cluster
@@ -199,3 +205,13 @@ class ClientWriter:
         for v in versions:
             if v < keep_from:
                 del self._version_first_id[v]
+
+
+def newly_drained(last: Progress | None, p: Progress) -> bool:
+    """Whether report `p` drains its worker's GPUs where the last report sent (`last`) did not: no active request
+    in a rollout step, first seen (or newly with its memory released, which lends without the idle window). A
+    keep-alive re-send of the same report is not a drain."""
+    if p.phase != "rollout" or p.active > 0:
+        return False
+    return (last is None or last.phase != "rollout" or last.active > 0 or last.step != p.step
+            or last.mem_released != p.mem_released)

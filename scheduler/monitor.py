@@ -5,6 +5,12 @@ to `gpus`, appends to the capped `history:gpu` stream for timelines, and writes 
 (which GPUs it sampled and their errors, expiring with the samples): the scheduler reads that every tick and a
 GPU's sample only while the GPU is drained (scheduler/observe.py). A Redis error is counted and logged; the loop
 never dies of it.
+
+Simulated telemetry is also sampled at once when the cluster's phase channel carries a message (a phase change or a
+worker's drain, published by the client: scheduler/client_writer.py), on the grid otherwise. Its utilisation is a
+function of the workers' progress and the leases, so a sample taken at the drain is the one the idle detector waits
+for; the grid then sets only how stale a sample may get between events, not how soon a drained GPU is seen. NVML
+telemetry keeps the grid alone: the utilisation it reads at a drain still averages the period before it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 
 from tailspec.core import state
 from tailspec.core.state import Event, GpuTelemetry, NodeHealth
+from tailspec.scheduler.phase_wake import PhaseWake
 from tailspec.scheduler.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -30,6 +37,7 @@ class TelemetryMonitor:
     period_s: float = 0.2
     history_maxlen: int = 20_000
     warning: str | None = None  # published once as an event (e.g. "using SIMULATED telemetry")
+    wake_on_events: bool = True  # simulated telemetry only: sample at once on the phase channel's messages
     errors: int = 0
     samples: int = 0
     last: list[GpuTelemetry] = field(default_factory=list)
@@ -37,6 +45,7 @@ class TelemetryMonitor:
     def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._wake: PhaseWake | None = None
         self._warned = False
 
     def sample_once(self) -> list[GpuTelemetry]:
@@ -64,6 +73,7 @@ class TelemetryMonitor:
 
     def run(self, stop: threading.Event | None = None) -> None:
         stop = stop or self._stop
+        wake = self._wake
         next_t = time.monotonic()
         while not stop.is_set():
             try:
@@ -78,15 +88,22 @@ class TelemetryMonitor:
             delay = next_t - time.monotonic()
             if delay < 0:  # fell behind (loaded machine): skip missed periods instead of bursting
                 next_t, delay = time.monotonic(), 0
-            stop.wait(delay)
+            if wake is None:
+                stop.wait(delay)
+            elif wake.wait(delay):  # a phase change or a drain: sample now, and the grid goes on from here
+                next_t = time.monotonic()
 
     def start(self) -> "TelemetryMonitor":
+        if self.wake_on_events and self.telemetry.simulated:
+            self._wake = PhaseWake(self.r, state.key(self.cluster, "phase"), self._stop).start()
         self._thread = threading.Thread(target=self.run, name=f"telemetry-{self.telemetry.node}", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
+        if self._wake is not None:
+            self._wake.close()
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.telemetry.close()

@@ -1,10 +1,12 @@
-"""The scheduler's wait between ticks, cut short by a phase change: `PhaseWake`.
+"""The scheduler's wait between ticks, cut short by a phase change or a drain: `PhaseWake`.
 
 The RL framework's client PUBLISHes each phase change on a channel named as the phase key
 (scheduler/client_writer.py), in the same pipeline that writes the key, so a tick that a message wakes reads the new
-phase. A listener thread holds the subscription and sets a flag; the scheduler waits for its next tick on that flag.
-When the trainer enters its update the revocations then go out within a round trip or two instead of up to a tick
-later, and the trainer's reclaim wait (`TailspecClient.wait_reclaimed`) loses that share of a tick.
+phase; and on the same channel, after the progress that says it, each worker's drain. A listener thread holds the
+subscription and sets a flag; the scheduler waits for its next tick on that flag. When the trainer enters its update
+the revocations then go out within a round trip or two instead of up to a tick later, and the trainer's reclaim wait
+(`TailspecClient.wait_reclaimed`) loses that share of a tick; a drained GPU is looked at at once. A simulated GPU's
+telemetry monitor waits on its own PhaseWake the same way (scheduler/monitor.py).
 
 The listener, not the loop, meets a Redis outage: it resubscribes every RESUBSCRIBE_S while the loop's waits are
 plain sleeps, so the tick grid alone paces the scheduler, as it does for everything else it reads.

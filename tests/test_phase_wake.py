@@ -76,3 +76,99 @@ def test_phase_end_revokes_within_a_fraction_of_a_long_tick(redis_url, redis_cli
         c.close()
         stop.set()
         th.join(15)
+
+
+def test_a_report_that_drains_a_worker_is_announced_once(redis_url, redis_client):
+    """A drain is announced on the phase channel after the progress that says it; a keep-alive re-send, a report
+    still generating or one outside a rollout is not a drain."""
+    from tailspec.scheduler.client import TailspecClient
+
+    cl = "drain-pub"
+    sub = redis_client.pubsub()
+    sub.subscribe(state.key(cl, "phase"))
+    assert sub.get_message(timeout=5.0)["type"] == "subscribe"
+    c = TailspecClient(redis_url, cluster=cl, node="node0", progress_ttl_s=0.6)
+
+    def messages(wait_s: float) -> list[bytes]:
+        out, deadline = [], time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            m = sub.get_message(timeout=0.05)
+            if m is not None and m["type"] == "message":
+                out.append(m["data"])
+        return out
+
+    try:
+        c.set_phase("rollout", step=1)
+        c.report_progress("w0", [0], active=3, finished=0, step=1)
+        assert c.flush(5.0)
+        assert messages(0.3) == [b"rollout"]
+        c.report_progress("w0", [0], active=0, finished=3, step=1)
+        assert c.flush(5.0)
+        assert messages(0.3) == [b"drained"]
+        # the writer re-sends the report before its key expires (a third of 0.6 s): not a new drain
+        assert messages(0.8) == []
+        assert c.sent["progress"] >= 3
+        c.report_progress("w0", [0], active=0, finished=3, step=1, mem_released=True)  # memory given back: lendable now
+        assert c.flush(5.0)
+        assert messages(0.3) == [b"drained"]
+        c.set_phase("train", step=1)
+        c.report_progress("w0", [0], active=0, finished=3, phase="train", step=1)
+        assert c.flush(5.0)
+        assert messages(0.3) == [b"train"]
+    finally:
+        c.close()
+        sub.close()
+
+
+def test_newly_drained():
+    from tailspec.core.state import Progress
+    from tailspec.scheduler.client_writer import newly_drained
+
+    def p(active, phase="rollout", step=1, released=None):
+        return Progress(worker="w", node="n", gpus=[0], active=active, finished=0, phase=phase, step=step,
+                        mem_released=released, ts=0.0)
+
+    assert newly_drained(None, p(0)) and newly_drained(p(2), p(0)) and newly_drained(p(0, step=0), p(0))
+    assert newly_drained(p(0, phase="train"), p(0)) and newly_drained(p(0), p(0, released=True))
+    assert not newly_drained(p(0), p(0)) and not newly_drained(None, p(1)) and not newly_drained(p(2), p(0, "train"))
+
+
+def test_a_drain_is_sampled_and_lent_within_a_fraction_of_a_long_sampling_period(redis_url, redis_client):
+    """Simulated telemetry sampled every 10 s: the drained GPU's sample comes from the monitor the drain woke, so the
+    lease follows within a second; without the wake the idle detector waits for the next sample on the grid (up
+    to 10 s, under a second one time in ten)."""
+    from tailspec.core.state import GpuState, GpuStatus
+    from tailspec.scheduler.client import TailspecClient
+    from tailspec.scheduler.service import run_local
+
+    cfg = make_cfg(redis_url, cluster="drain-lend", ttl=20.0)
+    cfg.scheduler.sample_period_s = 10.0
+    cfg.scheduler.idle_window_s = 0.0
+    cl = cfg.cluster.name
+    stop = threading.Event()
+    th = threading.Thread(target=run_local, args=(cfg, stop), daemon=True)
+    th.start()
+    c = TailspecClient(redis_url, cluster=cl, node=cfg.cluster.node)
+    lease0 = state.key(cl, "lease", node="node0", gpu=0)
+
+    def status(gpu: int):
+        st = state.get(redis_client, state.key(cl, "gpu_status", node="node0", gpu=gpu), GpuStatus)
+        return None if st is None else st.state
+
+    try:
+        c.set_phase("rollout", step=1)
+        for w in range(3):
+            c.report_progress(f"w{w}", [w], active=3, finished=0, step=1)
+        assert c.flush(5.0)
+        wait_for(lambda: all(status(g) == GpuState.GENERATING for g in range(3)), 20, "three generating GPUs")
+        assert redis_client.get(lease0) is None
+        time.sleep(0.3)  # off the samples that the phase and the reports woke
+        c.report_progress("w0", [0], active=0, finished=3, step=1)
+        assert c.flush(5.0)
+        t0 = time.monotonic()
+        wait_for(lambda: redis_client.get(lease0) is not None, 10, "GPU 0 lent")
+        assert time.monotonic() - t0 < 1.0, "the lend waited for the sampling grid"
+    finally:
+        c.close()
+        stop.set()
+        th.join(15)
