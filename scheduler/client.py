@@ -45,6 +45,7 @@ from tailspec.scheduler.client_checks import (
     first_error,
 )
 from tailspec.scheduler.client_writer import ClientWriter
+from tailspec.scheduler.held import HeldReader
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class TailspecClient(ClientWriter):
         self._phase_seen: PhaseInfo | None = None
         self._refreshed = threading.Event()
         self._last_refresh = 0.0
+        self._held_reader = HeldReader(self.r, cluster)
         self._thread = threading.Thread(target=self._run, name="tailspec-client", daemon=True)
         self._thread.start()
 
@@ -253,50 +255,8 @@ class TailspecClient(ClientWriter):
             time.sleep(poll_s)
 
     def _held(self) -> list[str]:
-        """What still holds a lent GPU, read in two round trips: the session and GPU sets, then every session's record
-        and every GPU's status."""
-        ended: set[str] = set()  # sessions whose final record is written: their GPU is free
-        held = []
-        p = self.r.pipeline(transaction=False)
-        p.smembers(state.key(self.cluster, "sessions"))
-        p.smembers(state.key(self.cluster, "gpus"))
-        sids, members = p.execute()
-        keys = [state.key(self.cluster, "session", session_id=sid.decode()) for sid in sorted(sids)]
-        gpus = [m.decode().split(":") for m in sorted(members)]
-        status_keys = [state.key(self.cluster, "gpu_status", node=node, gpu=int(gpu)) for node, gpu in gpus]
-        if keys:
-            p.mget(keys)
-        if status_keys:
-            p.mget(status_keys)
-        got = p.execute() if keys or status_keys else []
-        records = got[0] if keys else []
-        statuses = got[-1] if status_keys else []
-        for key, raw in zip(keys, records):
-            try:
-                info = None if raw is None else state.decode(state.SessionInfo, raw, where=key)
-            except state.StateError as e:  # one bad record must not make the trainer wait for nothing
-                log.warning("tailspec: skipping %s", e)
-                continue
-            if info is None:
-                continue
-            if info.status in ("stopped", "failed") or info.released_at is not None:
-                ended.add(info.session_id)  # ended, or its GPU freed and only its host-side merge left
-            else:
-                held.append(f"{info.node}:gpu{info.gpu} held by session {info.session_id} ({info.status}, "
-                            f"step {info.step})")
-        for (node, gpu), key, raw in zip(gpus, status_keys, statuses):
-            try:
-                st = None if raw is None else state.decode(state.GpuStatus, raw, where=key)
-            except state.StateError as e:
-                log.warning("tailspec: skipping %s", e)
-                continue
-            # A GPU whose session has ended is back, although the scheduler marks it so only at its next tick
-            # (up to scheduler.tick_s later): the session's final record is written after its memory is freed.
-            if st is not None and st.state in (state.GpuState.LENT, state.GpuState.RECLAIMING) \
-                    and not (st.session_id and st.session_id in ended):
-                who = f"session {st.session_id}" if st.session_id else f"lease {st.lease_token}"
-                held.append(f"{node}:gpu{gpu} {st.state.value} by {who}")
-        return held
+        """What still holds a lent GPU (scheduler/held.py: one round trip a poll, whatever the run's age)."""
+        return self._held_reader.held()
 
     def current_phase(self) -> PhaseInfo | None:
         return self._phase_seen

@@ -129,3 +129,31 @@ def test_a_session_that_released_its_gpu_is_back_while_it_merges(redis_url, redi
         assert res.reclaimed and res.waited_s < 1.0, res
     finally:
         c.close()
+
+
+def test_a_poll_reads_only_the_sessions_not_seen_to_end(redis_url, redis_client):
+    """The sessions set names every session of the run; an ended one is read once, so a poll's cost does not grow
+    with the run's age. A session started later is seen at the next poll, and one reusing a cleared set's id is
+    not taken for ended."""
+    from tailspec.scheduler.held import HeldReader
+
+    cluster = _cluster()
+    for i in range(200):
+        _lend(redis_client, cluster, i % 4, f"node0-g{i % 4}-t{i}")
+        _give_back(redis_client, cluster, i % 4, f"node0-g{i % 4}-t{i}")
+    reader = HeldReader(redis_client, cluster)
+    assert reader.held() == [] and reader.records_read == 200
+    assert reader.held() == [] and reader.records_read == 200  # nothing live: no record read again
+    _lend(redis_client, cluster, 2, "node0-g2-t200")
+    assert reader.held() == ["node0:gpu2 held by session node0-g2-t200 (running, step 7)",
+                             "node0:gpu2 lent by session node0-g2-t200"]
+    assert reader.records_read == 201
+    assert len(reader.held()) == 2 and reader.records_read == 202  # the live one, again
+    _give_back(redis_client, cluster, 2, "node0-g2-t200")
+    assert reader.held() == [] and reader.records_read == 203
+    # the cluster's state cleared and the ids counted from 1 again: a running t1 is not the ended t1 of before
+    for key in redis_client.scan_iter(f"*{cluster}*"):
+        redis_client.delete(key)
+    _lend(redis_client, cluster, 1, "node0-g1-t1")
+    assert reader.held() == ["node0:gpu1 held by session node0-g1-t1 (running, step 7)",
+                             "node0:gpu1 lent by session node0-g1-t1"]
