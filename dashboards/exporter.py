@@ -25,7 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 from tailspec.core.state import GpuState
 
-from .snapshot import read_state
+from .snapshot import SessionCache, read_state
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,7 @@ class StateCollector(Collector):
         self.cluster = cluster
         self._bad_total = 0
         self._lock = threading.Lock()
+        self._ended_sessions = SessionCache()  # ended sessions' records, read once
 
     def describe(self) -> list[Metric]:
         return []  # registering must not touch Redis
@@ -139,7 +140,7 @@ class StateCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         up = _family("tailspec_redis_up")
         try:
-            view, sessions = read_state(self.r, self.cluster, sessions_limit=None)
+            view, sessions = read_state(self.r, self.cluster, sessions_limit=None, cache=self._ended_sessions)
         except Exception as e:  # noqa: BLE001 — Redis down or unreadable: report it, never fail the scrape
             log.warning("cluster state unreadable: %s", e)
             up.add_metric([], 0)

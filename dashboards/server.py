@@ -37,7 +37,7 @@ from tailspec.core.config import ConfigError
 
 from .api import json_schema
 from .exporter import make_registry
-from .snapshot import MAX_WINDOW_S, HistoryCache, read_state, read_timeline
+from .snapshot import MAX_WINDOW_S, HistoryCache, SessionCache, read_state, read_timeline
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ class App:
         self.cluster = cluster
         self.registry = make_registry(redis_client, cluster)
         self.history = HistoryCache()  # the timeline's incremental copy of the history streams
+        self.ended_sessions = SessionCache()  # ended sessions' records, read once
         routes: dict[str, Callable[[dict[str, list[str]]], Response]] = {"/metrics": self.metrics}
         if not metrics_only:
             routes.update({"/": self.index, "/api/state": self.state, "/api/timeline": self.timeline,
@@ -159,7 +160,7 @@ class App:
         if query:
             return _json(400, {"error": f"/api/state takes no query parameters (got {sorted(query)})"})
         try:
-            view, _ = read_state(self.r, self.cluster)
+            view, _ = read_state(self.r, self.cluster, cache=self.ended_sessions)
         except Exception as e:  # noqa: BLE001 — Redis down: the page shows the error and keeps polling
             return _json(503, {"error": f"cluster state unreadable: {e}"})
         return Response(200, view.model_dump_json().encode())

@@ -48,6 +48,35 @@ COUNTER_FIELDS = ("idle_gpu_seconds", "lent_gpu_seconds", "sessions_started", "s
 MAX_WINDOW_S = 86_400.0
 
 
+class SessionCache:
+    """The records of ended sessions (stopped or failed), kept by a long-lived reader (the web server, the exporter)
+    across its reads. The cluster's `sessions` set names every session of the run and a refresh reads every record,
+    so without it a refresh costs in proportion to the run's age; a stopped or failed record is final (the scheduler
+    writes a final record only for a session that has none, scheduler/lessor.py), so it is read and decoded once. A
+    session set that shrank (the state cleared) empties the cache: its ids may come again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ended: dict[str, SessionInfo] = {}
+        self._size = 0  # the session set's size at the last read
+
+    def ended(self, size: int) -> dict[str, SessionInfo]:
+        """The ended sessions' records (a copy), given the session set's size now."""
+        with self._lock:
+            if size < self._size:
+                self._ended.clear()
+            self._size = size
+            return dict(self._ended)
+
+    def keep(self, records: dict[str, SessionInfo], size: int) -> None:
+        """Records just read, by the id the session set names them by: those of ended sessions are kept."""
+        with self._lock:
+            if size < self._size:
+                self._ended.clear()
+            self._size = size
+            self._ended.update((i, s) for i, s in records.items() if s.status in ("stopped", "failed"))
+
+
 @dataclass
 class Reader:
     """Reads one cluster's state; `bad` counts malformed entries seen during the last read."""
@@ -153,13 +182,20 @@ class Reader:
             drafter_guard_trips=int(vals["drafter_guard_trips"]),
         )
 
-    def sessions(self) -> list[SessionInfo]:
-        """Every session record, most recently started first."""
+    def sessions(self, cache: SessionCache | None = None) -> list[SessionInfo]:
+        """Every session record, most recently started first. With `cache`, the records of sessions it holds as
+        ended are not read again (SessionCache)."""
         ids = sorted(m.decode() for m in self.r.smembers(self.key("sessions")))
         if not ids:
             return []
-        keys = [self.key("session", session_id=i) for i in ids]
-        out = [s for k, raw in zip(keys, self.r.mget(keys)) if (s := self._decode(SessionInfo, raw, k))]
+        ended = cache.ended(len(ids)) if cache is not None else {}
+        todo = [i for i in ids if i not in ended]
+        keys = [self.key("session", session_id=i) for i in todo]
+        read = {i: s for i, k, raw in zip(todo, keys, self.r.mget(keys) if keys else [])
+                if (s := self._decode(SessionInfo, raw, k))}
+        if cache is not None:
+            cache.keep(read, len(ids))
+        out = [*read.values(), *(ended[i] for i in ids if i in ended)]
         return sorted(out, key=lambda s: s.started_at, reverse=True)
 
     def drafter(self, limit: int = 200) -> tuple[DrafterVersion | None, list[DrafterVersion]]:
@@ -249,13 +285,15 @@ def reclaimed_share(idle_gpu_seconds: float, lent_gpu_seconds: float) -> float |
 
 
 def read_state(r: Any, cluster: str, sessions_limit: int | None = 50,
-               all_sessions: list[SessionInfo] | None = None) -> tuple[StateView, list[SessionInfo]]:
+               all_sessions: list[SessionInfo] | None = None, cache: SessionCache | None = None
+               ) -> tuple[StateView, list[SessionInfo]]:
     """One consistent-enough snapshot (separate reads, no transaction: the page refreshes every second).
-    Returns the view and the full session list (the exporter's stop-latency histogram needs them all)."""
+    Returns the view and the full session list (the exporter's stop-latency histogram needs them all). `cache`: a
+    long-lived reader's ended sessions, not read again."""
     rd = Reader(r, cluster)
     now = time.time()
     gpus = rd.gpus()
-    sessions = rd.sessions() if all_sessions is None else all_sessions
+    sessions = rd.sessions(cache) if all_sessions is None else all_sessions
     current, versions = rd.drafter()
     view = StateView(
         cluster=cluster, now=now,

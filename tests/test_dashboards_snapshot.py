@@ -193,3 +193,55 @@ def test_a_transition_without_a_time_is_dated_by_its_stream_entry(redis_client):
         tl = read_timeline(redis_client, "t", window_s=600, cache=cache)
         (seg,) = tl.gpus[0].segments
         assert seg.state == GpuState.UNKNOWN and abs(seg.start - t0) < 1.0  # not the window start
+
+
+def test_a_session_cache_reads_each_ended_session_once_and_reads_the_same(redis_client):
+    """A long-lived reader keeps the ended sessions' records: a refresh reads only the others, and sees what an
+    uncached read sees (a running session's progress, a new session, an end); a cleared set empties the cache."""
+    from tailspec.dashboards.snapshot import SessionCache
+
+    cl = "sc"
+
+    def put(i: int, status: str, step: int = 9) -> None:
+        sid = f"node0-g{i % 2}-t{i}"
+        redis_client.sadd(S.key(cl, "sessions"), sid)
+        S.put(redis_client, S.key(cl, "session", session_id=sid),
+              S.SessionInfo(session_id=sid, node="node0", gpu=i % 2, lease_token=i + 1, status=status, step=step,
+                            started_at=float(i), stopped_at=None if status == "running" else i + 0.5))
+
+    for i in range(30):
+        put(i, "stopped" if i % 3 else "failed")
+    put(30, "running", step=1)
+    cache = SessionCache()
+    reads: list[int] = []
+    mget = redis_client.mget
+
+    def counting_mget(keys, *args):
+        reads.append(len(keys))
+        return mget(keys, *args)
+
+    redis_client.mget = counting_mget
+    try:
+        def both() -> tuple[list, list]:
+            cached = read_state(redis_client, cl, sessions_limit=None, cache=cache)[1]
+            plain = read_state(redis_client, cl, sessions_limit=None)[1]
+            return cached, plain
+
+        reads.clear()
+        cached, plain = both()
+        assert cached == plain and len(cached) == 31 and 31 in reads
+        put(30, "running", step=5)  # the running session moves on: read again
+        put(31, "running", step=1)  # a new one
+        reads.clear()
+        cached, plain = both()
+        assert cached == plain and cached[0].session_id == "node0-g1-t31" and cached[1].step == 5
+        assert 2 in reads and 30 not in reads  # the cached read fetched the two running sessions only
+        put(30, "stopped", step=7)
+        assert both()[0] == both()[1]
+        for key in redis_client.scan_iter(f"*{cl}*"):  # the state cleared, ids counted from 0 again
+            redis_client.delete(key)
+        put(0, "running", step=2)
+        cached, plain = both()
+        assert cached == plain and [(s.session_id, s.status) for s in cached] == [("node0-g0-t0", "running")]
+    finally:
+        del redis_client.mget
