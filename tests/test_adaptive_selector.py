@@ -403,17 +403,14 @@ def tree_step(rng: random.Random, rows: int, alpha0: float, alpha1: float, after
     return first + second + cont, reach, ((rows, rows), (rows, 0)), ((first, second), (cont, 0))
 
 
-def test_a_trees_estimate_learns_what_independence_along_a_path_gets_wrong():
-    """A tree's model multiplies the position rates along every path, as if a branch taken after the drafter's
-    first choice missed continued like the first choice does. Here it continues at 0.3, not 0.8: the model says
-    2.80 tokens per row, the tree delivers 2.60. Explored in runs of five every 45 steps beside a committed chain,
-    its own mean holds few rows at any time; the regime ratio, kept over its explored runs, brings the estimate
-    toward what it delivers."""
+def _tree_beside_a_chain(rounds: int) -> tuple[Strategy, AcceptanceTracker]:
+    """A tracker that saw `rounds` rounds of 45 steps of chain 2 (position rates 0.6, 0.8) and 5 steps of tree2-1n4
+    whose branch after a miss continues at 0.3 (`tree_step`)."""
     tree = Strategy.parse("tree2-1n4")
     rng = random.Random(5)
     acc = AcceptanceTracker(k_max=2)
     last = None
-    for _ in range(200):
+    for _ in range(rounds):
         for _ in range(45):
             reach = sample_reach(rng, 2, 2, [0.6, 0.8])
             last = StepRecord.following(last, 2, 2, sum(reach), reach, 0.0)
@@ -422,6 +419,16 @@ def test_a_trees_estimate_learns_what_independence_along_a_path_gets_wrong():
             accepted, reach, trials, accs = tree_step(rng, 2, 0.6, 0.8, 0.3)
             last = StepRecord.following(last, 2, tree, accepted, reach, 0.0, trials, accs)
             acc.observe(last)
+    return tree, acc
+
+
+def test_a_trees_estimate_learns_what_independence_along_a_path_gets_wrong():
+    """A tree's model multiplies the position rates along every path, as if a branch taken after the drafter's
+    first choice missed continued like the first choice does. Here it continues at 0.3, not 0.8: the model says
+    2.80 tokens per row, the tree delivers 2.60. Explored in runs of five every 45 steps beside a committed chain,
+    its own mean holds few rows at any time; the regime ratio, kept over its explored runs, brings the estimate
+    toward what it delivers."""
+    tree, acc = _tree_beside_a_chain(200)
     model = acc._tree_model(tree)
     # 0.6 + 0.6 a1 + 0.4 + 0.4 a1 with a1 the position rate at depth 1, which the tree's own steps pull below 0.8
     assert model > 1.70
@@ -722,19 +729,7 @@ def test_model_tokens_of_a_tree_is_its_expected_accepted_length(label):
 def test_regime_ratio_of_a_tree_reads_the_trees_own_model():
     """`regime_ratio` of a tree is its settled steps' accepted drafts over the tree model's prediction (what
     `expected_tokens` multiplies that model by), not the position model of a chain as deep as it."""
-    tree = Strategy.parse("tree2-1n4")
-    rng = random.Random(5)
-    acc = AcceptanceTracker(k_max=2)
-    last = None
-    for _ in range(100):
-        for _ in range(45):
-            reach = sample_reach(rng, 2, 2, [0.6, 0.8])
-            last = StepRecord.following(last, 2, 2, sum(reach), reach, 0.0)
-            acc.observe(last)
-        for _ in range(5):
-            accepted, reach, trials, accs = tree_step(rng, 2, 0.6, 0.8, 0.3)
-            last = StepRecord.following(last, 2, tree, accepted, reach, 0.0, trials, accs)
-            acc.observe(last)
+    tree, acc = _tree_beside_a_chain(100)
     model = acc._tree_model(tree)
     assert acc.regime_ratio(tree) == pytest.approx(acc._regime_ratio(tree, acc.regime(), model))
     assert acc.regime_ratio(tree) < 0.98  # the branch after a miss continues worse than the model says
