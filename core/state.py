@@ -372,6 +372,11 @@ KEYS: dict[str, KeySpec] = {
 }
 
 
+def text(v: bytes | str) -> str:
+    """A Redis reply as text: the clients here return bytes, one made with decode_responses returns str."""
+    return v.decode() if isinstance(v, bytes) else v
+
+
 def key(cluster: str, name: str, **fields: Any) -> str:
     """Full Redis key for schema entry `name`, e.g. key("c", "lease", node="n0", gpu=1)."""
     try:

@@ -68,12 +68,9 @@ class SessionCache:
             self._size = size
             return dict(self._ended)
 
-    def keep(self, records: dict[str, SessionInfo], size: int) -> None:
+    def keep(self, records: dict[str, SessionInfo]) -> None:
         """Records just read, by the id the session set names them by: those of ended sessions are kept."""
         with self._lock:
-            if size < self._size:
-                self._ended.clear()
-            self._size = size
             self._ended.update((i, s) for i, s in records.items() if s.status in ("stopped", "failed"))
 
 
@@ -194,7 +191,7 @@ class Reader:
         read = {i: s for i, k, raw in zip(todo, keys, self.r.mget(keys) if keys else [])
                 if (s := self._decode(SessionInfo, raw, k))}
         if cache is not None:
-            cache.keep(read, len(ids))
+            cache.keep(read)
         out = [*read.values(), *(ended[i] for i in ids if i in ended)]
         return sorted(out, key=lambda s: s.started_at, reverse=True)
 

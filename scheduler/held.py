@@ -66,9 +66,9 @@ class HeldReader:
         sids, gpus = p.execute()
         if self._cards is not None and cards[0] < self._cards[0]:  # the set was cleared: its ids may come again
             self._ended.clear()
-        self._live = sorted(s for s in (_s(x) for x in sids) if s not in self._ended)
+        self._live = sorted(s for s in (state.text(x) for x in sids) if s not in self._ended)
         self._gpus = []
-        for m in sorted(_s(x) for x in gpus):
+        for m in sorted(state.text(x) for x in gpus):
             node, _, idx = m.rpartition(":")
             if node and idx.isdigit():
                 self._gpus.append((node, int(idx)))
@@ -108,6 +108,3 @@ class HeldReader:
                 held.append(f"{node}:gpu{gpu} {st.state.value} by {who}")
         return held
 
-
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v

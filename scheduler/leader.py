@@ -62,10 +62,6 @@ return 1
 """
 
 
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
-
-
 def new_holder_id(node: str) -> str:
     """A name unique to one scheduler instance: node, pid and a random suffix (two instances may share a pid)."""
     return f"{node}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -161,7 +157,7 @@ def _parse(raw: Any) -> SchedulerLeader | None:
     if not raw:
         return None
     try:
-        return state.decode(SchedulerLeader, _s(raw), where="scheduler:leader")
+        return state.decode(SchedulerLeader, state.text(raw), where="scheduler:leader")
     except StateError:
         return None
 

@@ -45,10 +45,6 @@ GpuKey = tuple[str, int]
 _OK = Health()  # the health of every GPU sampled without an error
 
 
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
-
-
 @dataclass
 class Sent:
     """Round trips and commands sent as packed bytes, which the client's own command hooks do not see."""
@@ -220,7 +216,7 @@ class Observer:
             return False
         self._cmds, self._packed = [], None
         self._worker_members = workers
-        self._workers = sorted(_s(w) for w in workers)
+        self._workers = sorted(state.text(w) for w in workers)
         self._gpus(gpus)
         nodes = sorted({node for node, _ in self._gpu_keys})
         c = self.c
@@ -295,7 +291,7 @@ class Observer:
             self._gpu_members = members
             self._gpu_keys = []
             for g in members:
-                node, _, idx = _s(g).rpartition(":")
+                node, _, idx = state.text(g).rpartition(":")
                 if node and idx.isdigit():
                     self._gpu_keys.append((node, int(idx)))
 

@@ -55,10 +55,6 @@ log = logging.getLogger(__name__)
 COUNTER_FLUSH_S = 0.25
 
 
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
-
-
 @dataclass(frozen=True)
 class Inherited:
     """What a new leader found on the GPUs at its take-over."""
@@ -161,7 +157,7 @@ class Scheduler:
         revoked = expiring = 0
         for k in self.r.scan_iter(match=state.key(self.c, "lease", node="*", gpu="*"), count=200):
             try:
-                lease = state.get(self.r, _s(k), Lease)
+                lease = state.get(self.r, state.text(k), Lease)
             except StateError:
                 self.r.delete(k)
                 continue
