@@ -377,6 +377,12 @@ def text(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
+def gpu_of(member: bytes | str) -> tuple[str, int] | None:
+    """(node, gpu) of a `gpus` set member ("node:gpu", as the telemetry monitor adds it); None when malformed."""
+    node, _, idx = text(member).rpartition(":")
+    return (node, int(idx)) if node and idx.isdigit() else None
+
+
 def key(cluster: str, name: str, **fields: Any) -> str:
     """Full Redis key for schema entry `name`, e.g. key("c", "lease", node="n0", gpu=1)."""
     try:

@@ -116,16 +116,10 @@ class Reader:
 
     def gpu_ids(self) -> list[tuple[str, int]]:
         """Every GPU the telemetry monitor registered or the scheduler tracks, sorted by node then index."""
-        ids: set[tuple[str, int]] = set()
-        for member in self.r.smembers(self.key("gpus")):
-            node, _, gpu = member.decode().rpartition(":")
-            if node and gpu.isdigit():
-                ids.add((node, int(gpu)))
         prefix = self.key("gpu_status", node="", gpu="")[:-1]  # "tailspec:{c}:gpu_status:"
-        for k in self.r.scan_iter(match=prefix + "*", count=500):
-            node, _, gpu = k.decode()[len(prefix):].rpartition(":")
-            if node and gpu.isdigit():
-                ids.add((node, int(gpu)))
+        found = [*self.r.smembers(self.key("gpus")),
+                 *(k.decode()[len(prefix):] for k in self.r.scan_iter(match=prefix + "*", count=500))]
+        ids: set[tuple[str, int]] = {k for k in map(S.gpu_of, found) if k is not None}
         return sorted(ids)
 
     def gpus(self) -> list[GpuView]:

@@ -67,11 +67,7 @@ class HeldReader:
         if self._cards is not None and cards[0] < self._cards[0]:  # the set was cleared: its ids may come again
             self._ended.clear()
         self._live = sorted(s for s in (state.text(x) for x in sids) if s not in self._ended)
-        self._gpus = []
-        for m in sorted(state.text(x) for x in gpus):
-            node, _, idx = m.rpartition(":")
-            if node and idx.isdigit():
-                self._gpus.append((node, int(idx)))
+        self._gpus = [k for k in map(state.gpu_of, sorted(state.text(x) for x in gpus)) if k is not None]
         self._cards = cards
 
     def _judge(self, records: list, statuses: list) -> list[str]:

@@ -289,11 +289,7 @@ class Observer:
         """(node, gpu) of the GPU set's members, parsed again only when the set changed."""
         if members != self._gpu_members:
             self._gpu_members = members
-            self._gpu_keys = []
-            for g in members:
-                node, _, idx = state.text(g).rpartition(":")
-                if node and idx.isdigit():
-                    self._gpu_keys.append((node, int(idx)))
+            self._gpu_keys = [k for k in map(state.gpu_of, members) if k is not None]
 
     def _phase(self, raw: Any) -> PhaseInfo | None:
         if raw is None:
