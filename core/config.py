@@ -113,8 +113,9 @@ class SchedulerConfig(_Section):
         None, ge=0, description="NVML index of the CUDA device the simulated GPUs share, if they do: each simulated "
         "GPU's sample then carries that device's NVML readings (utilisation, memory, power) beside its simulated "
         "utilisation, and `simulated_gpu_sharing` as its label")
-    simulated_gpu_sharing: str = Field("", max_length=200, description="how the simulated GPUs share "
-                                       "`simulated_gpu_device` (e.g. 'MPS 25% of the SMs each', 'time-sliced')")
+    simulated_gpu_sharing: str = Field("", max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$",  # a one-line label
+                                       description="how the simulated GPUs share `simulated_gpu_device` (e.g. 'MPS "
+                                       "25% of the SMs each', 'time-sliced')")
     progress_ttl_s: float = Field(5.0, gt=0, le=3600, description="a worker's progress expires unless re-reported within this")
     require_release: bool = Field(False, description="lend a drained GPU only after its worker reported its memory "
                                   "released (report_progress(mem_released=True)); a worker that reports "
