@@ -7,6 +7,9 @@ compares the last third of the steps, where a frozen drafter is stalest.
 Paired by design: under the demo's verify rule (`rollout.verify_rule` coupled) the three modes decode the same
 tokens while their policies agree, and the modes run in lockstep — step i of each (in rotating order) before
 step i+1 of any — so a shared machine's load drifts over all three alike instead of landing on one mode's run.
+The co-trained mode's workers start from the frozen mode's warm-up cost tables (`--own-cost-tables`: each mode
+times its own): the two modes run the same engines on the same simulated GPUs, and a table timed in 3 steps per
+entry on a share of a core differs between two timings by more than the strategies it ranks.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the first drafter's rollouts (default {d.bootstrap_samples}, the demo's)")
     p.add_argument("--bootstrap-steps", type=int, default=d.bootstrap_steps,
                    help=f"the first drafter's optimizer steps (default {d.bootstrap_steps}, the demo's)")
+    p.add_argument("--own-cost-tables", action="store_true",
+                   help="each mode's workers keep the cost tables they time at warm-up (default: the co-trained "
+                        "mode starts from the frozen mode's, on the same simulated GPUs, so the two modes' strategy "
+                        "choices differ by their drafters, not by two noisy timings of one machine)")
     p.add_argument("--out", metavar="DIR", help="keep the three run directories here (default: a temp dir)")
 
 
@@ -112,11 +119,13 @@ def _run_modes(args: argparse.Namespace, cfg, root: Path, out, print_to) -> tupl
         if shares is not None:
             stack.callback(shares.stop)
         for mode in MODES:
+            shared = mode == "cotrained" and not args.own_cost_tables
             opts = DemoOptions(steps=args.steps, workers=args.workers, mode=mode, seed=args.seed,
                                policy=policy_for(args.policy, device), device=device,
                                prompts_per_step=args.prompts, group_size=args.group, run_dir=root / mode,
                                dashboard=False, export=False, bootstrap_samples=args.bootstrap_samples,
-                               bootstrap_steps=args.bootstrap_steps)
+                               bootstrap_steps=args.bootstrap_steps,
+                               cost_tables=(demos["frozen"].cost_tables or None) if shared else None)
             demo = demos[mode] = Demo(opts, cfg, shares)
             stack.enter_context(demo.opened())
             print(f"== {mode}: {args.steps} steps; {demo.placement.note}", file=out)
@@ -210,6 +219,7 @@ def _result(args: argparse.Namespace, runs: dict, demos: dict, step: dict[str, f
         "alt_style_curves": {m: [round(r.alt_style_share, 3) for r in rows] for m, rows in runs.items()},
         "reward_agreement": reward_agreement(runs, args.prompts * args.group),
         "verify_rule": demos["cotrained"].cfg.rollout.verify_rule,
+        "cost_tables": "own" if args.own_cost_tables else "frozen mode's, shared with co-trained",
         # steps whose responses are token for token no SD's (the coupled rule pairs the modes: while the policies
         # agree, every mode decodes the same rollouts and only the time differs)
         "responses_identical_to_nospec": identical_steps(runs),

@@ -222,6 +222,34 @@ def test_set_rollout_reaches_the_work_items(tmp_path, redis_url):
         demo.r.close()
 
 
+def test_given_cost_tables_go_to_each_worker_at_the_warm_up_only(tmp_path, redis_url):
+    """DemoOptions.cost_tables: the warm-up's item for worker wN carries wN's table; a rollout's items carry none (a
+    replacement worker's table is the demo's own record of its predecessor, not these)."""
+    import redis
+    from tailspec.core.config import load_config
+
+    from tailspec.demo.protocol import WorkItem, WorkRequest, work_key
+    from tailspec.demo.run import Demo, DemoOptions
+
+    tables = {"w0": {"buckets": [1], "ks": [0], "table": [[1, 0, 0.5]]},
+              "w1": {"buckets": [1], "ks": [0], "table": [[1, 0, 0.25]]}}
+    demo = Demo(DemoOptions(workers=2, run_dir=tmp_path, redis_url=redis_url, cost_tables=tables),
+                load_config(environ={}))
+    demo.redis_url = redis_url
+    demo.cfg = demo.config()
+    demo.r = redis.Redis.from_url(redis_url)
+    demo.policy_path, demo.policy_version = "policy", 0
+    share = [WorkRequest(rid=0, prompt_ids=[1, 2], seed=0)]
+    try:
+        for warmup, want in ((True, tables), (False, {"w0": None, "w1": None})):
+            demo.send_work(0, [share, share], "drafter", 1, warmup=warmup)
+            for w in ("w0", "w1"):
+                item = state.decode(WorkItem, demo.r.lpop(work_key(demo.cluster, w)), where="test")
+                assert (item.warmup, item.cost_model) == (warmup, want[w])
+    finally:
+        demo.r.close()
+
+
 def test_worker_engine_follows_the_rollout_config(micro_policy, redis_url):
     import torch
     from tailspec.rollout.selector import AdaptiveSelector
@@ -588,3 +616,28 @@ def test_worker_syncs_a_new_policy_version_into_its_loaded_module(micro_policy, 
         assert w.model is not first and w.model.config.rms_norm_eps == 1e-6
     finally:
         w.client.close()
+
+
+def test_a_warm_up_given_a_cost_table_keeps_it_and_still_seeds_the_acceptance_tracker(micro_policy, redis_url):
+    """DemoOptions.cost_tables → WorkItem.cost_model on the warm-up: the worker runs its warm-up steps (its acceptance
+    tracker folds in as many as a worker that times its own table) and then keeps the given table, not its timings;
+    a table for another strategy space is not taken."""
+    from tailspec.rollout.cost_model import CostModel
+
+    policy, tok = micro_policy
+    rollout = {"max_seq_len": 96, "drafter": "ngram", "selector": "adaptive", "k": 2, "k_max": 2, "trees": False}
+    warm = _item(policy, tok, rollout).model_copy(update={"warmup": True})
+    own, given_w, other = _worker(redis_url), _worker(redis_url), _worker(redis_url)
+    try:
+        timed = own.run_item(warm).cost_model
+        assert timed is not None and own.acceptance.updates > 0
+        t = CostModel.from_dict(timed)
+        mine = CostModel(t.buckets, t.ks, {key: 7.0 * v + 1.0 for key, v in t.table.items()}).to_dict()
+        got = given_w.run_item(warm.model_copy(update={"cost_model": mine})).cost_model
+        assert got == mine and got != timed
+        assert given_w.acceptance.updates == own.acceptance.updates  # the same warm-up steps ran
+        wrong = CostModel(t.buckets[:1], [0, 1], {(t.buckets[0], 0): 1.0, (t.buckets[0], 1): 2.0}).to_dict()
+        assert other.run_item(warm.model_copy(update={"cost_model": wrong})).cost_model != wrong
+    finally:
+        for w in (own, given_w, other):
+            w.client.close()

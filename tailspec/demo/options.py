@@ -55,6 +55,11 @@ class DemoOptions:
     redis_url: str | None = None
     redis_aof: bool = False  # the private redis-server persists to an AOF (fsync every second): restartable
     schedulers: int = 0  # 0: the scheduler is a thread of the demo; n: n scheduler processes, one leads
+    # Each worker's warm-up cost table, {worker name: CostModel.to_dict()} (a run.json's `cost_models`): the workers
+    # still run their warm-up steps but start from these tables instead of their own timings. bench e2e gives the
+    # co-trained mode the frozen mode's tables: both run on the same simulated GPUs, and one table keeps the two
+    # selectors' choices paired where separate timings would differ by the machine's noise.
+    cost_tables: dict[str, dict] | None = None
     max_worker_restarts: int = 3  # a rollout worker that dies is replaced and its share redone, this often
     dashboard: bool = True
     live: bool = True

@@ -53,7 +53,8 @@ class WorkItem(_Payload):
                          "requests, then answer with no outputs (an engine's start-up, before the first rollout)")
     cost_model: dict[str, Any] | None = Field(None, description="a cost table t(b, k) (CostModel.to_dict) to start "
                                               "from instead of timing one: a replacement worker takes the one its "
-                                              "predecessor reported")
+                                              "predecessor reported; a warm-up still runs its steps (they seed the "
+                                              "acceptance tracker) and keeps this table in place of its timings")
     states_dir: str | None = Field(None, description="record each request's training targets and write them under "
                                    "this directory (drafter_trainer/rollout_targets.py); None = do not")
     stop: bool = False

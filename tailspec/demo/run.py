@@ -95,6 +95,7 @@ class Demo:
         self.policy_src: Path | None = None
         self.model = self.tokenizer = self.optimizer = None
         self.ref_model = None  # the frozen initial policy of the GRPO KL term (DemoOptions.kl_coef > 0)
+        self.cost_tables: dict[str, dict] = {}  # each worker's cost table after the warm-up (run.json's cost_models)
         self.policy_version = 0
         self.policy_path: str | None = None
         self.frozen_path: str | None = None  # the first (bootstrap) drafter; None in nospec
@@ -236,12 +237,14 @@ class Demo:
                   drafter_version: int | None, warmup: bool = False) -> None:
         self.r.delete(results_key(self.cluster))  # a round's results start from an empty list
         rc = self.worker_rollout_config()
+        tables = (self.o.cost_tables or {}) if warmup else {}
         for w, share in enumerate(shares):
             item = WorkItem(step=step, policy_path=self.policy_path, policy_version=self.policy_version,
                             drafter_path=drafter_path, drafter_version=drafter_version,
                             selector=rc.selector, k=rc.k, rollout=rc.model_dump(mode="json"),
                             temperature=self.o.temperature, states_dir=self.targets_root,
-                            max_tokens=self.o.max_tokens, requests=share, warmup=warmup)
+                            max_tokens=self.o.max_tokens, requests=share, warmup=warmup,
+                            cost_model=tables.get(f"w{w}"))
             self._items[w] = state.encode(item)
             self.r.rpush(work_key(self.cluster, f"w{w}"), self._items[w])
 
@@ -310,8 +313,10 @@ class Demo:
         """run.json: the options, the config and each worker's warm-up cost table, which with metrics.jsonl
         is what `tailspec simulate --calibrate RUN_DIR` replays."""
         opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.o).items()}
+        self.cost_tables = {r.worker: r.cost_model for r in warmup if r.cost_model is not None}
+        opts.pop("cost_tables", None)  # written once, below, as what the workers started from
         record = {"options": opts, "config": self.cfg.model_dump(mode="json"), "placement": asdict(self.placement),
-                  "cost_models": {r.worker: r.cost_model for r in warmup if r.cost_model is not None}}
+                  "cost_models": self.cost_tables, "cost_models_given": self.o.cost_tables is not None}
         (self.run_dir / "run.json").write_text(json.dumps(record, indent=1))
 
     def rollout(self, step: int, reqs: list[WorkRequest], on_progress=None) -> tuple[list[WorkResult], float]:

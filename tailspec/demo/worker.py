@@ -192,16 +192,21 @@ class Worker:
         if not force and self.cost is not None and self.cost_key == key and engine.max_batch <= max(self.cost.buckets):
             return
         self.cost_graphed = False
-        if not force and self.cost is None and item.cost_model is not None:  # a replacement: its predecessor's table
+        given = None
+        if not force and self.cost is None and item.cost_model is not None:
             given = cost_model.CostModel.from_dict(item.cost_model)
-            if engine.max_batch <= max(given.buckets) and set(given.ks) == set(self._strategies(engine, rc)):
-                self.cost, self.cost_key = given, key
-                return
+            if engine.max_batch > max(given.buckets) or set(given.ks) != set(self._strategies(engine, rc)):
+                given = None
+        if given is not None and not item.warmup:  # a replacement: its predecessor's table, no timing
+            self.cost, self.cost_key = given, key
+            return
         prompts = [r.prompt_ids for r in item.requests[:8]]
-        self.cost = cost_model.measure(engine, prompts, buckets=cost_model.default_buckets(engine.max_batch),
-                                       ks=self._strategies(engine, rc), steps=3,
-                                       temperature=item.temperature, on_step=on_step)
-        self.cost_key = key
+        timed = cost_model.measure(engine, prompts, buckets=cost_model.default_buckets(engine.max_batch),
+                                   ks=self._strategies(engine, rc), steps=3,
+                                   temperature=item.temperature, on_step=on_step)
+        # A warm-up given a table still runs its steps (the acceptance tracker starts from their drafts, and the
+        # start-up takes the same time) and then keeps the table it was given in place of its own timings.
+        self.cost, self.cost_key = (given if given is not None else timed), key
 
     @staticmethod
     def _strategies(engine, rc) -> list:
