@@ -274,7 +274,18 @@ class Rounds:
         self.exchange_s = 0.0  # time in the rounds' collectives and votes
         self.rounds = 0  # rounds applied
         self.failed = 0  # rounds this member was in that failed (lost whole)
-        self.merged = 0  # this member's entries a published head holds
+        self._contributions = state.key(c, "lineage_contributions")
+        self._credited_before = self._credited()  # a session id reused: an earlier process's credit is not ours
+
+    @property
+    def merged(self) -> int:
+        """This member's entries that published heads hold: what the lineage's contributions credit it with. Its own
+        applied rounds cannot tell: a round it applied can be decided lost after it left (_MODE: no live holder), and
+        a head then published from the older head covers that round's number without holding it."""
+        return self._credited() - self._credited_before
+
+    def _credited(self) -> int:
+        return int(self.redis.hget(self._contributions, f"{self.sid}:steps") or 0)
 
     # -- membership ------------------------------------------------------------------------------------
     def join(self, s: Any) -> None:
@@ -506,7 +517,7 @@ class Rounds:
     # -- publishing ------------------------------------------------------------------------------------
     def publish(self, s: Any) -> None:
         """Publish the rounds this member applied as the lineage head, unless a head already holds them; then
-        collect the rounds up to the head before it. The session's merged steps: its entries the head holds."""
+        collect the rounds up to the head before it. The session's merged steps: `merged`."""
         upto = self.next - 1
         for _ in range(self.lin.max_attempts):
             h = self.lin.head()
@@ -559,9 +570,9 @@ class Rounds:
         raise LineageError(f"publishing round {upto} lost the compare-and-swap {self.lin.max_attempts} times")
 
     def _learn(self, h: LineageHead) -> None:
-        """A head holds the rounds up to h.round: this member's entries there are merged."""
+        """A head covers the rounds up to h.round: they are no longer this member's to publish."""
         for r in [r for r in self._applied if r <= h.round]:
-            self.merged += self._applied.pop(r).count(self.sid)
+            del self._applied[r]
         self._head_round = max(self._head_round, h.round)
 
     def _collect(self, upto: int) -> None:

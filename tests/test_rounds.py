@@ -236,3 +236,24 @@ def test_a_round_whose_collective_fails_is_lost_whole_within_its_timeout(tmp_pat
     a.train_step()  # alone now: round 2 applies
     assert a.rounds.rounds == 1 and a.rounds.next == 3
     assert not all(torch.equal(w0[n], w) for n, w in trainable(a).items())
+
+
+def test_a_leaving_members_rounds_decided_lost_are_not_counted_as_merged(tmp_path, redis_client):
+    """a applies rounds 1..3 alone (head at round 2) and leaves, as on a revocation; before its last publish, b's
+    first round finds no live holder of round 3, decides it lost and publishes a head from round 2 that covers
+    round 3's number without holding it. a's merged steps are then what the lineage credits it with."""
+    a = session(tmp_path, redis_client, "a", merge_every_steps=2)
+    a.rounds.join(a)
+    for _ in range(3):  # the only member: rounds 1 and 2 published, round 3 applied only
+        a.train_step()
+    b = session(tmp_path, redis_client, "b", merge_every_steps=2)  # from the head at round 2
+    a.rounds.leave(a)
+    b.train_step()  # round 4: round 3's holder is gone, so it is lost; b publishes from the head
+    rounds = state.key(CLUSTER, "lineage_rounds")
+    assert redis_client.hget(rounds, "4:mode") == b"lost" and redis_client.hget(rounds, "3:commit") == b"2"
+    a.merge(final=True)  # finds b's head past its rounds
+    b.merge(final=True)
+    lin = Lineage(tmp_path / "lineage", redis_client, CLUSTER)
+    assert lin.head().steps == 3 == a.merged_steps + b.merged_steps
+    assert {k: v for k, v in lin.contributions().items() if v} == {"a": 2, "b": 1} == \
+        {"a": a.merged_steps, "b": b.merged_steps}
