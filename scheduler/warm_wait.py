@@ -8,6 +8,12 @@ has left the last GPU's cores and quota (`leave`), and only where the last place
 its own: a CPU quota ($TAILSPEC_CGROUP: each core keeps the host's share beside its simulated GPUs) or no
 placement ($TAILSPEC_CPUS unset: real GPUs, the node's CPUs are the host's). A simulated GPU that owns whole
 cores leaves no such share, so nothing is read ahead there.
+
+The host's share is not a quota: outside the GPUs' cgroups a task at the default niceness weighs as much as a whole
+GPU's cgroup, so a read-ahead at the start of a rollout (every warm process reads the policy that step published)
+took its time from the rollout workers decoding beside it. So the read-ahead runs on a thread of its own at
+PRESTAGE_NICE, where it takes what the workers leave; the main thread, which serves the next lend, keeps its
+niceness (an unprivileged thread cannot lower it again).
 """
 
 from __future__ import annotations
@@ -15,14 +21,30 @@ from __future__ import annotations
 import os
 import select
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from tailspec.scheduler.cpu_quota import CGROUP_ENV
 from tailspec.scheduler.placement import CPUS_ENV
 
 PRESTAGE_EVERY_S = 0.25  # how often an idle warm process looks for something new to read ahead
 MAX_FAILURES = 20  # a head collected while it was read fails once; a hook that always fails is given up
+PRESTAGE_NICE = 19  # the read-ahead thread's niceness: CPU the rollout workers leave, not theirs
+
+
+def lower_thread_priority(nice: int = PRESTAGE_NICE) -> bool:
+    """Set the calling thread's niceness to `nice` (Linux keeps a niceness per thread; elsewhere the call would
+    renice the whole process, so it is not made). True if set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        return True
+    except OSError:
+        return False
 
 
 class WarmWait:
@@ -35,6 +57,7 @@ class WarmWait:
         self.left = False  # left the last GPU's cores since the last lend
         self.cpu_s = 0.0  # CPU seconds spent reading ahead since the last lend
         self.failures = 0  # in a row; the first is said, and reading ahead stops after MAX_FAILURES
+        self._thread: ThreadPoolExecutor | None = None  # the read-ahead's own thread, at PRESTAGE_NICE
 
     def may_prestage(self) -> bool:
         return (self.hook is not None and self.served and self.failures < MAX_FAILURES
@@ -62,9 +85,12 @@ class WarmWait:
         if not self.left:
             self.leave()
             self.left = True
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tailspec-read-ahead",
+                                              initializer=lower_thread_priority)
         t0 = time.process_time()
         try:
-            self.hook()
+            self._thread.submit(self.hook).result()
             self.failures = 0
         except Exception as e:  # noqa: BLE001  best effort: a lend reads what it needs itself
             self.failures += 1

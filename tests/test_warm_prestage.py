@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 
 import pytest
@@ -191,3 +192,32 @@ def test_the_warm_wait_reads_ahead_between_lends_only_on_the_hosts_share(tmp_pat
         assert len(calls) >= 3 and left == [1]
     os.close(w)
     assert wait.next_line() == ""  # EOF: the dispatcher went away
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a niceness per thread is Linux's")
+def test_the_read_ahead_runs_at_low_priority_and_the_lend_thread_keeps_its_own(monkeypatch):
+    """Outside the GPUs' cgroups a read-ahead at the default niceness weighs as much as a GPU's whole cgroup and
+    slowed the rollout workers beside it: it runs on its own thread at PRESTAGE_NICE, and the thread that serves the
+    next lend keeps its niceness."""
+    import threading
+
+    from tailspec.scheduler.warm_wait import PRESTAGE_NICE
+
+    seen = []
+
+    def hook():
+        tid = threading.get_native_id()
+        seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
+
+    main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    r, w = os.pipe()
+    wait = WarmWait(hook, leave=lambda: None, fd=r)
+    monkeypatch.delenv(CPUS_ENV, raising=False)  # no placement: the host's CPUs are the host's
+    wait.served = True
+    threading.Timer(0.8, lambda: os.write(w, b"{}\n")).start()
+    assert wait.next_line() == "{}\n"
+    assert len(seen) >= 2 and all(n == max(PRESTAGE_NICE, main_nice) for _, n in seen)
+    assert {t for t, _ in seen} != {threading.get_native_id()}  # not the main thread
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice
+    os.close(w)
+    os.close(r)
