@@ -70,6 +70,8 @@ from tailspec.drafter_trainer.lineage import (
     snapshot,
 )
 
+LOST = -4  # a publish holding a round decided lost (_PUBLISH)
+
 log = logging.getLogger(__name__)
 
 APPLIED, FAILED, CARRIED = 1, 0, 2  # a round's outcome for a participant
@@ -193,14 +195,19 @@ end
 return 0
 """
 
-# KEYS head, contributions, lease|'', revoke|''. ARGV expected head number, new head JSON, -, -, -, -, token,
-# counts JSON {session: entries}. → {code, head number now}
+# KEYS head, contributions, lease|'', revoke|'', rounds. ARGV expected head number, new head JSON, -, -, -, -, token,
+# counts JSON {session: entries}, JSON list of the rounds in the publisher's weights. → {code, head number now}; LOST
+# when one of those rounds was decided lost (_MODE): the others went on without it, so weights that hold it are
+# not theirs to build on.
 _PUBLISH = FENCE_LUA + """
 local cur = redis.call('GET', KEYS[1])
 local num = 0
 if cur then num = tonumber(cjson.decode(cur)['number']) end
 if num ~= tonumber(ARGV[1]) then return {-1, num} end
 if not lease_ok(ARGV[7]) then return {-2, num} end
+for _, q in ipairs(cjson.decode(ARGV[9])) do
+  if redis.call('HGET', KEYS[5], q .. ':commit') == '2' then return {-4, num} end
+end
 redis.call('SET', KEYS[1], ARGV[2])
 for sid, n in pairs(cjson.decode(ARGV[8])) do redis.call('HINCRBY', KEYS[2], sid .. ':steps', n) end
 return {1, num + 1}
@@ -517,7 +524,9 @@ class Rounds:
     # -- publishing ------------------------------------------------------------------------------------
     def publish(self, s: Any) -> None:
         """Publish the rounds this member applied as the lineage head, unless a head already holds them; then
-        collect the rounds up to the head before it. The session's merged steps: `merged`."""
+        collect the rounds up to the head before it. A round of its own that was decided lost (a member that left
+        before publishing: no live holder) is not published: the member takes the head instead. The session's
+        merged steps: `merged`."""
         upto = self.next - 1
         for _ in range(self.lin.max_attempts):
             h = self.lin.head()
@@ -554,8 +563,16 @@ class Rounds:
             if lineage_module.FAULT_HOOK is not None:  # the tests' seam, as in a merge
                 lineage_module.FAULT_HOOK("written", path)
             fence = self.lin.fence
-            code, _ = self._publish(keys=self.lin.head_keys(), args=[
-                h.number, state.encode(record), 0, 0, 0, 0, fence.token if fence else 0, json.dumps(counts)])
+            applied = [r for r in range(h.round + 1, upto + 1) if r in self._applied]  # in this member's weights
+            code, _ = self._publish(keys=[*self.lin.head_keys(), self.keys[0]], args=[
+                h.number, state.encode(record), 0, 0, 0, 0, fence.token if fence else 0, json.dumps(counts),
+                json.dumps(applied)])
+            if int(code) == LOST:  # a round only this member held was given up while it was leaving
+                shutil.rmtree(path, ignore_errors=True)
+                for r in applied:
+                    self._applied.pop(r, None)
+                self._load_head(s)
+                return
             if int(code) == MERGED:
                 s.merges += 1
                 s.base, s.base_weights, s._steps_since_merge = record, snapshot(s.drafter), 0

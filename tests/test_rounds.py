@@ -257,3 +257,20 @@ def test_a_leaving_members_rounds_decided_lost_are_not_counted_as_merged(tmp_pat
     assert lin.head().steps == 3 == a.merged_steps + b.merged_steps
     assert {k: v for k, v in lin.contributions().items() if v} == {"a": 2, "b": 1} == \
         {"a": a.merged_steps, "b": b.merged_steps}
+
+
+def test_a_leaving_member_does_not_publish_a_round_decided_lost(tmp_path, redis_client):
+    """a applies rounds 1..3 alone (head at round 2) and leaves; the next member's round decides round 3 lost
+    (_MODE marks its commit 2) before a's last publish. a must not publish weights that hold round 3, which the
+    others went on without: it takes the head, and the lineage credits it rounds 1 and 2 only."""
+    a = session(tmp_path, redis_client, "a", merge_every_steps=2)
+    a.rounds.join(a)
+    for _ in range(3):
+        a.train_step()
+    lin = Lineage(tmp_path / "lineage", redis_client, CLUSTER)
+    assert lin.head().round == 2
+    a.rounds.leave(a)
+    redis_client.hset(state.key(CLUSTER, "lineage_rounds"), "3:commit", 2)  # what _MODE writes for a lost round
+    a.merge(final=True)
+    assert lin.head().round == 2 and lin.head().steps == 2
+    assert a.merged_steps == 2 == lin.contributions()["a"]
