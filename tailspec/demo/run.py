@@ -289,8 +289,9 @@ class Demo:
             self.worker_restarts += 1
             if name not in results and w in self._items:
                 item = state.decode(WorkItem, self._items[w], where="redo")
-                # the predecessor's cost table: the replacement skips timing its own (seconds of the step)
-                item = item.model_copy(update={"cost_model": self._costs.get(name)})
+                # the predecessor's cost table: the replacement skips timing its own (seconds of the step); a warm-up
+                # redone keeps the table it was given (DemoOptions.cost_tables) where the predecessor reported none
+                item = item.model_copy(update={"cost_model": self._costs.get(name) or item.cost_model})
                 self.r.rpush(work_key(self.cluster, name), state.encode(item))
 
     def wait_warm_sessions(self, timeout_s: float = 120.0) -> None:
