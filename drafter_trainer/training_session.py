@@ -41,19 +41,18 @@ Backends (backends.py): `torch` (AdamW); `deepspeed` (ZeRO-2, optimizer offload 
 from __future__ import annotations
 
 import logging
-import os
 import random
-import sys
 import threading
 import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from tailspec.core.config import TrainerConfig
+from tailspec.core.niceness import at_niceness
 from tailspec.drafter_trainer.backends import make_backend
 from tailspec.drafter_trainer.checkpoint import load_latest, save_checkpoint
 from tailspec.drafter_trainer.lineage import DUPLICATE, FENCED, Lineage, MergeResult, copy_trainable, snapshot
@@ -423,7 +422,7 @@ class TrainingSession:
         released = self.on_release is not None and reason != "max_seconds"
         if released:
             self.release_device()
-        path = _at_niceness(self.save, self.host_nice) if released and self.host_nice > 0 else self.save()
+        path = at_niceness(self.save, self.host_nice, "tailspec-host-merge") if released and self.host_nice > 0 else self.save()
         if self.on_step is not None and losses:
             self.on_step(self.step, losses[-1], self.tokens_total)
         latency = time.monotonic() - self._stop_at if self._stop_at is not None else None
@@ -465,27 +464,3 @@ class TrainingSession:
         self.drafter.zero_grad(set_to_none=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def _at_niceness(fn: Callable[[], Any], nice: int) -> Any:
-    """fn() on a thread of its own at niceness `nice` (that thread's alone, on Linux; elsewhere at the caller's
-    priority); its result, or its exception raised here."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        if sys.platform.startswith("linux"):
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-            except OSError as e:  # the merge still runs, at the caller's priority
-                log.debug("host work at niceness %d: %s", nice, e)
-        try:
-            out["result"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-            out["error"] = e
-
-    t = threading.Thread(target=run, name="tailspec-host-merge")
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out.get("result")

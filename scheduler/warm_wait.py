@@ -21,30 +21,16 @@ from __future__ import annotations
 import os
 import select
 import sys
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
+from tailspec.core.niceness import at_niceness
 from tailspec.scheduler.cpu_quota import CGROUP_ENV
 from tailspec.scheduler.placement import CPUS_ENV
 
 PRESTAGE_EVERY_S = 0.25  # how often an idle warm process looks for something new to read ahead
 MAX_FAILURES = 20  # a head collected while it was read fails once; a hook that always fails is given up
 PRESTAGE_NICE = 19  # the read-ahead thread's niceness: CPU the rollout workers leave, not theirs
-
-
-def lower_thread_priority(nice: int = PRESTAGE_NICE) -> bool:
-    """Set the calling thread's niceness to `nice` (Linux keeps a niceness per thread; elsewhere the call would
-    renice the whole process, so it is not made). True if set."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
-        return True
-    except OSError:
-        return False
 
 
 class WarmWait:
@@ -57,7 +43,6 @@ class WarmWait:
         self.left = False  # left the last GPU's cores since the last lend
         self.cpu_s = 0.0  # CPU seconds spent reading ahead since the last lend
         self.failures = 0  # in a row; the first is said, and reading ahead stops after MAX_FAILURES
-        self._thread: ThreadPoolExecutor | None = None  # the read-ahead's own thread, at PRESTAGE_NICE
 
     def may_prestage(self) -> bool:
         return (self.hook is not None and self.served and self.failures < MAX_FAILURES
@@ -85,12 +70,9 @@ class WarmWait:
         if not self.left:
             self.leave()
             self.left = True
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tailspec-read-ahead",
-                                              initializer=lower_thread_priority)
         t0 = time.process_time()
         try:
-            self._thread.submit(self.hook).result()
+            at_niceness(self.hook, PRESTAGE_NICE, "tailspec-read-ahead")
             self.failures = 0
         except Exception as e:  # noqa: BLE001  best effort: a lend reads what it needs itself
             self.failures += 1

@@ -146,11 +146,11 @@ def test_the_merge_after_the_release_runs_at_host_niceness_and_the_caller_keeps_
 
 
 def test_an_error_in_the_niced_merge_reaches_the_caller():
-    from tailspec.drafter_trainer.training_session import _at_niceness
+    from tailspec.core.niceness import at_niceness
 
     def boom():
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        _at_niceness(boom, 19)
-    assert _at_niceness(lambda: 7, 19) == 7
+        at_niceness(boom, 19)
+    assert at_niceness(lambda: 7, 19) == 7
