@@ -10,10 +10,10 @@ placement ($TAILSPEC_CPUS unset: real GPUs, the node's CPUs are the host's). A s
 cores leaves no such share, so nothing is read ahead there.
 
 The host's share is not a quota: outside the GPUs' cgroups a task at the default niceness weighs as much as a whole
-GPU's cgroup, so a read-ahead at the start of a rollout (every warm process reads the policy that step published)
-took its time from the rollout workers decoding beside it. So the read-ahead runs on a thread of its own at
-PRESTAGE_NICE, where it takes what the workers leave; the main thread, which serves the next lend, keeps its
-niceness (an unprivileged thread cannot lower it again).
+GPU's cgroup, and a read-ahead at the niceness of its caller at the start of a rollout (every warm process reads
+the policy that step published) would take its time from the rollout workers decoding beside it. So the read-ahead
+runs on a thread of its own at PRESTAGE_NICE (core/niceness.py), where it takes what the workers leave; the main
+thread, which serves the next lend, keeps its niceness (an unprivileged thread cannot lower it again).
 """
 
 from __future__ import annotations

@@ -197,8 +197,8 @@ def test_the_warm_wait_reads_ahead_between_lends_only_on_the_hosts_share(tmp_pat
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a niceness per thread is Linux's")
 def test_the_read_ahead_runs_at_low_priority_and_the_lend_thread_keeps_its_own(monkeypatch):
     """Outside the GPUs' cgroups a read-ahead at the default niceness weighs as much as a GPU's whole cgroup and
-    slowed the rollout workers beside it: it runs on its own thread at PRESTAGE_NICE, and the thread that serves the
-    next lend keeps its niceness."""
+    would take its time from the rollout workers beside it: it runs on its own thread at PRESTAGE_NICE, and the
+    thread that serves the next lend keeps its niceness."""
     import threading
 
     from tailspec.scheduler.warm_wait import PRESTAGE_NICE
