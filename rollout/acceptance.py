@@ -43,10 +43,11 @@ the model's prediction for them, kept over its own rows) corrects the model towa
 is valued as the static tree of its budget and shape: what it drafts per row is at least as likely, and its own mean
 corrects the rest.
 
-Position counts decay by exp(-rows / memory_rows) per informative step (k > 0): the estimate remembers about
-`memory_rows` drafted rows whatever the batch size (a batch-1 tail needs more steps than a batch-64 start for
-the same confidence), and follows the drafter and the policy within that many rows; steps at k = 0 carry no
-information and leave the estimate as it was. A new
+Position counts decay by exp(-rows / memory_rows) per informative step (k > 0) that drafts them: the estimate
+remembers about `memory_rows` drafted rows whatever the batch size (a batch-1 tail needs more steps than a batch-64
+start for the same confidence), and follows the drafter and the policy within that many rows. Positions deeper than
+a step drafts (and a tree's sibling ranks, during chain steps) keep their counts: they had no news. Steps at k = 0
+carry no information and leave the estimate as it was. A new
 drafter version resets the counts (what the old one accepted is not evidence for it) and starts from its own
 prior, its validated acceptance when the caller knows it; a new policy version decays the counts by
 `policy_decay` (the same drafter against a slightly moved target).
@@ -171,15 +172,19 @@ class AcceptanceTracker:
     def _decay(self, k, rows: int) -> None:
         """Forget before an informative step of strategy k (a chain's k, or a tree) with `rows` rows."""
         d = math.exp(-rows / self.memory_rows)
-        # every position forgets at each informative step, also those the step did not reach: after a drop in
+        d_other = math.exp(-1.0 / self.other_memory_steps)
+        # a position the step drafted forgets by its rows, also where few rows reached it: after a drop in
         # acceptance the later positions are rarely reached, and what they measured before must not keep
-        # promising long drafts; a position without news falls back to the one before it (optimistic after
-        # a long run of k = 1; exploring the longer k corrects that, an overestimate gets tried)
-        for j in range(self.k_max):
+        # promising long drafts. A position deeper than the step drafts keeps its counts: it had no news, and
+        # what it holds is of the current drafter and policy (a new version resets or scales every count).
+        # Forgotten, it would fall back to the position before it, which overrates it where a drafter's rates
+        # fall with depth (one trained to draft 3 deep accepts less at depth 6 than at 4): a longer strategy
+        # explored once would drift back above what it delivers within a few hundred rows of a shorter one
+        depth = Strategy.of(k).depth
+        for j in range(depth):
             self.pos_acc[j] *= d
             self.pos_trials[j] *= d
         # a strategy's own mean forgets by rows as that strategy brings news, and by steps otherwise
-        d_other = math.exp(-1.0 / self.other_memory_steps)
         self._tokens = None
         for key in self.k_acc:
             f = d if key == k else d_other
@@ -187,9 +192,11 @@ class AcceptanceTracker:
             self.k_rows[key] *= f
         for key in self.regime_w:
             self.regime_w[key] *= d
-        for key in self.rank_trials:
-            self.rank_trials[key] *= d
-            self.rank_acc[key] *= d
+        if Strategy.of(k).is_tree:  # sibling ranks have news from a tree step only (as positions past its depth)
+            for key in self.rank_trials:
+                if key[0] < depth:
+                    self.rank_trials[key] *= d
+                    self.rank_acc[key] *= d
         self._trees = {}
 
     def _count_positions(self, k: int, rows: int, reach: tuple[int, ...]) -> None:

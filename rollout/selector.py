@@ -82,12 +82,18 @@ def candidate_ks(
     ks = [Strategy.of(k) for k in (cost.ks if ks is None else ks)]
     out: set[Strategy] = set()
     times = {k: cost.t(bucket, k) if current else cost.base(bucket, k) for k in ks}
+    tokens = {k: _model_table(k, alpha_max) for k in ks}
     for i in range(51):
-        alpha = alpha_max * i / 50
-        scores = {k: model_tokens(alpha, k) / times[k] for k in ks}
+        scores = {k: tokens[k][i] / times[k] for k in ks}
         best = max(scores.values())
         out.update(k for k, s in scores.items() if s >= best / (1 + margin))
     return sorted(out)
+
+
+@lru_cache(maxsize=256)
+def _model_table(s: Strategy, alpha_max: float) -> tuple[float, ...]:
+    """model_tokens of s at candidate_ks' 51 acceptances (the selector re-reads them at every refresh)."""
+    return tuple(model_tokens(alpha_max * i / 50, s) for i in range(51))
 
 
 def _cheaper_first(k: Strategy) -> tuple:

@@ -66,7 +66,9 @@ class Strategy:
             raise ValueError(f"not a valid strategy: kind={self.kind!r}, depth={self.depth}, nodes={self.nodes}, "
                              f"branching={self.branching} (a tree verifies depth <= nodes <= its full size)")
         # the identity, computed once: selectors and cost tables compare and hash strategies at every decision
-        object.__setattr__(self, "_identity", (self.nodes, self.depth, KINDS.index(self.kind), self.branching))
+        identity = (self.nodes, self.depth, KINDS.index(self.kind), self.branching)
+        object.__setattr__(self, "_identity", identity)
+        object.__setattr__(self, "_hash", hash(self.depth) if self.kind in ("none", "chain") else hash(identity))
 
     # -- identity: a chain is its k --------------------------------------------------------------------------------
     def _key(self) -> tuple:
@@ -87,7 +89,7 @@ class Strategy:
         return NotImplemented if o is None else self._key() == o._key()
 
     def __hash__(self) -> int:
-        return hash(self.depth) if self.kind in ("none", "chain") else hash(self._key())
+        return self._hash  # a chain hashes as its k (an int key finds its entry)
 
     def __lt__(self, other) -> bool:
         o = self._other(other)

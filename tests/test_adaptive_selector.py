@@ -733,3 +733,21 @@ def test_regime_ratio_of_a_tree_reads_the_trees_own_model():
     model = acc._tree_model(tree)
     assert acc.regime_ratio(tree) == pytest.approx(acc._regime_ratio(tree, acc.regime(), model))
     assert acc.regime_ratio(tree) < 0.98  # the branch after a miss continues worse than the model says
+
+
+def test_positions_deeper_than_the_strategy_run_keep_what_an_exploration_measured():
+    """A drafter trained 3 deep accepts less past depth 3 (the demo's bootstrap drafter at batch 1: about 0.66,
+    0.65, 0.44 at positions 4-6). Chain 6 is explored once beside a committed chain 3; 600 steps of chain 3 later
+    its estimate still rests on what it measured there. Forgotten, positions 4-6 would fall back to position 3's
+    0.8 and put chain 6 at about 3.73 tokens a verify, a tenth above the 3.43 it delivers."""
+    short, deep = [0.83, 0.68, 0.8], [0.83, 0.68, 0.8, 0.66, 0.65, 0.44]
+    truth = 1 + sum(math.prod(deep[: j + 1]) for j in range(6))
+    rng = random.Random(7)
+    acc = AcceptanceTracker(k_max=6)
+    run_chain(acc, rng, 3, short, 300, 1)
+    run_chain(acc, rng, 6, deep, 60, 4)  # explored at batch 4: 240 rows
+    explored = acc.alphas()[3:]
+    run_chain(acc, rng, 3, short, 600, 1)
+    assert acc.alphas()[3:] == pytest.approx(explored, abs=0.03)  # no news past depth 3: nothing forgotten
+    assert acc.expected_tokens(6) == pytest.approx(truth, abs=0.12)
+    assert acc.expected_tokens(3) == pytest.approx(1 + sum(math.prod(short[: j + 1]) for j in range(3)), abs=0.08)
