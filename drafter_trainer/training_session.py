@@ -46,9 +46,9 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tailspec.core.config import TrainerConfig
@@ -422,7 +422,10 @@ class TrainingSession:
         released = self.on_release is not None and reason != "max_seconds"
         if released:
             self.release_device()
-        path = at_niceness(self.save, self.host_nice, "tailspec-host-merge") if released and self.host_nice > 0 else self.save()
+        if released and self.host_nice > 0:
+            path = at_niceness(self.save, self.host_nice, "tailspec-host-merge")
+        else:
+            path = self.save()
         if self.on_step is not None and losses:
             self.on_step(self.step, losses[-1], self.tokens_total)
         latency = time.monotonic() - self._stop_at if self._stop_at is not None else None

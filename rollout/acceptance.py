@@ -180,7 +180,8 @@ class AcceptanceTracker:
         # Forgotten, it would fall back to the position before it, which overrates it where a drafter's rates
         # fall with depth (one trained to draft 3 deep accepts less at depth 6 than at 4): a longer strategy
         # explored once would drift back above what it delivers within a few hundred rows of a shorter one
-        depth = Strategy.of(k).depth
+        s = Strategy.of(k)
+        depth = s.depth
         for j in range(depth):
             self.pos_acc[j] *= d
             self.pos_trials[j] *= d
@@ -192,7 +193,7 @@ class AcceptanceTracker:
             self.k_rows[key] *= f
         for key in self.regime_w:
             self.regime_w[key] *= d
-        if Strategy.of(k).is_tree:  # sibling ranks have news from a tree step only (as positions past its depth)
+        if s.is_tree:  # sibling ranks have news from a tree step only (as positions past its depth)
             for key in self.rank_trials:
                 if key[0] < depth:
                     self.rank_trials[key] *= d
