@@ -736,8 +736,8 @@ def test_regime_ratio_of_a_tree_reads_the_trees_own_model():
 
 
 def test_positions_deeper_than_the_strategy_run_keep_what_an_exploration_measured():
-    """A drafter trained 3 deep accepts less past depth 3 (the demo's bootstrap drafter at batch 1: about 0.66,
-    0.65, 0.44 at positions 4-6). Chain 6 is explored once beside a committed chain 3; 600 steps of chain 3 later
+    """A drafter trained 3 deep accepts less past depth 3 (here 0.66, 0.65, 0.44 at positions 4-6). Chain 6 is
+    explored once beside a committed chain 3; 600 steps of chain 3 later
     its estimate still rests on what it measured there. Forgotten, positions 4-6 would fall back to position 3's
     0.8 and put chain 6 at about 3.73 tokens a verify, a tenth above the 3.43 it delivers."""
     short, deep = [0.83, 0.68, 0.8], [0.83, 0.68, 0.8, 0.66, 0.65, 0.44]
