@@ -22,6 +22,9 @@ distribution, run to completion under each selector, end to end, at the main job
 verify rule of the run's config (the main job's: coupled, so every selector emits the identical tokens and the
 times compare the same work; the output says which rule ran).
 
+No SD (the fixed strategy `none`, the long tail's `nospec`), the baseline of every `÷ no SD` figure, is plain
+decoding: its engine has no drafter (`never_drafts`).
+
 `acceptance_length_at_batch1` is each fixed strategy's tokens per verify forward at batch 1 (every fixed
 strategy's timed steps, all repeats).
 
@@ -192,6 +195,17 @@ def _graph_pool_section(target, cost, device: str) -> dict:
     return out
 
 
+def never_drafts(selector) -> bool:
+    """Whether `selector` is a table that runs no speculation at any batch size: plain decoding, the baseline every
+    `÷ no SD` figure divides by. Its engine runs without a drafter, as decoding without speculation does; a drafter
+    beside it would catch up on every verified token (a drafter forward per step) for drafts that never come.
+    Adaptive's own no-SD steps keep their drafter caught up, since its next step may draft: that cost is its own."""
+    # deferred: the CLI imports every bench module to build its parser; this loads when the bench runs
+    from tailspec.rollout.table_selector import TableSelector
+
+    return isinstance(selector, TableSelector) and not any(Strategy.of(k).speculates for _, _, k in selector.table)
+
+
 def _engine_factory(target, make_drafter, cfg, max_seq: int, k_max: int, planned: dict | None):
     """make_engine(batch, selector). With `planned` (graphs on): once planned["cost"] is set, each batch size gets
     one engine with a captured graph pool, as the rollout worker attaches one, reused across runs."""
@@ -199,17 +213,19 @@ def _engine_factory(target, make_drafter, cfg, max_seq: int, k_max: int, planned
     from tailspec.rollout.engine import Engine
     from tailspec.rollout.graph_pool import build_pool
 
-    engines: dict[int, Engine] = {}
+    engines: dict[tuple[int, bool], Engine] = {}
 
     def make_engine(batch: int, selector):
-        if batch in engines:
-            engines[batch].abort_all()
-            return engines[batch].configure(selector=selector)
-        eng = Engine(target, make_drafter(), selector=selector, max_batch=batch, max_seq_len=max_seq, k_max=k_max,
-                     verify_rule=cfg.rollout.verify_rule)
+        plain = never_drafts(selector)
+        key = (batch, plain)
+        if key in engines:
+            engines[key].abort_all()
+            return engines[key].configure(selector=selector)
+        eng = Engine(target, None if plain else make_drafter(), selector=selector, max_batch=batch,
+                     max_seq_len=max_seq, k_max=k_max, verify_rule=cfg.rollout.verify_rule)
         if planned is not None and "cost" in planned:
             build_pool(eng, planned["cost"], cfg.rollout.graph_memory_budget_mb << 20)
-            engines[batch] = eng
+            engines[key] = eng
         return eng
 
     return make_engine

@@ -80,3 +80,26 @@ def test_with_graphs_each_batch_size_reuses_one_engine_idle_and_reconfigured():
     again = make(2, 2)
     assert again is eng and not again.has_unfinished() and again.selector.name == "fixed_k2"
     assert make(1, 0) is not eng
+
+
+def test_the_no_sd_baseline_decodes_without_a_drafter():
+    """`none` is plain decoding: its engine has no drafter to catch up at every step, with graphs on or off. A
+    selector that may draft at some batch size (threshold, a chain, an int given to the warm-up) keeps one."""
+    from tailspec.benchmarks.adaptive import _engine_factory, never_drafts
+    from tailspec.core.config import TailspecConfig
+    from tailspec.rollout.cost_model import CostModel
+    from tailspec.rollout.drafters import NgramProposer
+    from tailspec.rollout.strategy import Strategy
+    from tailspec.rollout.table_selector import fixed_selector, threshold_selector
+
+    none, chain2 = fixed_selector(Strategy.none()), fixed_selector(Strategy.chain(2))
+    assert never_drafts(none) and never_drafts(fixed_selector(0))
+    assert not any(never_drafts(s) for s in (chain2, threshold_selector(2), 0, 2))
+    model, _ = micro_policy()
+    for planned in ({}, {"cost": CostModel([1, 2], [0, 2], {(b, k): 0.01 * (1 + k) for b in (1, 2) for k in (0, 2)})}):
+        make = _engine_factory(model, NgramProposer, TailspecConfig(), 160, 3, planned)
+        plain, spec = make(2, none), make(2, chain2)
+        assert plain.drafter is None and spec.drafter is not None
+        assert make(2, threshold_selector(2)).drafter is not None and make(2, 0).drafter is not None
+        if planned:  # one engine per (batch size, plain or not), reused
+            assert make(2, none) is plain and make(2, chain2) is spec
