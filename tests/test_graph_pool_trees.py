@@ -59,7 +59,13 @@ def engine(model, drafter, hook, rule: str = "residual", max_batch: int = 4) -> 
 
 @pytest.fixture(scope="module")
 def pair():
-    """A target and an EAGLE-3 drafter fit to its greedy continuations (drafts accepted often, at every depth)."""
+    """A target and an EAGLE-3 drafter fit to its greedy continuations (drafts accepted often, at every depth), in
+    float64. A padded bucket runs its matmuls at more rows than the eager forward (3 rows in bucket 4), and a BLAS
+    may pick another kernel for another row count and round the last bit differently: how it does depends on the CPU.
+    In float32 that flips, on some CPUs, a sampled near-tie between two tokens or drafts, and the rollouts part. In
+    float64 the difference stays far below float32's rounding, where logits and draft logits are compared and
+    sampled, so pooled and eager runs are equal bit for bit on every CPU, and a wrong slot, buffer or shape still
+    shows as a different token, logprob or acceptance."""
     model = small_llama(2)
     g = torch.Generator().manual_seed(1)
     prompts = [[1] + torch.randint(3, 48, (int(n),), generator=g).tolist() for n in (2, 6, 3, 9, 4, 7, 5)]
@@ -67,7 +73,7 @@ def pair():
         full = [model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, pad_token_id=0,
                                attention_mask=torch.ones(1, len(p), dtype=torch.long))[0].tolist() for p in prompts]
     drafter, _ = distilled_eagle3(model, full, steps=40, ttt_steps=3)
-    return model, drafter, prompts
+    return model.double(), drafter.double(), prompts
 
 
 # -- the plan -------------------------------------------------------------------------------------------------------
@@ -182,9 +188,10 @@ def test_engine_with_the_pool_decodes_exactly_as_without(pair, hook, rule, tempe
 
 
 def test_more_padding_rows_change_only_float_rounding(pair):
-    """Buckets 1 and 4 only: 2 and 3 rows replay bucket 4. Where padding turns a matmul of M <= 2 rows (GEMV in the
-    eager forward) into M = 4 (GEMM), MKL rounds the last bit differently: tokens, acceptance and every step's
-    counts are still identical, logprobs equal to float32 rounding."""
+    """Buckets 1 and 4 only: 2 and 3 rows replay bucket 4, so padding turns a matmul of M <= 2 rows (GEMV in the
+    eager forward) into M = 4 (GEMM), which a BLAS may round differently (the `pair` fixture's float64 keeps that
+    below float32's rounding): tokens, acceptance and every step's counts identical, logprobs equal to float32
+    rounding."""
     ref, ref_trace = reference(pair, "mixed", "coupled", 1.0)
     got, trace, _, pool = run(pair, HOOKS["mixed"], "coupled", 1.0, pooled=True, buckets=[1, 4])
     assert trace == ref_trace and {r for r, *_ in trace} & {2, 3}
